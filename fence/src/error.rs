@@ -1,0 +1,83 @@
+//! Typed errors of the epoch authority.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in the fence, named for what happened.
+///
+/// ```
+/// use fence::FenceError;
+/// let err = FenceError::Fenced { key: "job-1".into(), epoch: 1, current_epoch: 2, current_owner: Some("w2".into()) };
+/// assert!(err.is_fenced());
+/// assert_eq!(err.to_string(), "job job-1: epoch 1 was superseded (current epoch 2, owner w2)");
+/// ```
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    /// The compare-and-set on (key, owner, epoch, state = running) matched no row: another owner
+    /// holds a newer epoch, or the job is no longer running. Nothing was written.
+    #[error("job {key}: epoch {epoch} was superseded (current epoch {current_epoch}, owner {})", current_owner.as_deref().unwrap_or("none"))]
+    Fenced {
+        /// The job key.
+        key: String,
+        /// The epoch the caller held.
+        epoch: i64,
+        /// The epoch the database holds now (0 when the job row does not exist).
+        current_epoch: i64,
+        /// The owner the database holds now.
+        current_owner: Option<String>,
+    },
+    /// A lease was asked for that is shorter than the minimum (heartbeats run at lease/3).
+    #[error("lease of {lease:?} is shorter than the minimum {min:?}")]
+    LeaseTooShort {
+        /// What was asked for.
+        lease: Duration,
+        /// The minimum.
+        min: Duration,
+    },
+    /// A job key, queue name or owner id was rejected.
+    #[error("invalid {what}: {reason}")]
+    InvalidInput {
+        /// Which input ("key", "queue", "owner", "payload", …).
+        what: &'static str,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// The schema name is not a plain SQL identifier.
+    #[error("invalid schema name {name:?}: {reason}")]
+    InvalidSchema {
+        /// The rejected name.
+        name: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// A migration failed to apply.
+    #[error("migration {version} ({name}) failed: {source}")]
+    Migration {
+        /// Migration version.
+        version: i64,
+        /// Migration name.
+        name: &'static str,
+        /// The database error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The database answered with something the fence does not understand (a bug or a foreign schema).
+    #[error("unexpected database state: {0}")]
+    Corrupt(String),
+    /// The database could not be reached or failed a statement.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl FenceError {
+    /// True when this is a [`FenceError::Fenced`] rejection (the caller was superseded).
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, FenceError::Fenced { .. })
+    }
+
+    pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
+        FenceError::InvalidInput { what, reason: reason.into() }
+    }
+}
+
+/// Result alias of the fence.
+pub type Result<T, E = FenceError> = std::result::Result<T, E>;

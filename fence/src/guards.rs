@@ -1,0 +1,61 @@
+//! The safety guards, and (only with the `guard-switches` feature) a way to turn one off so that
+//! the proof tests can show the suite notices a missing guard. Production builds cannot disable any.
+
+/// Which guards are active. All are on by default, and without the `guard-switches` feature there
+/// is no way to turn one off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guards {
+    pub(crate) epoch_increment: bool,
+    pub(crate) commit_cas: bool,
+    pub(crate) heartbeat_cas: bool,
+    pub(crate) ledger_check: bool,
+}
+
+impl Default for Guards {
+    fn default() -> Self {
+        Self { epoch_increment: true, commit_cas: true, heartbeat_cas: true, ledger_check: true }
+    }
+}
+
+impl Guards {
+    /// Whether the claim increments the epoch.
+    pub fn epoch_increment(&self) -> bool {
+        self.epoch_increment
+    }
+    /// Whether complete/fail/checkpoint/release compare (owner, epoch, state).
+    pub fn commit_cas(&self) -> bool {
+        self.commit_cas
+    }
+    /// Whether the heartbeat compares (owner, epoch, state).
+    pub fn heartbeat_cas(&self) -> bool {
+        self.heartbeat_cas
+    }
+    /// Whether the receiver ledger refuses older epochs.
+    pub fn ledger_check(&self) -> bool {
+        self.ledger_check
+    }
+}
+
+#[cfg(feature = "guard-switches")]
+impl Guards {
+    /// TEST ONLY: claims stop incrementing the epoch.
+    pub fn without_epoch_increment(mut self) -> Self {
+        self.epoch_increment = false;
+        self
+    }
+    /// TEST ONLY: commits stop comparing owner and epoch.
+    pub fn without_commit_cas(mut self) -> Self {
+        self.commit_cas = false;
+        self
+    }
+    /// TEST ONLY: heartbeats stop comparing owner and epoch.
+    pub fn without_heartbeat_cas(mut self) -> Self {
+        self.heartbeat_cas = false;
+        self
+    }
+    /// TEST ONLY: the receiver ledger accepts any epoch.
+    pub fn without_ledger_check(mut self) -> Self {
+        self.ledger_check = false;
+        self
+    }
+}

@@ -1,0 +1,147 @@
+//! Validated names: job keys, queue names and owner ids.
+//!
+//! Each is a UTF-8 string with no NUL byte (PostgreSQL `text` cannot hold one) and a bounded length,
+//! so that every value that passes round-trips byte for byte through both backends.
+
+use std::fmt;
+
+use crate::error::{FenceError, Result};
+
+/// Longest job key accepted, in bytes. Long enough for any broker message id or a content hash,
+/// short enough to stay inside a B-tree index entry.
+pub const MAX_KEY_BYTES: usize = 1024;
+/// Longest queue name or owner id accepted, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+
+fn check(what: &'static str, value: &str, max: usize) -> Result<()> {
+    if value.is_empty() {
+        return Err(FenceError::invalid(what, "must not be empty"));
+    }
+    if value.len() > max {
+        return Err(FenceError::invalid(what, format!("{} bytes is over the limit of {max}", value.len())));
+    }
+    if value.contains('\0') {
+        return Err(FenceError::invalid(what, "must not contain a NUL byte"));
+    }
+    Ok(())
+}
+
+fn from_utf8(what: &'static str, bytes: &[u8]) -> Result<String> {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => Ok(s.to_owned()),
+        Err(e) => Err(FenceError::invalid(what, format!("not valid UTF-8 ({e})"))),
+    }
+}
+
+macro_rules! name_type {
+    ($(#[$doc:meta])* $name:ident, $what:literal, $max:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Validates and wraps a string.
+            pub fn new(value: impl Into<String>) -> Result<Self> {
+                let value = value.into();
+                check($what, &value, $max)?;
+                Ok(Self(value))
+            }
+
+            /// Validates raw bytes (for example a broker attribute): invalid UTF-8 is a typed error.
+            pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+                Self::new(from_utf8($what, bytes)?)
+            }
+
+            /// The string.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            /// The owned string.
+            pub fn into_string(self) -> String {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&self.0, f)
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl TryFrom<&str> for $name {
+            type Error = FenceError;
+            fn try_from(value: &str) -> Result<Self> {
+                Self::new(value)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = FenceError;
+            fn try_from(value: String) -> Result<Self> {
+                Self::new(value)
+            }
+        }
+    };
+}
+
+name_type!(
+    /// The identity of a job within its queue: a broker message id, a deduplication id, or a key of
+    /// your choosing.
+    ///
+    /// ```
+    /// use fence::JobKey;
+    /// assert!(JobKey::new("order-42").is_ok());
+    /// assert!(JobKey::new("").is_err());
+    /// assert!(JobKey::from_bytes(b"\xff\xfe").is_err());
+    /// ```
+    JobKey, "key", MAX_KEY_BYTES
+);
+
+name_type!(
+    /// A queue name: the namespace a job key lives in (an SQS queue, a Redis stream, a table queue).
+    ///
+    /// ```
+    /// use fence::QueueName;
+    /// let q = QueueName::new("emails").unwrap();
+    /// assert_eq!(q.as_str(), "emails");
+    /// ```
+    QueueName, "queue", MAX_NAME_BYTES
+);
+
+name_type!(
+    /// The identity of a worker holding leases. Make it unique per process (host, pid, random).
+    ///
+    /// ```
+    /// use fence::Owner;
+    /// let me = Owner::unique("worker");
+    /// assert!(me.as_str().starts_with("worker-"));
+    /// ```
+    Owner, "owner", MAX_NAME_BYTES
+);
+
+impl Owner {
+    /// A fresh owner id: `prefix-<pid>-<nanos>-<counter>`, unique per call within a host.
+    pub fn unique(prefix: &str) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let prefix: String = prefix.chars().filter(|c| *c != '\0').take(64).collect();
+        let prefix = if prefix.is_empty() { "owner".to_owned() } else { prefix };
+        Self(format!("{prefix}-{}-{nanos:x}-{n}", std::process::id()))
+    }
+}

@@ -1,0 +1,195 @@
+//! The receiver's epoch ledger: the downstream half of the fence.
+//!
+//! A receiver (an HTTP service, a consumer of the worker's output) keeps the newest epoch it has
+//! seen per job. It accepts an epoch higher than or equal to that (equal: the same owner retrying
+//! its own call), refuses a lower one, and never lowers what it keeps. One atomic statement each.
+
+use std::sync::Arc;
+
+use sqlx::AssertSqlSafe;
+
+use crate::error::{FenceError, Result};
+use crate::{PgFence, SqliteFence};
+
+/// The ledger's verdict on one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The epoch is the newest (or equal to it): apply the effect.
+    Accepted {
+        /// The newest epoch now kept for the job.
+        newest: i64,
+    },
+    /// An older epoch: the caller was superseded; apply nothing.
+    Stale {
+        /// The newest epoch kept for the job.
+        newest: i64,
+    },
+}
+
+impl Verdict {
+    /// True when accepted.
+    pub fn is_accepted(self) -> bool {
+        matches!(self, Verdict::Accepted { .. })
+    }
+}
+
+/// Input checks shared by both backends.
+fn check(scope: &str, job: &str, epoch: i64) -> Result<()> {
+    for (what, v) in [("scope", scope), ("job", job)] {
+        if v.is_empty() || v.contains('\0') || v.len() > crate::MAX_KEY_BYTES {
+            return Err(FenceError::InvalidInput {
+                what: if what == "scope" { "ledger scope" } else { "ledger job" },
+                reason: "must be 1..=1024 bytes without NUL".into(),
+            });
+        }
+    }
+    if epoch < 1 {
+        return Err(FenceError::InvalidInput {
+            what: "epoch",
+            reason: format!("{epoch} is not a claimed epoch (must be >= 1)"),
+        });
+    }
+    Ok(())
+}
+
+fn verdict(accepted: Option<i64>, current: Option<i64>, epoch: i64) -> Verdict {
+    match accepted {
+        Some(newest) => Verdict::Accepted { newest },
+        None => Verdict::Stale { newest: current.unwrap_or(epoch) },
+    }
+}
+
+/// The epoch ledger on PostgreSQL, in the fence's schema.
+///
+/// ```no_run
+/// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
+/// use fence::{PgLedger, Verdict};
+/// let ledger = PgLedger::new(&fence, "payments-api");
+/// match ledger.accept("order-7", 2).await? {
+///     Verdict::Accepted { .. } => { /* apply the effect */ }
+///     Verdict::Stale { newest } => println!("refused: epoch 2 < {newest}"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgLedger {
+    fence: PgFence,
+    scope: Arc<str>,
+}
+
+impl PgLedger {
+    /// A ledger for one receiver (`scope` separates receivers sharing a database).
+    pub fn new(fence: &PgFence, scope: &str) -> Self {
+        Self { fence: fence.clone(), scope: scope.into() }
+    }
+
+    /// Accepts `epoch` for `job` if it is not older than the newest seen; one atomic statement.
+    pub async fn accept(&self, job: &str, epoch: i64) -> Result<Verdict> {
+        let mut conn = self.fence.pool().acquire().await?;
+        self.accept_in(&mut conn, job, epoch).await
+    }
+
+    /// [`accept`](Self::accept) inside the receiver's own transaction, so that its effect and the
+    /// ledger update commit together. A `Stale` verdict means: roll back.
+    pub async fn accept_in(&self, conn: &mut sqlx::PgConnection, job: &str, epoch: i64) -> Result<Verdict> {
+        check(&self.scope, job, epoch)?;
+        let (accepted, current): (Option<i64>, Option<i64>) =
+            sqlx::query_as(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_accept)))
+                .bind(self.scope.to_string())
+                .bind(job.to_owned())
+                .bind(epoch)
+                .fetch_one(&mut *conn)
+                .await?;
+        Ok(verdict(accepted, current, epoch))
+    }
+
+    /// The newest epoch accepted for `job`, if any.
+    pub async fn newest(&self, job: &str) -> Result<Option<i64>> {
+        Ok(sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_current)))
+            .bind(self.scope.to_string())
+            .bind(job.to_owned())
+            .fetch_optional(self.fence.pool())
+            .await?)
+    }
+}
+
+/// The epoch ledger on SQLite.
+///
+/// ```no_run
+/// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+/// let ledger = fence::SqliteLedger::new(&fence, "mailer");
+/// assert!(ledger.accept("job-1", 1).await?.is_accepted());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SqliteLedger {
+    fence: SqliteFence,
+    scope: Arc<str>,
+}
+
+impl SqliteLedger {
+    /// A ledger for one receiver.
+    pub fn new(fence: &SqliteFence, scope: &str) -> Self {
+        Self { fence: fence.clone(), scope: scope.into() }
+    }
+
+    /// Accepts `epoch` for `job` if it is not older than the newest seen; one atomic statement.
+    pub async fn accept(&self, job: &str, epoch: i64) -> Result<Verdict> {
+        let mut conn = self.fence.pool().acquire().await?;
+        self.accept_in(&mut conn, job, epoch).await
+    }
+
+    /// [`accept`](Self::accept) inside the receiver's own transaction.
+    pub async fn accept_in(&self, conn: &mut sqlx::SqliteConnection, job: &str, epoch: i64) -> Result<Verdict> {
+        check(&self.scope, job, epoch)?;
+        let accepted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_accept)))
+            .bind(self.scope.to_string())
+            .bind(job.to_owned())
+            .bind(epoch)
+            .fetch_optional(&mut *conn)
+            .await?;
+        let current = if accepted.is_none() { self.newest_in(conn, job).await? } else { None };
+        Ok(verdict(accepted, current, epoch))
+    }
+
+    async fn newest_in(&self, conn: &mut sqlx::SqliteConnection, job: &str) -> Result<Option<i64>> {
+        Ok(sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_current)))
+            .bind(self.scope.to_string())
+            .bind(job.to_owned())
+            .fetch_optional(&mut *conn)
+            .await?)
+    }
+
+    /// The newest epoch accepted for `job`, if any.
+    pub async fn newest(&self, job: &str) -> Result<Option<i64>> {
+        let mut conn = self.fence.pool().acquire().await?;
+        self.newest_in(&mut conn, job).await
+    }
+}
+
+/// Either ledger, for code that serves both backends.
+#[derive(Debug, Clone)]
+pub enum Ledger {
+    /// PostgreSQL.
+    Pg(PgLedger),
+    /// SQLite.
+    Sqlite(SqliteLedger),
+}
+
+impl Ledger {
+    /// Accepts or refuses `epoch` for `job`.
+    pub async fn accept(&self, job: &str, epoch: i64) -> Result<Verdict> {
+        match self {
+            Ledger::Pg(l) => l.accept(job, epoch).await,
+            Ledger::Sqlite(l) => l.accept(job, epoch).await,
+        }
+    }
+
+    /// The newest epoch accepted for `job`.
+    pub async fn newest(&self, job: &str) -> Result<Option<i64>> {
+        match self {
+            Ledger::Pg(l) => l.newest(job).await,
+            Ledger::Sqlite(l) => l.newest(job).await,
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! # fence — the epoch authority of brokerfence
+//!
+//! Every claim of a job increments a monotonic **epoch** (a fencing token) in the database, judged
+//! on the database clock. Heartbeats, checkpoints, completion and failure are compare-and-set on
+//! (job, owner, epoch): zero rows matched means the caller was superseded, and its write is
+//! refused with [`FenceError::Fenced`].
+//!
+//! ```no_run
+//! # async fn demo() -> fence::Result<()> {
+//! use fence::{Claim, FenceStore, JobKey, LeaseDuration, Owner, PgFence, QueueName};
+//! let store = PgFence::connect("postgres://postgres@127.0.0.1/test").await?;
+//! store.migrate().await?;
+//! let (q, me) = (QueueName::new("orders")?, Owner::unique("worker"));
+//! match store.claim(&q, &JobKey::new("order-1")?, &me, LeaseDuration::from_secs(30)?).await? {
+//!     Claim::Claimed(lease) => store.complete(&lease, b"ok").await?,
+//!     other => println!("not ours: {other:?}"),
+//! }
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+mod error;
+mod guards;
+mod key;
+pub mod ledger;
+mod model;
+mod postgres;
+mod schema;
+mod sqlite;
+mod store;
+
+pub use error::{FenceError, Result};
+pub use guards::Guards;
+pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
+pub use ledger::{Ledger, PgLedger, SqliteLedger, Verdict};
+pub use model::{
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
+    RetryPolicy,
+};
+pub use postgres::PgFence;
+pub use schema::{DEFAULT_SCHEMA, SchemaName};
+pub use sqlite::SqliteFence;
+pub use store::FenceStore;

@@ -1,0 +1,614 @@
+//! The PostgreSQL backend: the epoch authority on the database clock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection};
+
+use crate::error::{FenceError, Result};
+use crate::guards::Guards;
+use crate::key::{JobKey, Owner, QueueName};
+use crate::model::{
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, RetryPolicy, millis,
+};
+use crate::schema::{Migration, SchemaName, render};
+use crate::store::{FenceStore, distinct_keys, retry_delay, split_heartbeat};
+
+/// Milliseconds since the Unix epoch of a timestamptz expression.
+macro_rules! ms {
+    ($e:literal) => {
+        concat!("floor(extract(epoch from ", $e, ") * 1000)::bigint")
+    };
+}
+
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "jobs and ledger",
+    statements: &[
+        "CREATE TABLE {s}.jobs (
+            queue       text        NOT NULL,
+            key         text        NOT NULL,
+            state       text        NOT NULL DEFAULT 'pending'
+                        CHECK (state IN ('pending', 'running', 'completed', 'failed', 'dead')),
+            epoch       bigint      NOT NULL DEFAULT 0 CHECK (epoch >= 0),
+            owner       text,
+            lease_until timestamptz,
+            attempts    bigint      NOT NULL DEFAULT 0,
+            run_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+            payload     bytea,
+            progress    bytea,
+            result      bytea,
+            last_error  text,
+            created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+            updated_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (queue, key)
+        )",
+        "CREATE INDEX jobs_due ON {s}.jobs (queue, run_at) WHERE state IN ('pending', 'failed')",
+        "CREATE INDEX jobs_leased ON {s}.jobs (queue, lease_until) WHERE state = 'running'",
+        // Defence in depth: the epoch is a fencing token, so no statement may ever lower it.
+        "CREATE FUNCTION {s}.epoch_never_decreases() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.epoch < OLD.epoch THEN
+             RAISE EXCEPTION 'brokerfence: epoch of %/% would go from % to %', OLD.queue, OLD.key, OLD.epoch, NEW.epoch
+               USING ERRCODE = 'check_violation';
+           END IF;
+           RETURN NEW;
+         END $$",
+        "CREATE TRIGGER jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}.jobs
+         FOR EACH ROW EXECUTE FUNCTION {s}.epoch_never_decreases()",
+        "CREATE TABLE {s}.ledger (
+            scope      text        NOT NULL,
+            job        text        NOT NULL,
+            epoch      bigint      NOT NULL,
+            updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (scope, job)
+        )",
+    ],
+}];
+
+/// The statements, rendered once for a schema and a set of guards.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    claim: Arc<str>,
+    enqueue: Arc<str>,
+    claim_next: Arc<str>,
+    heartbeat: Arc<str>,
+    checkpoint: Arc<str>,
+    complete: Arc<str>,
+    fail: Arc<str>,
+    release: Arc<str>,
+    job: Arc<str>,
+    pub(crate) ledger_accept: Arc<str>,
+    pub(crate) ledger_current: Arc<str>,
+}
+
+/// The compare-and-set every write on behalf of a lease carries ($1 queue, $2 key, $3 owner, $4 epoch).
+const CAS: &str = "t.queue = $1 AND t.key = $2 AND t.owner = $3 AND t.epoch = $4 AND t.state = 'running'";
+/// What is left of it when the commit guard is switched off (tests only).
+const NO_CAS: &str = "t.queue = $1 AND t.key = $2";
+
+/// Wraps a fenced UPDATE so that the same round trip reports the current epoch and owner.
+fn fenced(schema: &str, update: &str, returning: &str) -> String {
+    format!(
+        "WITH upd AS ({update} RETURNING {returning}) \
+         SELECT (SELECT count(*) FROM upd)::bigint, (SELECT r FROM upd LIMIT 1), j.epoch, j.owner \
+         FROM (SELECT 1) AS one LEFT JOIN {schema}.jobs j ON j.queue = $1 AND j.key = $2"
+    )
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &SchemaName, guards: Guards) -> Self {
+        let s = schema.as_str();
+        let inc = if guards.epoch_increment { "1" } else { "0" };
+        let cas = if guards.commit_cas { CAS } else { NO_CAS };
+        let hb_cas = if guards.heartbeat_cas {
+            "t.queue = u.queue AND t.key = u.key AND t.epoch = u.epoch AND t.owner = u.owner AND t.state = 'running'"
+        } else {
+            "t.queue = u.queue AND t.key = u.key"
+        };
+        let hb_epoch = if guards.heartbeat_cas { "t.epoch" } else { "u.epoch" };
+        let ledger_where = if guards.ledger_check { "WHERE l.epoch <= EXCLUDED.epoch" } else { "" };
+        let lease_end = "clock_timestamp() + $LEASE::bigint * interval '1 millisecond'";
+        let claim = format!(
+            "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
+             claimed AS ( \
+               INSERT INTO {s}.jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at) \
+               SELECT $1, i.key, 'running', 1, $3, {lease}, 1, clock_timestamp() FROM input i ORDER BY i.key \
+               ON CONFLICT (queue, key) DO UPDATE SET state = 'running', epoch = t.epoch + {inc}, \
+                 owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until, attempts = t.attempts + 1, \
+                 updated_at = clock_timestamp() \
+               WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
+                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()) \
+               RETURNING t.key, t.epoch, t.owner, t.lease_until, t.attempts, t.run_at) \
+             SELECT c.key, 'claimed'::text, c.epoch, c.owner, {lu}, {ttl}, c.attempts, {ra} FROM claimed c \
+             UNION ALL \
+             SELECT t.key, t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
+             FROM {s}.jobs t JOIN input i ON t.key = i.key \
+             WHERE t.queue = $1 AND NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = t.key)",
+            lease = lease_end.replace("$LEASE", "$4"),
+            lu = ms!("c.lease_until"),
+            ttl = ms!("(c.lease_until - clock_timestamp())"),
+            ra = ms!("(c.run_at - clock_timestamp())"),
+            tlu = ms!("t.lease_until"),
+            tttl = ms!("(t.lease_until - clock_timestamp())"),
+            tra = ms!("(t.run_at - clock_timestamp())"),
+        );
+        let enqueue = format!(
+            "INSERT INTO {s}.jobs (queue, key, state, payload, run_at) \
+             SELECT $1, u.k, 'pending', u.p, clock_timestamp() FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
+             ON CONFLICT (queue, key) DO NOTHING"
+        );
+        let claim_next = format!(
+            "WITH expired AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
+                 AND lease_until < clock_timestamp() ORDER BY lease_until LIMIT $4 FOR UPDATE SKIP LOCKED), \
+             due AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state IN ('pending', 'failed') \
+                 AND run_at <= clock_timestamp() ORDER BY run_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
+             pick AS (SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) p LIMIT $4) \
+             UPDATE {s}.jobs t SET state = 'running', epoch = t.epoch + {inc}, owner = $2, lease_until = {lease}, \
+               attempts = t.attempts + 1, updated_at = clock_timestamp() \
+             FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
+             RETURNING t.key, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
+            lease = lease_end.replace("$LEASE", "$3"),
+            tlu = ms!("t.lease_until"),
+            tttl = ms!("(t.lease_until - clock_timestamp())"),
+        );
+        let heartbeat = format!(
+            "UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS u(queue, key, epoch, owner) \
+             WHERE {hb_cas} \
+             RETURNING t.queue, t.key, {hb_epoch}, {tlu}, {tttl}",
+            lease = lease_end.replace("$LEASE", "$5"),
+            tlu = ms!("t.lease_until"),
+            tttl = ms!("(t.lease_until - clock_timestamp())"),
+        );
+        let checkpoint = fenced(
+            s,
+            &format!("UPDATE {s}.jobs t SET progress = $5, updated_at = clock_timestamp() WHERE {cas}"),
+            "''::text AS r",
+        );
+        let complete = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = 'completed', result = $5, lease_until = NULL, \
+                 updated_at = clock_timestamp() WHERE {cas}"
+            ),
+            "''::text AS r",
+        );
+        let fail = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = CASE WHEN $5 AND t.attempts < $6 THEN 'failed' ELSE 'dead' END, \
+                 run_at = clock_timestamp() + $7::bigint * interval '1 millisecond', last_error = $8, \
+                 lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}"
+            ),
+            "t.state AS r",
+        );
+        let release = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = 'pending', attempts = greatest(t.attempts - 1, 0), \
+                 lease_until = NULL, run_at = clock_timestamp(), updated_at = clock_timestamp() WHERE {cas}"
+            ),
+            "''::text AS r",
+        );
+        let job = format!(
+            "SELECT t.state, t.epoch, t.owner, {tlu}, t.attempts, {tra}, t.payload, t.progress, t.result, t.last_error \
+             FROM {s}.jobs t WHERE t.queue = $1 AND t.key = $2",
+            tlu = ms!("t.lease_until"),
+            tra = ms!("t.run_at"),
+        );
+        let ledger_accept = format!(
+            "WITH up AS (INSERT INTO {s}.ledger AS l (scope, job, epoch) VALUES ($1, $2, $3) \
+               ON CONFLICT (scope, job) DO UPDATE SET epoch = EXCLUDED.epoch, updated_at = clock_timestamp() \
+               {ledger_where} RETURNING l.epoch) \
+             SELECT (SELECT epoch FROM up), (SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2)"
+        );
+        let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
+        Self {
+            claim: claim.into(),
+            enqueue: enqueue.into(),
+            claim_next: claim_next.into(),
+            heartbeat: heartbeat.into(),
+            checkpoint: checkpoint.into(),
+            complete: complete.into(),
+            fail: fail.into(),
+            release: release.into(),
+            job: job.into(),
+            ledger_accept: ledger_accept.into(),
+            ledger_current: ledger_current.into(),
+        }
+    }
+}
+
+fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    // Every statement is rendered from constant text plus the validated schema name.
+    AssertSqlSafe(Arc::clone(s))
+}
+
+/// The fence on PostgreSQL.
+///
+/// ```no_run
+/// # async fn demo() -> fence::Result<()> {
+/// use fence::{FenceStore, PgFence, SchemaName};
+/// let fence = PgFence::connect("postgres://postgres@127.0.0.1/test").await?
+///     .with_schema(SchemaName::new("my_fence")?);
+/// fence.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgFence {
+    pool: PgPool,
+    schema: SchemaName,
+    guards: Guards,
+    pub(crate) stmts: Arc<Statements>,
+}
+
+impl std::fmt::Debug for PgFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgFence").field("schema", &self.schema).field("guards", &self.guards).finish_non_exhaustive()
+    }
+}
+
+impl PgFence {
+    /// Connects a pool of up to 16 connections to `url`.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let pool =
+            PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(10)).connect(url).await?;
+        Ok(Self::new(pool))
+    }
+
+    /// Uses an existing pool, with the default schema.
+    pub fn new(pool: PgPool) -> Self {
+        let schema = SchemaName::default();
+        let guards = Guards::default();
+        let stmts = Arc::new(Statements::new(&schema, guards));
+        Self { pool, schema, guards, stmts }
+    }
+
+    /// Uses another schema (created by [`migrate`](FenceStore::migrate)).
+    pub fn with_schema(mut self, schema: SchemaName) -> Self {
+        self.stmts = Arc::new(Statements::new(&schema, self.guards));
+        self.schema = schema;
+        self
+    }
+
+    /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
+    #[cfg(feature = "guard-switches")]
+    pub fn with_guards(mut self, guards: Guards) -> Self {
+        self.stmts = Arc::new(Statements::new(&self.schema, guards));
+        self.guards = guards;
+        self
+    }
+
+    /// The guards in force.
+    pub fn guards(&self) -> Guards {
+        self.guards
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+
+    /// [`complete`](FenceStore::complete) inside the caller's transaction, so that the caller's own
+    /// rows (business data, outbox) commit together with the result or not at all.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::PgFence, lease: fence::Lease) -> fence::Result<()> {
+    /// let mut tx = fence.pool().begin().await?;
+    /// sqlx::query("INSERT INTO outbox (body) VALUES ($1)").bind("hello").execute(&mut *tx).await?;
+    /// fence.complete_in(&mut tx, &lease, b"done").await?; // Fenced => roll back everything
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, result: &[u8]) -> Result<()> {
+        self.fenced_write(&mut *conn, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+    }
+
+    async fn fenced_write<'c, E, F>(&self, exec: E, stmt: &Arc<str>, lease: &Lease, extra: F) -> Result<Option<String>>
+    where
+        E: sqlx::PgExecutor<'c>,
+        F: for<'q> FnOnce(
+            sqlx::query::QueryAs<'q, sqlx::Postgres, FencedRow, sqlx::postgres::PgArguments>,
+        ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, FencedRow, sqlx::postgres::PgArguments>,
+    {
+        let q = sqlx::query_as::<_, FencedRow>(sql(stmt))
+            .bind(lease.queue.as_str().to_owned())
+            .bind(lease.key.as_str().to_owned())
+            .bind(lease.owner.as_str().to_owned())
+            .bind(lease.epoch);
+        let (matched, r, current_epoch, current_owner) = extra(q).fetch_one(exec).await?;
+        if matched == 0 {
+            return Err(FenceError::Fenced {
+                key: lease.key.as_str().to_owned(),
+                epoch: lease.epoch,
+                current_epoch: current_epoch.unwrap_or(0),
+                current_owner,
+            });
+        }
+        Ok(r)
+    }
+
+    async fn claim_round(
+        &self,
+        queue: &QueueName,
+        keys: &[String],
+        owner: &Owner,
+        lease: LeaseDuration,
+    ) -> Result<Vec<ClaimRow>> {
+        Ok(sqlx::query_as::<_, ClaimRow>(sql(&self.stmts.claim))
+            .bind(queue.as_str().to_owned())
+            .bind(keys.to_vec())
+            .bind(owner.as_str().to_owned())
+            .bind(lease.as_millis_i64())
+            .fetch_all(&self.pool)
+            .await?)
+    }
+}
+
+type FencedRow = (i64, Option<String>, Option<i64>, Option<String>);
+/// key, outcome/state, epoch, owner, lease_until ms, ttl ms, attempts, ms until run_at
+type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
+
+pub(crate) fn claim_outcome(queue: &QueueName, key: &JobKey, owner: &Owner, row: &ClaimRow) -> Result<Claim> {
+    let (_, outcome, epoch, holder, lease_until, ttl, attempts, run_in) = row;
+    Ok(match outcome.as_str() {
+        "claimed" => Claim::Claimed(Lease {
+            queue: queue.clone(),
+            key: key.clone(),
+            epoch: *epoch,
+            owner: owner.clone(),
+            lease_until: DbTime(lease_until.unwrap_or(0)),
+            ttl: millis(ttl.unwrap_or(0)),
+            attempts: *attempts,
+        }),
+        other => match JobState::parse(other)? {
+            JobState::Running => Claim::Busy {
+                owner: holder.clone(),
+                epoch: *epoch,
+                lease_until: DbTime(lease_until.unwrap_or(0)),
+                ttl: millis(ttl.unwrap_or(0)),
+            },
+            JobState::Completed => Claim::Done { epoch: *epoch },
+            JobState::Dead => Claim::Dead { epoch: *epoch },
+            JobState::Failed => Claim::Backoff { epoch: *epoch, retry_in: millis(run_in.unwrap_or(0)) },
+            // Pending rows are always claimable; seeing one here means the row changed under us.
+            JobState::Pending => {
+                return Err(FenceError::Corrupt(format!("claim of {key} saw a pending row it did not take")));
+            }
+        },
+    })
+}
+
+/// Runs a batched claim: one statement per round; a key whose row another claimer inserted
+/// concurrently (invisible to this statement's snapshot) is asked again in the next round.
+pub(crate) async fn claim_rounds<F, Fut>(
+    queue: &QueueName,
+    keys: &[JobKey],
+    owner: &Owner,
+    mut round: F,
+) -> Result<Vec<Claim>>
+where
+    F: FnMut(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<ClaimRow>>>,
+{
+    let distinct = distinct_keys(keys);
+    let mut outcomes: std::collections::HashMap<&str, Claim> = std::collections::HashMap::with_capacity(distinct.len());
+    let mut todo: Vec<&JobKey> = distinct;
+    for _ in 0..5 {
+        if todo.is_empty() {
+            break;
+        }
+        let rows = round(todo.iter().map(|k| k.as_str().to_owned()).collect()).await?;
+        for row in &rows {
+            if let Some(k) = todo.iter().find(|k| k.as_str() == row.0) {
+                outcomes.insert(k.as_str(), claim_outcome(queue, k, owner, row)?);
+            }
+        }
+        todo.retain(|k| !outcomes.contains_key(k.as_str()));
+    }
+    keys.iter()
+        .map(|k| {
+            outcomes
+                .get(k.as_str())
+                .cloned()
+                .ok_or_else(|| FenceError::Corrupt(format!("claim of {k} found no row after 5 rounds")))
+        })
+        .collect()
+}
+
+#[async_trait]
+impl FenceStore for PgFence {
+    async fn migrate(&self) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        // One migrator per schema at a time, across processes; released at commit.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
+            .bind(s.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}"))).execute(&mut *tx).await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {s}._migrations (version bigint PRIMARY KEY, name text NOT NULL, \
+             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations")))
+            .fetch_all(&mut *tx)
+            .await?;
+        for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
+            for stmt in m.statements {
+                sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+            }
+            sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
+                .bind(m.version)
+                .bind(m.name)
+                .execute(&mut *tx)
+                .await?;
+            tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn claim_batch(
+        &self,
+        queue: &QueueName,
+        keys: &[JobKey],
+        owner: &Owner,
+        lease: LeaseDuration,
+    ) -> Result<Vec<Claim>> {
+        claim_rounds(queue, keys, owner, |todo| async move { self.claim_round(queue, &todo, owner, lease).await }).await
+    }
+
+    async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
+        let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
+        let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
+        let done = sqlx::query(sql(&self.stmts.enqueue))
+            .bind(queue.as_str().to_owned())
+            .bind(keys)
+            .bind(payloads)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn claim_next(
+        &self,
+        queue: &QueueName,
+        owner: &Owner,
+        lease: LeaseDuration,
+        n: u32,
+    ) -> Result<Vec<ClaimedJob>> {
+        type Row = (String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
+            .bind(queue.as_str().to_owned())
+            .bind(owner.as_str().to_owned())
+            .bind(lease.as_millis_i64())
+            .bind(i64::from(n))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.into_iter()
+            .map(|(key, epoch, lease_until, ttl, attempts, payload, progress)| {
+                Ok(ClaimedJob {
+                    lease: Lease {
+                        queue: queue.clone(),
+                        key: JobKey::new(key)?,
+                        epoch,
+                        owner: owner.clone(),
+                        lease_until: DbTime(lease_until.unwrap_or(0)),
+                        ttl: millis(ttl.unwrap_or(0)),
+                        attempts,
+                    },
+                    payload: payload.unwrap_or_default(),
+                    progress,
+                })
+            })
+            .collect()
+    }
+
+    async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        if leases.is_empty() {
+            return Ok(Heartbeat::default());
+        }
+        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
+        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
+        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
+        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
+        let renewed: Vec<(String, String, i64, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
+            .bind(queues)
+            .bind(keys)
+            .bind(epochs)
+            .bind(owners)
+            .bind(lease.as_millis_i64())
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(split_heartbeat(leases, renewed))
+    }
+
+    async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
+        self.fenced_write(&self.pool, &self.stmts.checkpoint, lease, |q| q.bind(progress.to_vec())).await.map(drop)
+    }
+
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()> {
+        self.fenced_write(&self.pool, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+    }
+
+    async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
+        let delay = retry_delay(policy, lease.attempts);
+        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        let error: String = error.replace('\0', "\u{FFFD}");
+        let state = self
+            .fenced_write(&self.pool, &self.stmts.fail, lease, |q| {
+                q.bind(retry).bind(policy.max_attempts).bind(delay_ms).bind(error)
+            })
+            .await?;
+        match state.as_deref() {
+            Some("failed") => Ok(FailOutcome::Retry { retry_in: delay }),
+            Some("dead") => Ok(FailOutcome::Dead),
+            other => Err(FenceError::Corrupt(format!("fail left state {other:?}"))),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.fenced_write(&self.pool, &self.stmts.release, lease, |q| q).await.map(drop)
+    }
+
+    async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {
+        type Row = (
+            String,
+            i64,
+            Option<String>,
+            Option<i64>,
+            i64,
+            i64,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+            Option<String>,
+        );
+        let row: Option<Row> = sqlx::query_as(sql(&self.stmts.job))
+            .bind(queue.as_str().to_owned())
+            .bind(key.as_str().to_owned())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|(state, epoch, owner, lease_until, attempts, run_at, payload, progress, result, last_error)| {
+            Ok(JobRecord {
+                queue: queue.clone(),
+                key: key.clone(),
+                state: JobState::parse(&state)?,
+                epoch,
+                owner,
+                lease_until: lease_until.map(DbTime),
+                attempts,
+                run_at: DbTime(run_at),
+                payload,
+                progress,
+                result,
+                last_error,
+            })
+        })
+        .transpose()
+    }
+
+    async fn db_now(&self) -> Result<DbTime> {
+        let ms: i64 = sqlx::query_scalar(concat!("SELECT ", ms!("clock_timestamp()"))).fetch_one(&self.pool).await?;
+        Ok(DbTime(ms))
+    }
+
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+}

@@ -1,0 +1,534 @@
+//! The SQLite backend: the embedded, single-host default, with the same semantics as PostgreSQL.
+//!
+//! SQLite has one writer at a time, so a claim is an `UPDATE … RETURNING` (or an upsert) inside a
+//! `BEGIN IMMEDIATE` transaction; there are no network round trips to batch away, so batch forms
+//! run one statement per key inside one transaction. Times are milliseconds on SQLite's clock
+//! (`unixepoch('subsec')`), never the caller's.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{AssertSqlSafe, Connection};
+
+use crate::error::{FenceError, Result};
+use crate::guards::Guards;
+use crate::key::{JobKey, Owner, QueueName};
+use crate::model::{
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, RetryPolicy, millis,
+};
+use crate::postgres::claim_outcome;
+use crate::schema::{Migration, SchemaName, render};
+use crate::store::{FenceStore, distinct_keys, retry_delay, split_heartbeat};
+
+/// The database clock in milliseconds.
+const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "jobs and ledger",
+    statements: &[
+        "CREATE TABLE {s}_jobs (
+            queue       TEXT    NOT NULL,
+            key         TEXT    NOT NULL,
+            state       TEXT    NOT NULL DEFAULT 'pending'
+                        CHECK (state IN ('pending', 'running', 'completed', 'failed', 'dead')),
+            epoch       INTEGER NOT NULL DEFAULT 0 CHECK (epoch >= 0),
+            owner       TEXT,
+            lease_until INTEGER,
+            attempts    INTEGER NOT NULL DEFAULT 0,
+            run_at      INTEGER NOT NULL,
+            payload     BLOB,
+            progress    BLOB,
+            result      BLOB,
+            last_error  TEXT,
+            created_at  INTEGER NOT NULL,
+            updated_at  INTEGER NOT NULL,
+            PRIMARY KEY (queue, key)
+        )",
+        "CREATE INDEX {s}_jobs_due ON {s}_jobs (queue, run_at) WHERE state IN ('pending', 'failed')",
+        "CREATE INDEX {s}_jobs_leased ON {s}_jobs (queue, lease_until) WHERE state = 'running'",
+        "CREATE TRIGGER {s}_jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}_jobs
+         WHEN NEW.epoch < OLD.epoch
+         BEGIN SELECT RAISE(ABORT, 'brokerfence: epoch would decrease'); END",
+        "CREATE TABLE {s}_ledger (
+            scope      TEXT    NOT NULL,
+            job        TEXT    NOT NULL,
+            epoch      INTEGER NOT NULL,
+            updated_at INTEGER NOT NULL,
+            PRIMARY KEY (scope, job)
+        )",
+    ],
+}];
+
+#[derive(Debug)]
+pub(crate) struct Statements {
+    claim: Arc<str>,
+    claim_seen: Arc<str>,
+    enqueue: Arc<str>,
+    claim_next: Arc<str>,
+    heartbeat: Arc<str>,
+    checkpoint: Arc<str>,
+    complete: Arc<str>,
+    fail: Arc<str>,
+    release: Arc<str>,
+    current: Arc<str>,
+    job: Arc<str>,
+    pub(crate) ledger_accept: Arc<str>,
+    pub(crate) ledger_current: Arc<str>,
+}
+
+impl Statements {
+    fn new(schema: &SchemaName, guards: Guards) -> Self {
+        let s = schema.as_str();
+        let inc = if guards.epoch_increment { "1" } else { "0" };
+        let cas = if guards.commit_cas {
+            "queue = ?1 AND key = ?2 AND owner = ?3 AND epoch = ?4 AND state = 'running'"
+        } else {
+            "queue = ?1 AND key = ?2"
+        };
+        let hb_cas = if guards.heartbeat_cas {
+            "queue = ?1 AND key = ?2 AND epoch = ?3 AND owner = ?4 AND state = 'running'"
+        } else {
+            "queue = ?1 AND key = ?2"
+        };
+        let ledger_where = if guards.ledger_check { "WHERE epoch <= excluded.epoch" } else { "" };
+        let claim = format!(
+            "INSERT INTO {s}_jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at, created_at, updated_at) \
+             VALUES (?1, ?2, 'running', 1, ?3, {NOW} + ?4, 1, {NOW}, {NOW}, {NOW}) \
+             ON CONFLICT (queue, key) DO UPDATE SET state = 'running', epoch = t.epoch + {inc}, owner = excluded.owner, \
+               lease_until = excluded.lease_until, attempts = t.attempts + 1, updated_at = {NOW} \
+             WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= {NOW}) \
+                OR (t.state = 'running' AND t.lease_until < {NOW}) \
+             RETURNING key, 'claimed', epoch, owner, lease_until, lease_until - {NOW}, attempts, run_at - {NOW}"
+        );
+        let claim_seen = format!(
+            "SELECT key, state, epoch, owner, lease_until, lease_until - {NOW}, attempts, run_at - {NOW} \
+             FROM {s}_jobs WHERE queue = ?1 AND key = ?2"
+        );
+        let enqueue = format!(
+            "INSERT INTO {s}_jobs (queue, key, state, payload, run_at, created_at, updated_at) \
+             VALUES (?1, ?2, 'pending', ?3, {NOW}, {NOW}, {NOW}) ON CONFLICT (queue, key) DO NOTHING"
+        );
+        let claim_next = format!(
+            "UPDATE {s}_jobs SET state = 'running', epoch = epoch + {inc}, owner = ?2, lease_until = {NOW} + ?3, \
+               attempts = attempts + 1, updated_at = {NOW} \
+             WHERE rowid IN (SELECT rowid FROM {s}_jobs WHERE queue = ?1 AND \
+               ((state IN ('pending', 'failed') AND run_at <= {NOW}) OR (state = 'running' AND lease_until < {NOW})) \
+               ORDER BY state = 'running' DESC, run_at LIMIT ?4) \
+             RETURNING key, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress"
+        );
+        let heartbeat = format!(
+            "UPDATE {s}_jobs SET lease_until = {NOW} + ?5, updated_at = {NOW} WHERE {hb_cas} \
+             RETURNING queue, key, {epoch}, lease_until, lease_until - {NOW}",
+            epoch = if guards.heartbeat_cas { "epoch" } else { "?3" }
+        );
+        let checkpoint = format!("UPDATE {s}_jobs SET progress = ?5, updated_at = {NOW} WHERE {cas} RETURNING ''");
+        let complete = format!(
+            "UPDATE {s}_jobs SET state = 'completed', result = ?5, lease_until = NULL, updated_at = {NOW} \
+             WHERE {cas} RETURNING ''"
+        );
+        let fail = format!(
+            "UPDATE {s}_jobs SET state = CASE WHEN ?5 AND attempts < ?6 THEN 'failed' ELSE 'dead' END, \
+             run_at = {NOW} + ?7, last_error = ?8, lease_until = NULL, updated_at = {NOW} WHERE {cas} RETURNING state"
+        );
+        let release = format!(
+            "UPDATE {s}_jobs SET state = 'pending', attempts = max(attempts - 1, 0), lease_until = NULL, \
+             run_at = {NOW}, updated_at = {NOW} WHERE {cas} RETURNING ''"
+        );
+        let current = format!("SELECT epoch, owner FROM {s}_jobs WHERE queue = ?1 AND key = ?2");
+        let job = format!(
+            "SELECT state, epoch, owner, lease_until, attempts, run_at, payload, progress, result, last_error \
+             FROM {s}_jobs WHERE queue = ?1 AND key = ?2"
+        );
+        let ledger_accept = format!(
+            "INSERT INTO {s}_ledger (scope, job, epoch, updated_at) VALUES (?1, ?2, ?3, {NOW}) \
+             ON CONFLICT (scope, job) DO UPDATE SET epoch = excluded.epoch, updated_at = excluded.updated_at \
+             {ledger_where} RETURNING epoch"
+        );
+        let ledger_current = format!("SELECT epoch FROM {s}_ledger WHERE scope = ?1 AND job = ?2");
+        Self {
+            claim: claim.into(),
+            claim_seen: claim_seen.into(),
+            enqueue: enqueue.into(),
+            claim_next: claim_next.into(),
+            heartbeat: heartbeat.into(),
+            checkpoint: checkpoint.into(),
+            complete: complete.into(),
+            fail: fail.into(),
+            release: release.into(),
+            current: current.into(),
+            job: job.into(),
+            ledger_accept: ledger_accept.into(),
+            ledger_current: ledger_current.into(),
+        }
+    }
+}
+
+fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    // Every statement is rendered from constant text plus the validated schema name.
+    AssertSqlSafe(Arc::clone(s))
+}
+
+/// The fence on SQLite: one file, one host, no server.
+///
+/// ```no_run
+/// # async fn demo() -> fence::Result<()> {
+/// use fence::{FenceStore, SqliteFence};
+/// let fence = SqliteFence::open("sqlite:brokerfence.db").await?;
+/// fence.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SqliteFence {
+    pool: SqlitePool,
+    schema: SchemaName,
+    guards: Guards,
+    pub(crate) stmts: Arc<Statements>,
+}
+
+impl std::fmt::Debug for SqliteFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteFence")
+            .field("schema", &self.schema)
+            .field("guards", &self.guards)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteFence {
+    /// Opens (creating if missing) a database file: `sqlite:path.db` or `sqlite::memory:`.
+    /// WAL journal, a 10 s busy timeout, `synchronous = NORMAL`.
+    pub async fn open(url: &str) -> Result<Self> {
+        let memory = url.contains(":memory:") || url.contains("mode=memory");
+        let opts = SqliteConnectOptions::from_str(url)?
+            .create_if_missing(true)
+            .journal_mode(if memory { SqliteJournalMode::Memory } else { SqliteJournalMode::Wal })
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(10));
+        // An in-memory database lives in one connection; a file serves several readers.
+        let pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 8 }).connect_with(opts).await?;
+        Ok(Self::new(pool))
+    }
+
+    /// Uses an existing pool, with the default schema (table prefix).
+    pub fn new(pool: SqlitePool) -> Self {
+        let schema = SchemaName::default();
+        let guards = Guards::default();
+        let stmts = Arc::new(Statements::new(&schema, guards));
+        Self { pool, schema, guards, stmts }
+    }
+
+    /// Uses another table prefix.
+    pub fn with_schema(mut self, schema: SchemaName) -> Self {
+        self.stmts = Arc::new(Statements::new(&schema, self.guards));
+        self.schema = schema;
+        self
+    }
+
+    /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
+    #[cfg(feature = "guard-switches")]
+    pub fn with_guards(mut self, guards: Guards) -> Self {
+        self.stmts = Arc::new(Statements::new(&self.schema, guards));
+        self.guards = guards;
+        self
+    }
+
+    /// The guards in force.
+    pub fn guards(&self) -> Guards {
+        self.guards
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// [`complete`](FenceStore::complete) inside the caller's transaction.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::SqliteFence, lease: fence::Lease) -> fence::Result<()> {
+    /// let mut tx = fence.pool().begin_with("BEGIN IMMEDIATE").await?;
+    /// fence.complete_in(&mut tx, &lease, b"done").await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_in(&self, conn: &mut SqliteConnection, lease: &Lease, result: &[u8]) -> Result<()> {
+        let q = self.cas_query(&self.stmts.complete, lease).bind(result.to_vec());
+        let row = q.fetch_optional(&mut *conn).await?;
+        self.fenced_outcome(&mut *conn, lease, row).await.map(drop)
+    }
+
+    fn cas_query<'q>(
+        &self,
+        stmt: &Arc<str>,
+        lease: &Lease,
+    ) -> sqlx::query::QueryScalar<'q, sqlx::Sqlite, String, sqlx::sqlite::SqliteArguments> {
+        sqlx::query_scalar::<_, String>(sql(stmt))
+            .bind(lease.queue.as_str().to_owned())
+            .bind(lease.key.as_str().to_owned())
+            .bind(lease.owner.as_str().to_owned())
+            .bind(lease.epoch)
+    }
+
+    async fn fenced_outcome(&self, conn: &mut SqliteConnection, lease: &Lease, row: Option<String>) -> Result<String> {
+        match row {
+            Some(r) => Ok(r),
+            None => {
+                let current: Option<(i64, Option<String>)> = sqlx::query_as(sql(&self.stmts.current))
+                    .bind(lease.queue.as_str().to_owned())
+                    .bind(lease.key.as_str().to_owned())
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                let (current_epoch, current_owner) = current.unwrap_or((0, None));
+                Err(FenceError::Fenced {
+                    key: lease.key.as_str().to_owned(),
+                    epoch: lease.epoch,
+                    current_epoch,
+                    current_owner,
+                })
+            }
+        }
+    }
+
+    async fn fenced<F>(&self, stmt: &Arc<str>, lease: &Lease, extra: F) -> Result<String>
+    where
+        F: for<'q> FnOnce(
+            sqlx::query::QueryScalar<'q, sqlx::Sqlite, String, sqlx::sqlite::SqliteArguments>,
+        ) -> sqlx::query::QueryScalar<'q, sqlx::Sqlite, String, sqlx::sqlite::SqliteArguments>,
+    {
+        let mut conn = self.pool.acquire().await?;
+        let row = extra(self.cas_query(stmt, lease)).fetch_optional(&mut *conn).await?;
+        self.fenced_outcome(&mut conn, lease, row).await
+    }
+}
+
+type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
+
+#[async_trait]
+impl FenceStore for SqliteFence {
+    async fn migrate(&self) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut conn = self.pool.acquire().await?;
+        // IMMEDIATE takes the write lock at once: concurrent migrators queue behind it.
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {s}__migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, \
+             applied_at INTEGER NOT NULL)"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}__migrations")))
+            .fetch_all(&mut *tx)
+            .await?;
+        for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
+            for stmt in m.statements {
+                sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+            }
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {s}__migrations (version, name, applied_at) VALUES (?1, ?2, {NOW})"
+            )))
+            .bind(m.version)
+            .bind(m.name)
+            .execute(&mut *tx)
+            .await?;
+            tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn claim_batch(
+        &self,
+        queue: &QueueName,
+        keys: &[JobKey],
+        owner: &Owner,
+        lease: LeaseDuration,
+    ) -> Result<Vec<Claim>> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut outcomes = std::collections::HashMap::new();
+        for key in distinct_keys(keys) {
+            let q = key.as_str().to_owned();
+            let claimed: Option<ClaimRow> = sqlx::query_as(sql(&self.stmts.claim))
+                .bind(queue.as_str().to_owned())
+                .bind(q.clone())
+                .bind(owner.as_str().to_owned())
+                .bind(lease.as_millis_i64())
+                .fetch_optional(&mut *tx)
+                .await?;
+            let row = match claimed {
+                Some(row) => row,
+                None => {
+                    sqlx::query_as(sql(&self.stmts.claim_seen))
+                        .bind(queue.as_str().to_owned())
+                        .bind(q)
+                        .fetch_one(&mut *tx)
+                        .await?
+                }
+            };
+            outcomes.insert(key.as_str(), claim_outcome(queue, key, owner, &row)?);
+        }
+        tx.commit().await?;
+        keys.iter()
+            .map(|k| {
+                outcomes
+                    .get(k.as_str())
+                    .cloned()
+                    .ok_or_else(|| FenceError::Corrupt(format!("no claim outcome for {k}")))
+            })
+            .collect()
+    }
+
+    async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut inserted = 0;
+        for (key, payload) in jobs {
+            inserted += sqlx::query(sql(&self.stmts.enqueue))
+                .bind(queue.as_str().to_owned())
+                .bind(key.as_str().to_owned())
+                .bind(payload.clone())
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(inserted)
+    }
+
+    async fn claim_next(
+        &self,
+        queue: &QueueName,
+        owner: &Owner,
+        lease: LeaseDuration,
+        n: u32,
+    ) -> Result<Vec<ClaimedJob>> {
+        type Row = (String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
+            .bind(queue.as_str().to_owned())
+            .bind(owner.as_str().to_owned())
+            .bind(lease.as_millis_i64())
+            .bind(i64::from(n))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        rows.into_iter()
+            .map(|(key, epoch, lease_until, ttl, attempts, payload, progress)| {
+                Ok(ClaimedJob {
+                    lease: Lease {
+                        queue: queue.clone(),
+                        key: JobKey::new(key)?,
+                        epoch,
+                        owner: owner.clone(),
+                        lease_until: DbTime(lease_until.unwrap_or(0)),
+                        ttl: millis(ttl.unwrap_or(0)),
+                        attempts,
+                    },
+                    payload: payload.unwrap_or_default(),
+                    progress,
+                })
+            })
+            .collect()
+    }
+
+    async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        if leases.is_empty() {
+            return Ok(Heartbeat::default());
+        }
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut renewed = Vec::with_capacity(leases.len());
+        for l in leases {
+            let row: Option<(String, String, i64, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
+                .bind(l.queue.as_str().to_owned())
+                .bind(l.key.as_str().to_owned())
+                .bind(l.epoch)
+                .bind(l.owner.as_str().to_owned())
+                .bind(lease.as_millis_i64())
+                .fetch_optional(&mut *tx)
+                .await?;
+            renewed.extend(row);
+        }
+        tx.commit().await?;
+        Ok(split_heartbeat(leases, renewed))
+    }
+
+    async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
+        self.fenced(&self.stmts.checkpoint, lease, |q| q.bind(progress.to_vec())).await.map(drop)
+    }
+
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()> {
+        self.fenced(&self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+    }
+
+    async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
+        let delay = retry_delay(policy, lease.attempts);
+        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        let error = error.replace('\0', "\u{FFFD}");
+        let state = self
+            .fenced(&self.stmts.fail, lease, |q| q.bind(retry).bind(policy.max_attempts).bind(delay_ms).bind(error))
+            .await?;
+        match state.as_str() {
+            "failed" => Ok(FailOutcome::Retry { retry_in: delay }),
+            "dead" => Ok(FailOutcome::Dead),
+            other => Err(FenceError::Corrupt(format!("fail left state {other:?}"))),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.fenced(&self.stmts.release, lease, |q| q).await.map(drop)
+    }
+
+    async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {
+        type Row = (
+            String,
+            i64,
+            Option<String>,
+            Option<i64>,
+            i64,
+            i64,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+            Option<String>,
+        );
+        let row: Option<Row> = sqlx::query_as(sql(&self.stmts.job))
+            .bind(queue.as_str().to_owned())
+            .bind(key.as_str().to_owned())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|(state, epoch, owner, lease_until, attempts, run_at, payload, progress, result, last_error)| {
+            Ok(JobRecord {
+                queue: queue.clone(),
+                key: key.clone(),
+                state: JobState::parse(&state)?,
+                epoch,
+                owner,
+                lease_until: lease_until.map(DbTime),
+                attempts,
+                run_at: DbTime(run_at),
+                payload,
+                progress,
+                result,
+                last_error,
+            })
+        })
+        .transpose()
+    }
+
+    async fn db_now(&self) -> Result<DbTime> {
+        let ms: i64 =
+            sqlx::query_scalar("SELECT CAST(unixepoch('subsec') * 1000 AS INTEGER)").fetch_one(&self.pool).await?;
+        Ok(DbTime(ms))
+    }
+
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+}

@@ -1,0 +1,121 @@
+//! The store trait: one epoch authority, two backends (PostgreSQL, SQLite).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::Result;
+use crate::key::{JobKey, Owner, QueueName};
+use crate::model::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy};
+
+/// The epoch authority. Every method that writes on behalf of a lease is a compare-and-set on
+/// (queue, key, owner, epoch, state = running): zero rows matched is
+/// [`FenceError::Fenced`](crate::FenceError::Fenced) and nothing was written.
+///
+/// ```no_run
+/// # async fn demo() -> fence::Result<()> {
+/// use fence::{FenceStore, JobKey, LeaseDuration, Owner, QueueName, SqliteFence, Claim};
+/// let store = SqliteFence::open("sqlite:demo.db").await?;
+/// store.migrate().await?;
+/// let q = QueueName::new("emails")?;
+/// let me = Owner::unique("worker");
+/// if let Claim::Claimed(lease) = store.claim(&q, &JobKey::new("msg-1")?, &me, LeaseDuration::from_secs(30)?).await? {
+///     store.complete(&lease, b"sent").await?; // Err(Fenced{..}) if someone took over meanwhile
+/// }
+/// # Ok(()) }
+/// ```
+#[async_trait]
+pub trait FenceStore: Send + Sync + 'static {
+    /// Applies the embedded migrations; idempotent and safe from several processes at once.
+    async fn migrate(&self) -> Result<()>;
+
+    /// Claims a broker delivery: creates the job if missing and, only if it is pending, failed
+    /// (whatever its backoff: the broker decided to deliver it) or running with an expired lease,
+    /// makes it running under a new epoch. Otherwise says why not, in the same round trip.
+    async fn claim(&self, queue: &QueueName, key: &JobKey, owner: &Owner, lease: LeaseDuration) -> Result<Claim> {
+        let mut out = self.claim_batch(queue, std::slice::from_ref(key), owner, lease).await?;
+        out.pop().ok_or_else(|| crate::FenceError::Corrupt("claim returned no outcome".into()))
+    }
+
+    /// [`claim`](Self::claim) for many keys in one statement; outcomes in the order of `keys`.
+    /// A key given twice gets the same outcome twice (one claim).
+    async fn claim_batch(
+        &self,
+        queue: &QueueName,
+        keys: &[JobKey],
+        owner: &Owner,
+        lease: LeaseDuration,
+    ) -> Result<Vec<Claim>>;
+
+    /// Table queue: adds a job unless the key exists; says whether it inserted.
+    async fn enqueue(&self, queue: &QueueName, key: &JobKey, payload: &[u8]) -> Result<bool> {
+        Ok(self.enqueue_many(queue, &[(key.clone(), payload.to_vec())]).await? == 1)
+    }
+
+    /// Table queue: adds many jobs in one statement; returns how many were new.
+    async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64>;
+
+    /// Table queue: claims up to `n` due jobs (pending or failed with run_at passed, or running
+    /// with an expired lease) in one statement, skipping rows other claimers hold locked.
+    async fn claim_next(
+        &self,
+        queue: &QueueName,
+        owner: &Owner,
+        lease: LeaseDuration,
+        n: u32,
+    ) -> Result<Vec<ClaimedJob>>;
+
+    /// Renews every given lease still matching (key, owner, epoch, running) in one statement.
+    async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat>;
+
+    /// Stores progress under the lease.
+    async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()>;
+
+    /// Commits the result: the job is completed under this epoch.
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()>;
+
+    /// Records a failed attempt: failed with a backoff, or dead when out of attempts or `retry` is
+    /// false.
+    async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome>;
+
+    /// Gives the job back without spending an attempt (it is pending again at once).
+    async fn release(&self, lease: &Lease) -> Result<()>;
+
+    /// Reads a job row.
+    async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>>;
+
+    /// The database clock now, in milliseconds since the Unix epoch.
+    async fn db_now(&self) -> Result<crate::DbTime>;
+
+    /// The backend's name, for logs ("postgres", "sqlite").
+    fn backend(&self) -> &'static str;
+}
+
+/// Helper for backends: a heartbeat outcome from the renewed subset.
+pub(crate) fn split_heartbeat(leases: &[Lease], mut renewed: Vec<(String, String, i64, i64, i64)>) -> Heartbeat {
+    let mut out = Heartbeat::default();
+    renewed.sort();
+    for l in leases {
+        let probe = (l.queue.as_str(), l.key.as_str(), l.epoch);
+        match renewed.binary_search_by(|r| (r.0.as_str(), r.1.as_str(), r.2).cmp(&probe)) {
+            Ok(i) => {
+                let mut l = l.clone();
+                l.lease_until = crate::DbTime(renewed[i].3);
+                l.ttl = crate::model::millis(renewed[i].4);
+                out.renewed.push(l);
+            }
+            Err(_) => out.lost.push(l.clone()),
+        }
+    }
+    out
+}
+
+/// Deduplicates keys for a batch statement, keeping first-seen order.
+pub(crate) fn distinct_keys(keys: &[JobKey]) -> Vec<&JobKey> {
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    keys.iter().filter(|k| seen.insert(k.as_str())).collect()
+}
+
+pub(crate) fn retry_delay(policy: &RetryPolicy, attempts: i64) -> Duration {
+    policy.backoff(attempts)
+}

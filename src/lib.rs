@@ -1,0 +1,2 @@
+pub use adapters;
+pub use fence;
