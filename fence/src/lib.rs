@@ -23,11 +23,13 @@ mod error;
 mod guards;
 mod key;
 pub mod ledger;
+mod metrics;
 mod model;
 mod postgres;
 mod schema;
 mod sqlite;
 mod store;
+mod supervisor;
 
 pub use error::{FenceError, Result};
 pub use guards::Guards;
@@ -40,4 +42,6 @@ pub use model::{
 pub use postgres::PgFence;
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::SqliteFence;
+pub use metrics::{Counter, Metrics, MetricsSnapshot};
 pub use store::FenceStore;
+pub use supervisor::{JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};

@@ -1,0 +1,671 @@
+//! The lease supervisor: runs handlers under leases, renews all of a worker's leases with one
+//! statement per tick, cancels a handler the moment its lease is lost, and finishes every attempt
+//! through the fenced commit.
+//!
+//! A handler is never polled again once its lease is lost or its monotonic deadline has passed:
+//! the [`Guarded`] wrapper checks both before every poll, so a worker resumed after a long stall
+//! (a GC pause, a SIGSTOP) cannot take one more step before it notices.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tracing::Instrument;
+
+use crate::error::{FenceError, Result};
+use crate::metrics::{Counter, Metrics};
+use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
+use crate::store::FenceStore;
+use crate::{JobKey, Owner, QueueName};
+
+/// How a supervisor runs attempts.
+///
+/// ```
+/// use std::time::Duration;
+/// use fence::{LeaseDuration, SupervisorConfig};
+/// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
+///     .attempt_timeout(Duration::from_secs(120));
+/// assert_eq!(config.lease().heartbeat_interval(), Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    lease: LeaseDuration,
+    retry: RetryPolicy,
+    attempt_timeout: Option<Duration>,
+    cancel_on_loss: bool,
+}
+
+impl SupervisorConfig {
+    /// Leases of `lease`, renewed every lease/3; the default retry policy; no attempt timeout.
+    pub fn new(lease: LeaseDuration) -> Self {
+        Self { lease, retry: RetryPolicy::default(), attempt_timeout: None, cancel_on_loss: true }
+    }
+
+    /// Retry policy for failed attempts.
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Per-attempt deadline: an attempt still running after it fails (and is retried).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// TEST ONLY (feature `guard-switches`): let a handler run on after its lease is lost.
+    #[cfg(feature = "guard-switches")]
+    pub fn without_cancel_on_loss(mut self) -> Self {
+        self.cancel_on_loss = false;
+        self
+    }
+
+    /// The lease length.
+    pub fn lease(&self) -> LeaseDuration {
+        self.lease
+    }
+
+    /// The retry policy.
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
+    /// The margin kept between the worker's own deadline and the lease's end: a tenth of the
+    /// lease, between 100 ms and 2 s. It covers the round trip and clock-rate drift.
+    pub fn safety_margin(&self) -> Duration {
+        (self.lease.get() / 10).clamp(Duration::from_millis(100), Duration::from_secs(2))
+    }
+}
+
+/// Why a handler was stopped before it finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossReason {
+    /// The database says another owner holds a newer epoch (or the job is no longer running).
+    Superseded,
+    /// No heartbeat could confirm the lease before the worker's monotonic deadline: it may have
+    /// expired, so the worker stops before anyone else could take over.
+    Unconfirmed,
+    /// The supervisor is shutting down and the grace period ran out.
+    Shutdown,
+}
+
+/// A failure a handler reports: retried (with backoff) or final.
+///
+/// ```
+/// let e = fence::JobError::retry("upstream 503");
+/// assert!(e.retry);
+/// let e = fence::JobError::fatal("malformed order");
+/// assert!(!e.retry);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct JobError {
+    /// What went wrong (stored as the job's last_error).
+    pub message: String,
+    /// Whether another attempt may succeed.
+    pub retry: bool,
+}
+
+impl JobError {
+    /// A failure worth retrying.
+    pub fn retry(message: impl ToString) -> Self {
+        Self { message: message.to_string(), retry: true }
+    }
+
+    /// A final failure: the job goes dead.
+    pub fn fatal(message: impl ToString) -> Self {
+        Self { message: message.to_string(), retry: false }
+    }
+}
+
+/// How one attempt ended. Only `Completed` may be acknowledged to a broker.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The result is committed under this epoch.
+    Completed,
+    /// The attempt failed and was recorded; the job may run again after `retry_in`.
+    Failed {
+        /// The backoff.
+        retry_in: Duration,
+        /// The handler's message.
+        error: String,
+    },
+    /// The attempt failed for good; the job is dead.
+    Dead {
+        /// The handler's message.
+        error: String,
+    },
+    /// The lease was lost while the handler ran; it was cancelled and nothing was committed.
+    LeaseLost {
+        /// Why.
+        reason: LossReason,
+    },
+    /// The handler finished but its commit was refused: another owner superseded it.
+    Fenced(FenceError),
+    /// The attempt was given back without spending an attempt (shutdown).
+    Released,
+    /// The commit could not be made (database error): its fate is unknown to this worker, so the
+    /// delivery must not be acknowledged; a redelivery finds the job completed or claimable.
+    StoreError(FenceError),
+}
+
+impl Outcome {
+    /// True for [`Outcome::Completed`].
+    pub fn is_completed(&self) -> bool {
+        matches!(self, Outcome::Completed)
+    }
+}
+
+/// Broker-side follow-up of the heartbeat, e.g. extending SQS visibility or a Redis lease key.
+/// Called only with leases the database has just confirmed (or found lost).
+#[async_trait]
+pub trait LeaseHook: Send + Sync + 'static {
+    /// The database confirmed and extended these leases.
+    async fn confirmed(&self, leases: &[Lease]);
+    /// The database found these leases lost.
+    async fn lost(&self, _leases: &[Lease]) {}
+}
+
+/// What a handler sees of its attempt.
+#[derive(Clone)]
+pub struct JobContext {
+    lease: Lease,
+    payload: Arc<[u8]>,
+    progress: Option<Arc<[u8]>>,
+    slot: Arc<SlotState>,
+    store: Arc<dyn FenceStore>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for JobContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobContext").field("lease", &self.lease).field("payload_len", &self.payload.len()).finish()
+    }
+}
+
+impl JobContext {
+    /// The queue.
+    pub fn queue(&self) -> &QueueName {
+        &self.lease.queue
+    }
+    /// The job key.
+    pub fn key(&self) -> &JobKey {
+        &self.lease.key
+    }
+    /// The fencing token of this attempt: send it with every downstream call.
+    pub fn epoch(&self) -> i64 {
+        self.lease.epoch
+    }
+    /// This worker.
+    pub fn owner(&self) -> &Owner {
+        &self.lease.owner
+    }
+    /// The lease as claimed.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+    /// The payload of the delivery.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+    /// The last checkpoint of an earlier attempt, if any.
+    pub fn progress(&self) -> Option<&[u8]> {
+        self.progress.as_deref()
+    }
+    /// Fires when the lease is lost: pass it to work the handler spawns.
+    pub fn cancellation(&self) -> CancellationToken {
+        self.slot.token.clone()
+    }
+    /// True once the lease is lost.
+    pub fn is_cancelled(&self) -> bool {
+        self.slot.token.is_cancelled()
+    }
+
+    /// Stores progress under the lease. A `Fenced` answer also cancels this attempt.
+    ///
+    /// ```no_run
+    /// # async fn handler(ctx: fence::JobContext) -> Result<Vec<u8>, fence::JobError> {
+    /// ctx.checkpoint(b"page 3 of 10").await.map_err(fence::JobError::retry)?;
+    /// # Ok(vec![]) }
+    /// ```
+    pub async fn checkpoint(&self, progress: &[u8]) -> Result<()> {
+        match self.store.checkpoint(&self.lease, progress).await {
+            Err(e @ FenceError::Fenced { .. }) => {
+                self.metrics.incr(Counter::FencedRejections);
+                self.slot.lose(LossReason::Superseded);
+                Err(e)
+            }
+            other => other,
+        }
+    }
+}
+
+struct SlotState {
+    token: CancellationToken,
+    /// Monotonic deadline, in nanoseconds after the supervisor's base instant.
+    deadline: AtomicU64,
+    loss: Mutex<Option<LossReason>>,
+}
+
+impl SlotState {
+    fn lose(&self, reason: LossReason) {
+        if let Ok(mut loss) = self.loss.lock() {
+            loss.get_or_insert(reason);
+        }
+        self.token.cancel();
+    }
+
+    fn reason(&self) -> LossReason {
+        self.loss.lock().ok().and_then(|l| *l).unwrap_or(LossReason::Superseded)
+    }
+}
+
+struct Slot {
+    lease: Lease,
+    state: Arc<SlotState>,
+}
+
+struct Inner {
+    store: Arc<dyn FenceStore>,
+    owner: Owner,
+    config: SupervisorConfig,
+    metrics: Arc<Metrics>,
+    base: Instant,
+    next_id: AtomicU64,
+    inflight: Mutex<HashMap<u64, Slot>>,
+    hooks: RwLock<Vec<Arc<dyn LeaseHook>>>,
+    stop: CancellationToken,
+    draining: CancellationToken,
+    idle: tokio::sync::Notify,
+}
+
+/// Runs handlers under leases for one worker (one owner).
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>, lease: fence::Lease) {
+/// use fence::{Supervisor, SupervisorConfig, LeaseDuration};
+/// let sup = Supervisor::new(store, lease.owner.clone(), SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
+/// let outcome = sup.run(lease, b"payload".to_vec(), None, |ctx| async move {
+///     // call downstream with ctx.key() and ctx.epoch() ...
+///     Ok(b"result".to_vec())
+/// }).await;
+/// assert!(outcome.is_completed());
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("owner", &self.inner.owner)
+            .field("config", &self.inner.config)
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Supervisor {
+    /// A supervisor for `owner`; starts its heartbeat task on the current tokio runtime.
+    pub fn new(store: Arc<dyn FenceStore>, owner: Owner, config: SupervisorConfig) -> Self {
+        Self::with_metrics(store, owner, config, Arc::new(Metrics::default()))
+    }
+
+    /// Like [`new`](Self::new), counting into shared metrics.
+    pub fn with_metrics(store: Arc<dyn FenceStore>, owner: Owner, config: SupervisorConfig, metrics: Arc<Metrics>) -> Self {
+        let inner = Arc::new(Inner {
+            store,
+            owner,
+            config,
+            metrics,
+            base: Instant::now(),
+            next_id: AtomicU64::new(0),
+            inflight: Mutex::new(HashMap::new()),
+            hooks: RwLock::new(Vec::new()),
+            stop: CancellationToken::new(),
+            draining: CancellationToken::new(),
+            idle: tokio::sync::Notify::new(),
+        });
+        let interval = inner.config.lease.heartbeat_interval();
+        tokio::spawn(tick_loop(Arc::downgrade(&inner), inner.stop.clone(), interval));
+        Self { inner }
+    }
+
+    /// Adds a broker-side hook run after every confirmed heartbeat.
+    pub fn add_hook(&self, hook: Arc<dyn LeaseHook>) {
+        if let Ok(mut hooks) = self.inner.hooks.write() {
+            hooks.push(hook);
+        }
+    }
+
+    /// This worker's owner id.
+    pub fn owner(&self) -> &Owner {
+        &self.inner.owner
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SupervisorConfig {
+        &self.inner.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn FenceStore> {
+        &self.inner.store
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    /// Attempts running now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.inflight.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// True once [`shutdown`](Self::shutdown) began: take no more work.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.is_cancelled()
+    }
+
+    /// A token that fires when shutdown begins.
+    pub fn draining(&self) -> CancellationToken {
+        self.inner.draining.clone()
+    }
+
+    /// Runs one attempt under `lease` and finishes it through the fenced commit.
+    ///
+    /// The handler is cancelled (its future dropped, its token fired) as soon as the lease is
+    /// lost, the monotonic deadline passes unconfirmed, or the attempt timeout strikes.
+    pub async fn run<F, Fut>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+    {
+        let span = tracing::info_span!(
+            "attempt",
+            queue = %lease.queue,
+            key = %lease.key,
+            epoch = lease.epoch,
+            owner = %lease.owner,
+        );
+        self.run_inner(lease, payload, progress, handler).instrument(span).await
+    }
+
+    async fn run_inner<F, Fut>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+    {
+        let inner = &self.inner;
+        let margin = inner.config.safety_margin();
+        let state = Arc::new(SlotState {
+            token: CancellationToken::new(),
+            deadline: AtomicU64::new(inner.nanos(Instant::now() + lease.ttl.saturating_sub(margin))),
+            loss: Mutex::new(None),
+        });
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut map) = inner.inflight.lock() {
+            map.insert(id, Slot { lease: lease.clone(), state: Arc::clone(&state) });
+        }
+        let ctx = JobContext {
+            lease: lease.clone(),
+            payload: payload.into(),
+            progress: progress.map(Into::into),
+            slot: Arc::clone(&state),
+            store: Arc::clone(&inner.store),
+            metrics: Arc::clone(&inner.metrics),
+        };
+        let timeout = inner.config.attempt_timeout;
+        let work = async move {
+            match timeout {
+                Some(t) => tokio::time::timeout(t, handler(ctx)).await.map_err(|_| ()),
+                None => Ok(handler(ctx).await),
+            }
+        };
+        let guarded = Guarded::new(work, Arc::clone(&state), inner.base, inner.config.cancel_on_loss);
+        let result = guarded.await;
+        inner.remove(id);
+
+        match result {
+            Err(LossReason::Shutdown) => match inner.store.release(&lease).await {
+                Ok(()) => {
+                    inner.metrics.incr(Counter::Releases);
+                    tracing::info!("lease released at shutdown");
+                    Outcome::Released
+                }
+                Err(e) => inner.commit_error(e),
+            },
+            Err(reason) => {
+                inner.metrics.incr(Counter::LeaseLosses);
+                tracing::warn!(?reason, "lease lost: handler cancelled, nothing committed");
+                Outcome::LeaseLost { reason }
+            }
+            Ok(Err(())) => {
+                let msg = format!("attempt timed out after {:?}", timeout.unwrap_or_default());
+                inner.fail(&lease, JobError::retry(msg)).await
+            }
+            Ok(Ok(Ok(result))) => match inner.store.complete(&lease, &result).await {
+                Ok(()) => {
+                    inner.metrics.incr(Counter::Completions);
+                    tracing::debug!("result committed");
+                    Outcome::Completed
+                }
+                Err(e) => inner.commit_error(e),
+            },
+            Ok(Ok(Err(job_error))) => inner.fail(&lease, job_error).await,
+        }
+    }
+
+    /// Graceful shutdown: stop taking work ([`is_draining`](Self::is_draining)), wait up to `grace`
+    /// for running attempts to finish, then cancel the rest and release their leases.
+    pub async fn shutdown(&self, grace: Duration) {
+        let inner = &self.inner;
+        inner.draining.cancel();
+        let deadline = Instant::now() + grace;
+        while self.in_flight() > 0 && Instant::now() < deadline {
+            let _ = tokio::time::timeout_at(deadline.min(Instant::now() + Duration::from_millis(100)), inner.idle.notified()).await;
+        }
+        let left: Vec<Arc<SlotState>> =
+            inner.inflight.lock().map(|m| m.values().map(|s| Arc::clone(&s.state)).collect()).unwrap_or_default();
+        for s in &left {
+            s.lose(LossReason::Shutdown);
+        }
+        // Give the cancelled attempts a moment to release their leases.
+        let release_deadline = Instant::now() + Duration::from_secs(10);
+        while self.in_flight() > 0 && Instant::now() < release_deadline {
+            let _ = tokio::time::timeout(Duration::from_millis(50), inner.idle.notified()).await;
+        }
+        inner.stop.cancel();
+    }
+}
+
+impl Inner {
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn remove(&self, id: u64) {
+        if let Ok(mut map) = self.inflight.lock() {
+            map.remove(&id);
+            if map.is_empty() {
+                self.idle.notify_waiters();
+            }
+        }
+    }
+
+    fn commit_error(&self, e: FenceError) -> Outcome {
+        if e.is_fenced() {
+            self.metrics.incr(Counter::FencedRejections);
+            tracing::warn!(error = %e, "commit fenced: result dropped, delivery not acknowledged");
+            Outcome::Fenced(e)
+        } else {
+            tracing::error!(error = %e, "commit failed: delivery not acknowledged");
+            Outcome::StoreError(e)
+        }
+    }
+
+    async fn fail(&self, lease: &Lease, error: JobError) -> Outcome {
+        match self.store.fail(lease, &error.message, error.retry, &self.config.retry).await {
+            Ok(FailOutcome::Retry { retry_in }) => {
+                self.metrics.incr(Counter::Failures);
+                tracing::info!(error = %error.message, ?retry_in, "attempt failed; will retry");
+                Outcome::Failed { retry_in, error: error.message }
+            }
+            Ok(FailOutcome::Dead) => {
+                self.metrics.incr(Counter::DeadLetters);
+                tracing::warn!(error = %error.message, "attempt failed for good; job is dead");
+                Outcome::Dead { error: error.message }
+            }
+            Err(e) => self.commit_error(e),
+        }
+    }
+
+    /// One heartbeat: renews every in-flight lease in one statement. Returns false when the
+    /// database could not confirm (so the next tick comes sooner).
+    async fn tick(&self) -> bool {
+        let snapshot: Vec<(u64, Lease, Arc<SlotState>)> = match self.inflight.lock() {
+            Ok(map) => map.iter().map(|(id, s)| (*id, s.lease.clone(), Arc::clone(&s.state))).collect(),
+            Err(_) => return false,
+        };
+        if snapshot.is_empty() {
+            return true;
+        }
+        let leases: Vec<Lease> = snapshot.iter().map(|(_, l, _)| l.clone()).collect();
+        let sent = Instant::now();
+        self.metrics.incr(Counter::Heartbeats);
+        let interval = self.config.lease.heartbeat_interval();
+        let answer = tokio::time::timeout(interval, self.store.heartbeat(&leases, self.config.lease)).await;
+        let hb = match answer {
+            Ok(Ok(hb)) => hb,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, leases = leases.len(), "heartbeat failed; leases unconfirmed");
+                return false;
+            }
+            Err(_) => {
+                tracing::warn!(leases = leases.len(), "heartbeat timed out; leases unconfirmed");
+                return false;
+            }
+        };
+        let by_id: HashMap<(&str, &str, i64), &Arc<SlotState>> =
+            snapshot.iter().map(|(_, l, s)| ((l.queue.as_str(), l.key.as_str(), l.epoch), s)).collect();
+        let margin = self.config.safety_margin();
+        for l in &hb.renewed {
+            if let Some(s) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
+                let deadline = sent + l.ttl.saturating_sub(margin);
+                s.deadline.fetch_max(self.nanos(deadline), Ordering::AcqRel);
+            }
+        }
+        self.metrics.add(Counter::Renewals, hb.renewed.len() as u64);
+        for l in &hb.lost {
+            if let Some(s) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
+                tracing::warn!(queue = %l.queue, key = %l.key, epoch = l.epoch, "heartbeat found lease lost; cancelling");
+                s.lose(LossReason::Superseded);
+            }
+        }
+        if let Ok(mut map) = self.inflight.lock() {
+            for l in &hb.renewed {
+                for slot in map.values_mut() {
+                    if slot.lease.queue == l.queue && slot.lease.key == l.key && slot.lease.epoch == l.epoch {
+                        slot.lease.lease_until = l.lease_until;
+                        slot.lease.ttl = l.ttl;
+                    }
+                }
+            }
+        }
+        let hooks: Vec<Arc<dyn LeaseHook>> = self.hooks.read().map(|h| h.clone()).unwrap_or_default();
+        for hook in hooks {
+            if !hb.renewed.is_empty() {
+                hook.confirmed(&hb.renewed).await;
+            }
+            if !hb.lost.is_empty() {
+                hook.lost(&hb.lost).await;
+            }
+        }
+        true
+    }
+}
+
+async fn tick_loop(inner: Weak<Inner>, stop: CancellationToken, interval: Duration) {
+    let retry = interval.min(Duration::from_millis(250));
+    let mut wait = interval;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        let Some(inner) = inner.upgrade() else { return };
+        wait = if inner.tick().await { interval } else { retry };
+    }
+}
+
+/// Wraps a handler so that it is never polled once its lease is lost or its deadline has passed.
+struct Guarded<F> {
+    inner: Pin<Box<F>>,
+    state: Arc<SlotState>,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    sleep: Pin<Box<Sleep>>,
+    armed: u64,
+    base: Instant,
+    enforce: bool,
+}
+
+impl<F: Future> Guarded<F> {
+    fn new(inner: F, state: Arc<SlotState>, base: Instant, enforce: bool) -> Self {
+        let armed = state.deadline.load(Ordering::Acquire);
+        Self {
+            inner: Box::pin(inner),
+            cancelled: Box::pin(state.token.clone().cancelled_owned()),
+            sleep: Box::pin(tokio::time::sleep_until(base + Duration::from_nanos(armed))),
+            state,
+            armed,
+            base,
+            enforce,
+        }
+    }
+}
+
+impl<F: Future> Future for Guarded<F> {
+    type Output = std::result::Result<F::Output, LossReason>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if this.enforce || this.state.reason() == LossReason::Shutdown && this.state.token.is_cancelled() {
+            if this.cancelled.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Err(this.state.reason()));
+            }
+        }
+        if this.enforce {
+            loop {
+                let deadline = this.state.deadline.load(Ordering::Acquire);
+                if Instant::now() >= this.base + Duration::from_nanos(deadline) {
+                    this.state.lose(LossReason::Unconfirmed);
+                    return Poll::Ready(Err(this.state.reason()));
+                }
+                if deadline != this.armed {
+                    this.armed = deadline;
+                    this.sleep.as_mut().reset(this.base + Duration::from_nanos(deadline));
+                }
+                if this.sleep.as_mut().poll(cx).is_pending() {
+                    break;
+                }
+            }
+        }
+        this.inner.as_mut().poll(cx).map(Ok)
+    }
+}
