@@ -1,1 +1,29 @@
+//! # adapters — sources and the consumer runtime of brokerfence
+//!
+//! One consumer runtime ([`Consumer`]) serves every source; a source only maps broker calls
+//! ([`Source`]). The retrofit entry point ([`Retrofit`]) applies the same step to one delivery
+//! inside a loop you already own. What the broker is told always follows from what the fence
+//! decided ([`Disposition`]): only a committed result is acknowledged.
+//!
+//! Sources: [`postgres::TableQueue`] (no broker), `sqs` (feature `sqs`), `redis` (feature `redis`).
+#![warn(missing_docs)]
 
+mod disposition;
+mod handler;
+mod middleware;
+pub mod postgres;
+mod runtime;
+mod source;
+
+#[cfg(feature = "http")]
+pub mod http;
+#[cfg(feature = "redis")]
+pub mod redis;
+#[cfg(feature = "sqs")]
+pub mod sqs;
+
+pub use disposition::Disposition;
+pub use handler::{Handler, HandlerFuture};
+pub use middleware::{Detail, Processed, Retrofit};
+pub use runtime::{Consumer, ConsumerConfig, ReceiveContext, shutdown_signal};
+pub use source::{Incoming, Source, SourceError};

@@ -1,0 +1,48 @@
+//! The one mapping from what the fence decided to what the broker is told. Shared by the
+//! consumer runtime and the retrofit middleware, so both treat a delivery the same way.
+
+use std::time::Duration;
+
+use fence::{Claim, Outcome};
+
+/// What to do with a delivery at the broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Acknowledge (delete) it: its result is committed, or it duplicates a completed job.
+    Ack,
+    /// Redeliver after the backoff (a fenced failure was recorded).
+    RetryLater(Duration),
+    /// Move it to the dead-letter destination, with the reason.
+    DeadLetter(String),
+    /// Another owner holds a live lease: hide it for that long.
+    Hold(Duration),
+    /// Give it back now (released at shutdown).
+    Abandon,
+    /// Touch nothing: the lease was lost or the commit was fenced or failed. A stale broker handle
+    /// is no fence, so the delivery is left to the broker and to the owner of the newer epoch.
+    Leave,
+}
+
+impl Disposition {
+    /// For a claim that did not hand this worker a lease; `None` when it did.
+    pub fn after_claim(claim: &Claim) -> Option<Self> {
+        match claim {
+            Claim::Claimed(_) => None,
+            Claim::Busy { ttl, .. } => Some(Disposition::Hold(*ttl)),
+            Claim::Done { .. } => Some(Disposition::Ack),
+            Claim::Dead { epoch } => Some(Disposition::DeadLetter(format!("job is dead (buried at epoch {epoch})"))),
+            Claim::Backoff { retry_in, .. } => Some(Disposition::RetryLater(*retry_in)),
+        }
+    }
+
+    /// For a finished attempt.
+    pub fn after_run(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Completed => Disposition::Ack,
+            Outcome::Failed { retry_in, .. } => Disposition::RetryLater(*retry_in),
+            Outcome::Dead { error } => Disposition::DeadLetter(error.clone()),
+            Outcome::Released => Disposition::Abandon,
+            Outcome::LeaseLost { .. } | Outcome::Fenced(_) | Outcome::StoreError(_) => Disposition::Leave,
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! The retrofit entry point: the runtime's step (claim → supervise → commit) applied to one
+//! delivery inside a consumer loop you already own. You keep receiving and acknowledging; the
+//! fence tells you what to do with each delivery.
+
+use std::sync::Arc;
+
+use fence::{Claim, Counter, FenceError, FenceStore, JobKey, Metrics, Outcome, Owner, QueueName, Supervisor, SupervisorConfig};
+
+use crate::disposition::Disposition;
+use crate::handler::Handler;
+
+/// What happened to one delivery, and what to tell your broker.
+#[derive(Debug)]
+pub struct Processed {
+    /// What to do at the broker.
+    pub disposition: Disposition,
+    /// What the fence saw: the claim outcome when the job was not claimed, else the attempt's.
+    pub detail: Detail,
+}
+
+/// The fence's side of a [`Processed`].
+#[derive(Debug)]
+pub enum Detail {
+    /// The job was not claimed (busy, done, dead, backing off).
+    NotClaimed(Claim),
+    /// The attempt ran; its outcome.
+    Ran(Outcome),
+    /// The claim itself failed (database unreachable): leave the delivery to the broker.
+    ClaimFailed(FenceError),
+}
+
+impl Processed {
+    /// True when the delivery should be acknowledged (deleted) now.
+    pub fn should_ack(&self) -> bool {
+        self.disposition == Disposition::Ack
+    }
+}
+
+/// The fence as middleware: one per worker process (it owns the heartbeat task).
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> fence::Result<()> {
+/// use adapters::Retrofit;
+/// use fence::{JobKey, LeaseDuration, QueueName, SupervisorConfig};
+/// let fence = Retrofit::new(store, QueueName::new("orders")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?));
+/// // inside your existing loop, for each message you popped:
+/// let done = fence.process(&JobKey::new("msg-123")?, b"body".to_vec(), |ctx: fence::JobContext| async move {
+///     Ok(format!("handled epoch {}", ctx.epoch()).into_bytes())
+/// }).await;
+/// if done.should_ack() { /* delete / XACK / LREM the message */ }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Retrofit {
+    supervisor: Supervisor,
+    queue: QueueName,
+}
+
+impl Retrofit {
+    /// Middleware for `queue` with a fresh owner id. Must be created inside a tokio runtime.
+    pub fn new(store: Arc<dyn FenceStore>, queue: QueueName, config: SupervisorConfig) -> Self {
+        Self::with_owner(store, queue, Owner::unique("worker"), config)
+    }
+
+    /// Middleware with the given owner id.
+    pub fn with_owner(store: Arc<dyn FenceStore>, queue: QueueName, owner: Owner, config: SupervisorConfig) -> Self {
+        Self { supervisor: Supervisor::new(store, owner, config), queue }
+    }
+
+    /// The supervisor (add a [`fence::LeaseHook`] to extend your broker's visibility).
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.supervisor
+    }
+
+    /// The queue.
+    pub fn queue(&self) -> &QueueName {
+        &self.queue
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        self.supervisor.metrics()
+    }
+
+    /// Claims `key`, runs `handler` under the lease, commits through the fence, and says what to
+    /// tell the broker.
+    pub async fn process<H: Handler>(&self, key: &JobKey, payload: Vec<u8>, handler: H) -> Processed {
+        let claim = self
+            .supervisor
+            .store()
+            .claim(&self.queue, key, self.supervisor.owner(), self.supervisor.config().lease())
+            .await;
+        let claim = match claim {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(%key, error = %e, "claim failed; leaving the delivery to the broker");
+                return Processed { disposition: Disposition::Leave, detail: Detail::ClaimFailed(e) };
+            }
+        };
+        match claim {
+            Claim::Claimed(lease) => {
+                self.metrics().incr(Counter::Claims);
+                let outcome = self.supervisor.run(lease, payload, None, move |ctx| handler.call(ctx)).await;
+                Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }
+            }
+            other => {
+                let disposition = Disposition::after_claim(&other).unwrap_or(Disposition::Leave);
+                match disposition {
+                    Disposition::Hold(_) => self.metrics().incr(Counter::Busy),
+                    Disposition::Ack | Disposition::DeadLetter(_) => self.metrics().incr(Counter::Duplicates),
+                    _ => {}
+                }
+                Processed { disposition, detail: Detail::NotClaimed(other) }
+            }
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! What a source of deliveries must do. A source only maps broker calls; it never decides whether
+//! a result commits — only the store's compare-and-set does.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use fence::{ClaimedJob, JobKey, Lease, QueueName};
+
+/// One delivery as a source hands it to the runtime.
+#[derive(Debug)]
+pub enum Incoming<D> {
+    /// A broker delivery: the runtime claims its key (batched with the rest of the receive).
+    Unclaimed {
+        /// The broker's handle on the delivery.
+        delivery: D,
+        /// The job key it maps to.
+        key: JobKey,
+        /// The body.
+        payload: Vec<u8>,
+    },
+    /// A delivery the source already claimed (the table queue: there the claim *is* the receive).
+    Claimed {
+        /// The handle.
+        delivery: D,
+        /// The claim with its payload.
+        job: ClaimedJob,
+    },
+    /// A delivery that cannot be turned into a job (undecodable, no key, bad attribute): it is
+    /// dead-lettered with the reason and the loop goes on.
+    Malformed {
+        /// The handle.
+        delivery: D,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A failure of the broker side.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// Worth retrying (throttling, a dropped connection, a timeout).
+    #[error("transient source error: {0}")]
+    Transient(String),
+    /// Not worth retrying (bad configuration, missing queue, permissions).
+    #[error("source error: {0}")]
+    Fatal(String),
+}
+
+/// A source of deliveries: SQS, a Redis stream, the table queue, or your own.
+///
+/// Every method but [`receive`](Source::receive) has a default that does nothing, for sources
+/// whose broker keeps no state of its own (the table queue).
+#[async_trait]
+pub trait Source: Send + Sync + 'static {
+    /// The broker's handle on one delivery (receipt handle, stream entry id, …).
+    type Delivery: Clone + Send + Sync + 'static;
+
+    /// The queue name jobs of this source are fenced under.
+    fn queue(&self) -> &QueueName;
+
+    /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
+    async fn receive(&self, max: usize, ctx: &crate::ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError>;
+
+    /// The database just confirmed these leases: extend the broker's visibility hint.
+    async fn extend(&self, _leases: &[(Lease, Self::Delivery)]) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// The database found these leases lost: drop any broker-side state (never delete or extend
+    /// the message with a stale handle).
+    async fn lost(&self, _leases: &[(Lease, Self::Delivery)]) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// The results of these deliveries are committed (or they were duplicates of completed jobs):
+    /// acknowledge them to the broker.
+    async fn ack(&self, _deliveries: Vec<Self::Delivery>) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// A fenced failure was recorded: redeliver after `delay`.
+    async fn retry_later(&self, _delivery: Self::Delivery, _delay: Duration) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// Move the delivery to the dead-letter destination with `reason`.
+    async fn dead_letter(&self, _delivery: Self::Delivery, _reason: &str) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// Another owner holds a live lease for `ttl` more: hide the delivery that long (the hint
+    /// follows the authority).
+    async fn hold(&self, _delivery: Self::Delivery, _ttl: Duration) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// Give the delivery back at once (shutdown, or received but never started).
+    async fn abandon(&self, _delivery: Self::Delivery) -> Result<(), SourceError> {
+        Ok(())
+    }
+}
