@@ -294,6 +294,7 @@ impl<S: Source> Consumer<S> {
             match item {
                 Incoming::Malformed { delivery, reason } => {
                     tracing::warn!(%reason, "malformed delivery: dead-lettering it");
+                    metrics.incr(Counter::DeadLetters);
                     self.settle(delivery, Disposition::DeadLetter(reason), ack_tx).await;
                 }
                 Incoming::Claimed { delivery, job } => {
@@ -396,10 +397,7 @@ async fn settle<S: Source>(
             }
         }
         Disposition::RetryLater(delay) => source.retry_later(delivery, delay).await,
-        Disposition::DeadLetter(reason) => {
-            metrics.incr(Counter::DeadLetters);
-            source.dead_letter(delivery, &reason).await
-        }
+        Disposition::DeadLetter(reason) => source.dead_letter(delivery, &reason).await,
         Disposition::Hold(ttl) => source.hold(delivery, ttl).await,
         Disposition::Abandon => source.abandon(delivery).await,
         Disposition::Leave => Ok(()),
