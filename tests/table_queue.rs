@@ -73,7 +73,11 @@ async fn drains_exactly_once(store: Arc<dyn FenceStore>) {
         }));
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while seen.lock().expect("lock").len() < 300 {
+    loop {
+        let done = seen.lock().expect("lock").len();
+        if done >= 300 {
+            break;
+        }
         assert!(tokio::time::Instant::now() < deadline, "jobs not drained in time");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

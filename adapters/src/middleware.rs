@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use fence::{Claim, Counter, FenceError, FenceStore, JobKey, Metrics, Outcome, Owner, QueueName, Supervisor, SupervisorConfig};
+use fence::{
+    Claim, Counter, FenceError, FenceStore, JobKey, Metrics, Outcome, Owner, QueueName, Supervisor, SupervisorConfig,
+};
 
 use crate::disposition::Disposition;
 use crate::handler::Handler;

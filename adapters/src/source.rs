@@ -59,7 +59,11 @@ pub trait Source: Send + Sync + 'static {
     fn queue(&self) -> &QueueName;
 
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
-    async fn receive(&self, max: usize, ctx: &crate::ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError>;
+    async fn receive(
+        &self,
+        max: usize,
+        ctx: &crate::ReceiveContext,
+    ) -> Result<Vec<Incoming<Self::Delivery>>, SourceError>;
 
     /// The database just confirmed these leases: extend the broker's visibility hint.
     async fn extend(&self, _leases: &[(Lease, Self::Delivery)]) -> Result<(), SourceError> {

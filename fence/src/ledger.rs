@@ -93,23 +93,30 @@ impl PgLedger {
     /// ledger update commit together. A `Stale` verdict means: roll back.
     pub async fn accept_in(&self, conn: &mut sqlx::PgConnection, job: &str, epoch: i64) -> Result<Verdict> {
         check(&self.scope, job, epoch)?;
-        let (accepted, current): (Option<i64>, Option<i64>) =
-            sqlx::query_as(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_accept)))
-                .bind(self.scope.to_string())
-                .bind(job.to_owned())
-                .bind(epoch)
-                .fetch_one(&mut *conn)
-                .await?;
+        let accepted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_accept)))
+            .bind(self.scope.to_string())
+            .bind(job.to_owned())
+            .bind(epoch)
+            .fetch_optional(&mut *conn)
+            .await?;
+        // Refused: the row that refused us is committed (the upsert waited for it), so a new
+        // statement sees it, or a newer one; the statement's own snapshot might not have.
+        let current = if accepted.is_none() { self.newest_in(conn, job).await? } else { None };
         Ok(verdict(accepted, current, epoch))
+    }
+
+    async fn newest_in(&self, conn: &mut sqlx::PgConnection, job: &str) -> Result<Option<i64>> {
+        Ok(sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_current)))
+            .bind(self.scope.to_string())
+            .bind(job.to_owned())
+            .fetch_optional(&mut *conn)
+            .await?)
     }
 
     /// The newest epoch accepted for `job`, if any.
     pub async fn newest(&self, job: &str) -> Result<Option<i64>> {
-        Ok(sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_current)))
-            .bind(self.scope.to_string())
-            .bind(job.to_owned())
-            .fetch_optional(self.fence.pool())
-            .await?)
+        let mut conn = self.fence.pool().acquire().await?;
+        self.newest_in(&mut conn, job).await
     }
 }
 

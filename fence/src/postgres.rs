@@ -108,16 +108,22 @@ impl Statements {
         } else {
             "t.queue = u.queue AND t.key = u.key"
         };
-        let hb_epoch = if guards.heartbeat_cas { "t.epoch" } else { "u.epoch" };
+        let (hb_epoch, hb_owner) = if guards.heartbeat_cas { ("t.epoch", "t.owner") } else { ("u.epoch", "u.owner") };
         let ledger_where = if guards.ledger_check { "WHERE l.epoch <= EXCLUDED.epoch" } else { "" };
         let lease_end = "clock_timestamp() + $LEASE::bigint * interval '1 millisecond'";
+        // The lease of a taken-over row is computed in the SET, i.e. after the row lock was
+        // granted and the WHERE passed: a claim that waited for a lock still gets its full lease,
+        // and its lease starts after the previous one ended. The second branch reads the
+        // statement's snapshot; a row that looks claimable there but was not claimed changed
+        // under us (a concurrent claim), so it is left out and asked again in the next round
+        // rather than reported with stale owner/epoch.
         let claim = format!(
             "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
              claimed AS ( \
                INSERT INTO {s}.jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at) \
                SELECT $1, i.key, 'running', 1, $3, {lease}, 1, clock_timestamp() FROM input i ORDER BY i.key \
                ON CONFLICT (queue, key) DO UPDATE SET state = 'running', epoch = t.epoch + {inc}, \
-                 owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until, attempts = t.attempts + 1, \
+                 owner = EXCLUDED.owner, lease_until = {lease}, attempts = t.attempts + 1, \
                  updated_at = clock_timestamp() \
                WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                   OR (t.state = 'running' AND t.lease_until < clock_timestamp()) \
@@ -126,7 +132,9 @@ impl Statements {
              UNION ALL \
              SELECT t.key, t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
              FROM {s}.jobs t JOIN input i ON t.key = i.key \
-             WHERE t.queue = $1 AND NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = t.key)",
+             WHERE t.queue = $1 AND NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = t.key) \
+               AND NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
+                 OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
             lease = lease_end.replace("$LEASE", "$4"),
             lu = ms!("c.lease_until"),
             ttl = ms!("(c.lease_until - clock_timestamp())"),
@@ -154,11 +162,16 @@ impl Statements {
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
+        // Rows are locked in (queue, key) order first, the order batch claims lock them in, so
+        // a heartbeat and a batch claim over the same keys cannot deadlock.
         let heartbeat = format!(
-            "UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
-             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS u(queue, key, epoch, owner) \
-             WHERE {hb_cas} \
-             RETURNING t.queue, t.key, {hb_epoch}, {tlu}, {tttl}",
+            "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) \
+                 AS u(queue, key, epoch, owner)), \
+             locked AS MATERIALIZED (SELECT t.queue, t.key FROM {s}.jobs t JOIN u ON {hb_cas} \
+                 ORDER BY t.queue, t.key FOR UPDATE OF t) \
+             UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
+             FROM u WHERE {hb_cas} AND (t.queue, t.key) IN (SELECT queue, key FROM locked) \
+             RETURNING t.queue, t.key, {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
             lease = lease_end.replace("$LEASE", "$5"),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
@@ -199,11 +212,12 @@ impl Statements {
             tlu = ms!("t.lease_until"),
             tra = ms!("t.run_at"),
         );
+        // No row back means refused. The newest epoch is then read by a second statement: the
+        // statement snapshot of this one may predate the row that refused it.
         let ledger_accept = format!(
-            "WITH up AS (INSERT INTO {s}.ledger AS l (scope, job, epoch) VALUES ($1, $2, $3) \
-               ON CONFLICT (scope, job) DO UPDATE SET epoch = EXCLUDED.epoch, updated_at = clock_timestamp() \
-               {ledger_where} RETURNING l.epoch) \
-             SELECT (SELECT epoch FROM up), (SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2)"
+            "INSERT INTO {s}.ledger AS l (scope, job, epoch) VALUES ($1, $2, $3) \
+             ON CONFLICT (scope, job) DO UPDATE SET epoch = EXCLUDED.epoch, updated_at = clock_timestamp() \
+             {ledger_where} RETURNING l.epoch"
         );
         let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
         Self {
@@ -527,7 +541,7 @@ impl FenceStore for PgFence {
         let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
         let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
         let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
-        let renewed: Vec<(String, String, i64, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
+        let renewed: Vec<(String, String, i64, String, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
             .bind(queues)
             .bind(keys)
             .bind(epochs)

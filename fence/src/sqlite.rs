@@ -124,8 +124,9 @@ impl Statements {
         );
         let heartbeat = format!(
             "UPDATE {s}_jobs SET lease_until = {NOW} + ?5, updated_at = {NOW} WHERE {hb_cas} \
-             RETURNING queue, key, {epoch}, lease_until, lease_until - {NOW}",
-            epoch = if guards.heartbeat_cas { "epoch" } else { "?3" }
+             RETURNING queue, key, {epoch}, {owner}, lease_until, lease_until - {NOW}",
+            epoch = if guards.heartbeat_cas { "epoch" } else { "?3" },
+            owner = if guards.heartbeat_cas { "owner" } else { "?4" }
         );
         let checkpoint = format!("UPDATE {s}_jobs SET progress = ?5, updated_at = {NOW} WHERE {cas} RETURNING ''");
         let complete = format!(
@@ -445,7 +446,7 @@ impl FenceStore for SqliteFence {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let mut renewed = Vec::with_capacity(leases.len());
         for l in leases {
-            let row: Option<(String, String, i64, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
+            let row: Option<(String, String, i64, String, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
                 .bind(l.queue.as_str().to_owned())
                 .bind(l.key.as_str().to_owned())
                 .bind(l.epoch)

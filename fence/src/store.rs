@@ -30,8 +30,10 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn migrate(&self) -> Result<()>;
 
     /// Claims a broker delivery: creates the job if missing and, only if it is pending, failed
-    /// (whatever its backoff: the broker decided to deliver it) or running with an expired lease,
-    /// makes it running under a new epoch. Otherwise says why not, in the same round trip.
+    /// with its backoff passed (`run_at` due on the database clock) or running with an expired
+    /// lease, makes it running under a new epoch. Otherwise says why not, in the same round trip:
+    /// [`Claim::Busy`](crate::Claim::Busy), [`Done`](crate::Claim::Done),
+    /// [`Dead`](crate::Claim::Dead) or [`Backoff`](crate::Claim::Backoff).
     async fn claim(&self, queue: &QueueName, key: &JobKey, owner: &Owner, lease: LeaseDuration) -> Result<Claim> {
         let mut out = self.claim_batch(queue, std::slice::from_ref(key), owner, lease).await?;
         out.pop().ok_or_else(|| crate::FenceError::Corrupt("claim returned no outcome".into()))
@@ -92,16 +94,22 @@ pub trait FenceStore: Send + Sync + 'static {
 }
 
 /// Helper for backends: a heartbeat outcome from the renewed subset.
-pub(crate) fn split_heartbeat(leases: &[Lease], mut renewed: Vec<(String, String, i64, i64, i64)>) -> Heartbeat {
+/// `renewed` rows are (queue, key, epoch, owner, lease_until ms, ttl ms); a lease counts as renewed
+/// only when all four of its identity fields match a row (a lease naming the right job and epoch
+/// but another owner was not renewed).
+pub(crate) fn split_heartbeat(
+    leases: &[Lease],
+    mut renewed: Vec<(String, String, i64, String, i64, i64)>,
+) -> Heartbeat {
     let mut out = Heartbeat::default();
     renewed.sort();
     for l in leases {
-        let probe = (l.queue.as_str(), l.key.as_str(), l.epoch);
-        match renewed.binary_search_by(|r| (r.0.as_str(), r.1.as_str(), r.2).cmp(&probe)) {
+        let probe = (l.queue.as_str(), l.key.as_str(), l.epoch, l.owner.as_str());
+        match renewed.binary_search_by(|r| (r.0.as_str(), r.1.as_str(), r.2, r.3.as_str()).cmp(&probe)) {
             Ok(i) => {
                 let mut l = l.clone();
-                l.lease_until = crate::DbTime(renewed[i].3);
-                l.ttl = crate::model::millis(renewed[i].4);
+                l.lease_until = crate::DbTime(renewed[i].4);
+                l.ttl = crate::model::millis(renewed[i].5);
                 out.renewed.push(l);
             }
             Err(_) => out.lost.push(l.clone()),

@@ -1,0 +1,318 @@
+//! Shared support for the integration tests: real PostgreSQL and real SQLite files, each test on
+//! its own fresh schema (PostgreSQL) or its own fresh file (SQLite), so tests run in parallel and
+//! re-run without cleanup.
+//!
+//! PostgreSQL comes from `DATABASE_URL` (the environment, else `localstack/.env`). When it is
+//! missing the tests fail with a message that says to run `localstack/up`; they never skip.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use brokerfence::fence::{
+    self, FenceStore, JobKey, Lease, LeaseDuration, Ledger, PgFence, PgLedger, SchemaName, SqliteFence, SqliteLedger,
+    Verdict,
+};
+use sqlx::{AssertSqlSafe, Connection};
+
+/// The PostgreSQL URL, or a panic that says what to do.
+pub fn database_url() -> String {
+    match brokerfence::services::var("DATABASE_URL") {
+        Some(url) => url,
+        None => panic!(
+            "DATABASE_URL is not set and localstack/.env has none: run `localstack/up` first \
+             (it starts PostgreSQL and writes localstack/.env), or export DATABASE_URL"
+        ),
+    }
+}
+
+/// A fresh, unique schema name: `t_<16 hex digits>`.
+pub fn unique_schema() -> SchemaName {
+    SchemaName::new(format!("t_{:016x}", rand::random::<u64>())).expect("generated schema name is valid")
+}
+
+/// A unique name with a prefix, for keys and queues.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+/// A lease of `secs` seconds.
+pub fn lease(secs: u64) -> LeaseDuration {
+    LeaseDuration::from_secs(secs).expect("lease of at least 3 s")
+}
+
+/// A job key (panics on invalid input: for literals in tests).
+pub fn key(k: &str) -> JobKey {
+    JobKey::new(k).expect("valid key")
+}
+
+/// A PgFence on a fresh schema, not yet migrated.
+pub async fn pg_unmigrated() -> PgFence {
+    pg_on(unique_schema()).await
+}
+
+/// A PgFence on `schema` (its own pool), not migrated.
+pub async fn pg_on(schema: SchemaName) -> PgFence {
+    let url = database_url();
+    let fence = PgFence::connect(&url).await.unwrap_or_else(|e| {
+        panic!("cannot connect to PostgreSQL at {url}: {e}. Is it running? Run `localstack/up` first.")
+    });
+    fence.with_schema(schema)
+}
+
+/// A migrated PgFence on a fresh schema.
+pub async fn pg() -> PgFence {
+    let fence = pg_unmigrated().await;
+    fence.migrate().await.expect("migrate PostgreSQL schema");
+    fence
+}
+
+fn sqlite_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join("brokerfence-tests");
+    std::fs::create_dir_all(&dir).expect("create temp dir for SQLite test files");
+    // Sweep files of earlier runs (older than an hour) so the directory does not grow forever.
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > Duration::from_secs(3600));
+            if old {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    dir
+}
+
+/// A fresh SQLite file path under the temp dir.
+pub fn sqlite_path() -> PathBuf {
+    sqlite_dir().join(format!("{}.db", unique("fence")))
+}
+
+/// A SqliteFence on `path` (its own pool), not migrated.
+pub async fn sqlite_on(path: &std::path::Path) -> SqliteFence {
+    SqliteFence::open(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap_or_else(|e| panic!("open SQLite file {}: {e}", path.display()))
+}
+
+/// A SqliteFence on a fresh file, not yet migrated.
+pub async fn sqlite_unmigrated() -> SqliteFence {
+    sqlite_on(&sqlite_path()).await
+}
+
+/// A migrated SqliteFence on a fresh temp file.
+pub async fn sqlite() -> SqliteFence {
+    let fence = sqlite_unmigrated().await;
+    fence.migrate().await.expect("migrate SQLite file");
+    fence
+}
+
+/// What the shared suite needs from a backend beyond [`FenceStore`]: fresh instances, a second
+/// independent handle on the same database, and the backend-specific transaction forms.
+pub trait TestStore: FenceStore + Clone + Sized {
+    /// A store on a fresh schema/file, not migrated.
+    fn unmigrated() -> impl Future<Output = Self> + Send;
+    /// Another store with its own pool on the same schema/file (like a second process).
+    fn reopen(&self) -> impl Future<Output = Self> + Send;
+    /// The fence tables that exist, sorted.
+    fn tables(&self) -> impl Future<Output = Vec<String>> + Send;
+    /// Rows in the migrations table.
+    fn migration_rows(&self) -> impl Future<Output = i64> + Send;
+    /// The receiver ledger of this store.
+    fn ledger(&self, scope: &str) -> Ledger;
+    /// In ONE transaction: insert `marker` into a business table, then `complete_in(lease,
+    /// result)`; commits when that succeeds, rolls back (and returns the error) when it fails.
+    fn complete_with_business_row(
+        &self,
+        lease: &Lease,
+        marker: &str,
+        result: &[u8],
+    ) -> impl Future<Output = fence::Result<()>> + Send;
+    /// The markers in the business table.
+    fn business_rows(&self) -> impl Future<Output = Vec<String>> + Send;
+    /// In ONE transaction: `ledger.accept_in(job, epoch)` and insert `marker` into a business
+    /// table; commits when `commit` is true and the verdict is accepted, else rolls back.
+    fn ledger_accept_in(
+        &self,
+        scope: &str,
+        job: &str,
+        epoch: i64,
+        marker: &str,
+        commit: bool,
+    ) -> impl Future<Output = Verdict> + Send;
+}
+
+impl TestStore for PgFence {
+    async fn unmigrated() -> Self {
+        pg_unmigrated().await
+    }
+
+    async fn reopen(&self) -> Self {
+        pg_on(self.schema().clone()).await
+    }
+
+    async fn tables(&self) -> Vec<String> {
+        sqlx::query_scalar("SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1")
+            .bind(self.schema().as_str().to_owned())
+            .fetch_all(self.pool())
+            .await
+            .expect("list tables")
+    }
+
+    async fn migration_rows(&self) -> i64 {
+        let s = self.schema().as_str();
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {s}._migrations")))
+            .fetch_one(self.pool())
+            .await
+            .expect("count migrations")
+    }
+
+    fn ledger(&self, scope: &str) -> Ledger {
+        Ledger::Pg(PgLedger::new(self, scope))
+    }
+
+    async fn complete_with_business_row(&self, lease: &Lease, marker: &str, result: &[u8]) -> fence::Result<()> {
+        let s = self.schema().as_str();
+        let mut tx = self.pool().begin().await?;
+        sqlx::query(AssertSqlSafe(format!("CREATE TABLE IF NOT EXISTS {s}.business (marker text NOT NULL)")))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}.business (marker) VALUES ($1)")))
+            .bind(marker.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        match self.complete_in(&mut tx, lease, result).await {
+            Ok(()) => {
+                tx.commit().await?;
+                Ok(())
+            }
+            Err(e) => {
+                tx.rollback().await?;
+                Err(e)
+            }
+        }
+    }
+
+    async fn business_rows(&self) -> Vec<String> {
+        let s = self.schema().as_str();
+        sqlx::query(AssertSqlSafe(format!("CREATE TABLE IF NOT EXISTS {s}.business (marker text NOT NULL)")))
+            .execute(self.pool())
+            .await
+            .expect("business table");
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT marker FROM {s}.business ORDER BY 1")))
+            .fetch_all(self.pool())
+            .await
+            .expect("read business rows")
+    }
+
+    async fn ledger_accept_in(&self, scope: &str, job: &str, epoch: i64, marker: &str, commit: bool) -> Verdict {
+        let s = self.schema().as_str();
+        let ledger = PgLedger::new(self, scope);
+        let mut conn = self.pool().acquire().await.expect("acquire");
+        sqlx::query(AssertSqlSafe(format!("CREATE TABLE IF NOT EXISTS {s}.business (marker text NOT NULL)")))
+            .execute(&mut *conn)
+            .await
+            .expect("business table");
+        let mut tx = conn.begin().await.expect("begin");
+        let verdict = ledger.accept_in(&mut tx, job, epoch).await.expect("accept_in");
+        sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}.business (marker) VALUES ($1)")))
+            .bind(marker.to_owned())
+            .execute(&mut *tx)
+            .await
+            .expect("insert business row");
+        if commit && verdict.is_accepted() {
+            tx.commit().await.expect("commit");
+        } else {
+            tx.rollback().await.expect("rollback");
+        }
+        verdict
+    }
+}
+
+/// The file behind a SqliteFence (its pool's connect options).
+fn sqlite_file(fence: &SqliteFence) -> PathBuf {
+    fence.pool().connect_options().get_filename().to_path_buf()
+}
+
+impl TestStore for SqliteFence {
+    async fn unmigrated() -> Self {
+        sqlite_unmigrated().await
+    }
+
+    async fn reopen(&self) -> Self {
+        sqlite_on(&sqlite_file(self)).await
+    }
+
+    async fn tables(&self) -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'brokerfence%' ORDER BY 1",
+        )
+        .fetch_all(self.pool())
+        .await
+        .expect("list tables")
+    }
+
+    async fn migration_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM brokerfence__migrations")
+            .fetch_one(self.pool())
+            .await
+            .expect("count migrations")
+    }
+
+    fn ledger(&self, scope: &str) -> Ledger {
+        Ledger::Sqlite(SqliteLedger::new(self, scope))
+    }
+
+    async fn complete_with_business_row(&self, lease: &Lease, marker: &str, result: &[u8]) -> fence::Result<()> {
+        sqlx::query("CREATE TABLE IF NOT EXISTS business (marker TEXT NOT NULL)").execute(self.pool()).await?;
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query("INSERT INTO business (marker) VALUES (?1)").bind(marker.to_owned()).execute(&mut *tx).await?;
+        match self.complete_in(&mut tx, lease, result).await {
+            Ok(()) => {
+                tx.commit().await?;
+                Ok(())
+            }
+            Err(e) => {
+                tx.rollback().await?;
+                Err(e)
+            }
+        }
+    }
+
+    async fn business_rows(&self) -> Vec<String> {
+        sqlx::query("CREATE TABLE IF NOT EXISTS business (marker TEXT NOT NULL)")
+            .execute(self.pool())
+            .await
+            .expect("business table");
+        sqlx::query_scalar("SELECT marker FROM business ORDER BY 1")
+            .fetch_all(self.pool())
+            .await
+            .expect("read business rows")
+    }
+
+    async fn ledger_accept_in(&self, scope: &str, job: &str, epoch: i64, marker: &str, commit: bool) -> Verdict {
+        let ledger = SqliteLedger::new(self, scope);
+        sqlx::query("CREATE TABLE IF NOT EXISTS business (marker TEXT NOT NULL)")
+            .execute(self.pool())
+            .await
+            .expect("business table");
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.expect("begin");
+        let verdict = ledger.accept_in(&mut tx, job, epoch).await.expect("accept_in");
+        sqlx::query("INSERT INTO business (marker) VALUES (?1)")
+            .bind(marker.to_owned())
+            .execute(&mut *tx)
+            .await
+            .expect("insert business row");
+        if commit && verdict.is_accepted() {
+            tx.commit().await.expect("commit");
+        } else {
+            tx.rollback().await.expect("rollback");
+        }
+        verdict
+    }
+}
