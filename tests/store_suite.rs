@@ -50,6 +50,7 @@ macro_rules! all_tests {
             fail_retries_then_buries,
             release_keeps_the_epoch,
             complete_in_commits_with_business_rows,
+            complete_batch_commits_each_lease_or_fences_it,
             lease_expiry_and_takeover,
             leases_come_from_the_database_clock,
             odd_keys_and_payloads_round_trip,
@@ -1507,4 +1508,48 @@ async fn skew_child() {
         ),
         (_, other) => println!("SKEW local_ms={local_ms} outcome=unexpected detail={other:?}"),
     }
+}
+
+/// Guard: the owner+epoch compare-and-set of the batched completion. In one statement, the
+/// leases still held commit and the superseded ones are refused one by one, changing nothing.
+async fn complete_batch_commits_each_lease_or_fences_it<S: TestStore>() {
+    let s = fresh::<S>().await;
+    let q = queue();
+    let (a, b) = (owner("a"), owner("b"));
+    let jobs: Vec<(JobKey, Vec<u8>)> = (0..10).map(|i| (key(&format!("k{i}")), vec![i as u8])).collect();
+    s.enqueue_many(&q, &jobs).await.unwrap();
+    let claimed = s.claim_next(&q, &a, lease(30), 10).await.unwrap();
+    assert_eq!(claimed.len(), 10);
+    // Three of A's jobs are handed back and taken by B (epoch 2): A's leases on them are stale.
+    let stolen: Vec<&str> = vec!["k1", "k4", "k7"];
+    for c in claimed.iter().filter(|c| stolen.contains(&c.lease.key.as_str())) {
+        s.release(&c.lease).await.unwrap();
+    }
+    let by_b = s.claim_next(&q, &b, lease(30), 10).await.unwrap();
+    assert_eq!(by_b.len(), 3);
+    let items: Vec<(Lease, Vec<u8>)> = claimed.iter().map(|c| (c.lease.clone(), b"a-result".to_vec())).collect();
+    let answers = s.complete_batch(&items).await.unwrap();
+    assert_eq!(answers.len(), 10);
+    for (c, answer) in claimed.iter().zip(&answers) {
+        let row = s.job(&q, &c.lease.key).await.unwrap().unwrap();
+        if stolen.contains(&c.lease.key.as_str()) {
+            match answer {
+                Err(FenceError::Fenced { epoch, current_epoch, current_owner, .. }) => {
+                    assert_eq!((*epoch, *current_epoch), (1, 2));
+                    assert_eq!(current_owner.as_deref(), Some(b.as_str()));
+                }
+                other => panic!("stale lease on {} was not fenced: {other:?}", c.lease.key),
+            }
+            assert_eq!(row.state, JobState::Running);
+            assert_eq!(row.owner.as_deref(), Some(b.as_str()));
+            assert_eq!(row.result, None);
+        } else {
+            assert!(answer.is_ok(), "{answer:?}");
+            assert_eq!(row.state, JobState::Completed);
+            assert_eq!(row.result.as_deref(), Some(&b"a-result"[..]));
+        }
+    }
+    // The same lease twice in one batch: one commit, the repeat is fenced (already completed).
+    let again = s.complete_batch(&[items[0].clone(), items[0].clone()]).await.unwrap();
+    assert!(again.iter().all(|r| matches!(r, Err(FenceError::Fenced { .. }))), "{again:?}");
 }

@@ -79,6 +79,7 @@ pub(crate) struct Statements {
     complete: Arc<str>,
     fail: Arc<str>,
     release: Arc<str>,
+    complete_batch: Arc<str>,
     job: Arc<str>,
     pub(crate) ledger_accept: Arc<str>,
     pub(crate) ledger_current: Arc<str>,
@@ -176,6 +177,25 @@ impl Statements {
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
+        let batch_cas = if guards.commit_cas {
+            "t.queue = u.queue AND t.key = u.key AND t.owner = u.owner AND t.epoch = u.epoch AND t.state = 'running'"
+        } else {
+            "t.queue = u.queue AND t.key = u.key"
+        };
+        // Rows locked in (queue, key) order, like heartbeats and batch claims: no deadlocks.
+        let complete_batch = format!(
+            "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
+                 AS u(queue, key, owner, epoch, result)), \
+             locked AS MATERIALIZED (SELECT t.queue, t.key FROM {s}.jobs t JOIN u ON {batch_cas} \
+                 ORDER BY t.queue, t.key FOR UPDATE OF t), \
+             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = u.result, lease_until = NULL, \
+                 updated_at = clock_timestamp() FROM u \
+                 WHERE {batch_cas} AND (t.queue, t.key) IN (SELECT queue, key FROM locked) \
+                 RETURNING t.queue, t.key) \
+             SELECT u.queue, u.key, EXISTS (SELECT 1 FROM upd WHERE upd.queue = u.queue AND upd.key = u.key), \
+                 j.epoch, j.owner \
+             FROM u LEFT JOIN {s}.jobs j ON j.queue = u.queue AND j.key = u.key"
+        );
         let checkpoint = fenced(
             s,
             &format!("UPDATE {s}.jobs t SET progress = $5, updated_at = clock_timestamp() WHERE {cas}"),
@@ -229,6 +249,7 @@ impl Statements {
             complete: complete.into(),
             fail: fail.into(),
             release: release.into(),
+            complete_batch: complete_batch.into(),
             job: job.into(),
             ledger_accept: ledger_accept.into(),
             ledger_current: ledger_current.into(),
@@ -558,6 +579,53 @@ impl FenceStore for PgFence {
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()> {
         self.fenced_write(&self.pool, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+    }
+
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> Result<Vec<Result<()>>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        // A key twice in one statement would make the UPDATE ambiguous: batch the first of each,
+        // send any repeat on its own.
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
+        let (first, repeats): (Vec<usize>, Vec<usize>) =
+            (0..items.len()).partition(|&i| seen.insert((items[i].0.queue.as_str(), items[i].0.key.as_str())));
+        let pick = |f: fn(&(Lease, Vec<u8>)) -> String| first.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
+        let rows: Vec<(String, String, bool, Option<i64>, Option<String>)> =
+            sqlx::query_as(sql(&self.stmts.complete_batch))
+                .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
+                .bind(pick(|(l, _)| l.key.as_str().to_owned()))
+                .bind(pick(|(l, _)| l.owner.as_str().to_owned()))
+                .bind(first.iter().map(|&i| items[i].0.epoch).collect::<Vec<i64>>())
+                .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
+                .fetch_all(&self.pool)
+                .await?;
+        let verdicts: std::collections::HashMap<(&str, &str), &(String, String, bool, Option<i64>, Option<String>)> =
+            rows.iter().map(|r| ((r.0.as_str(), r.1.as_str()), r)).collect();
+        let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
+        for &i in &first {
+            let lease = &items[i].0;
+            out[i] = Some(match verdicts.get(&(lease.queue.as_str(), lease.key.as_str())) {
+                Some((_, _, true, _, _)) => Ok(()),
+                Some((_, _, false, epoch, owner)) => Err(FenceError::Fenced {
+                    key: lease.key.as_str().to_owned(),
+                    epoch: lease.epoch,
+                    current_epoch: epoch.unwrap_or(0),
+                    current_owner: owner.clone(),
+                }),
+                None => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
+            });
+        }
+        for &i in &repeats {
+            out[i] = Some(match self.complete(&items[i].0, &items[i].1).await {
+                Err(e) if !e.is_fenced() => return Err(e),
+                other => other,
+            });
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(FenceError::Corrupt("missing batch answer".into()))))
+            .collect())
     }
 
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {

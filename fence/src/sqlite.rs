@@ -468,6 +468,22 @@ impl FenceStore for SqliteFence {
         self.fenced(&self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
     }
 
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> Result<Vec<Result<()>>> {
+        // One transaction: one write-lock acquisition and one WAL commit for the whole batch.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut out = Vec::with_capacity(items.len());
+        for (lease, result) in items {
+            let row = self.cas_query(&self.stmts.complete, lease).bind(result.clone()).fetch_optional(&mut *tx).await?;
+            out.push(match self.fenced_outcome(&mut tx, lease, row).await {
+                Ok(_) => Ok(()),
+                Err(e) if e.is_fenced() => Err(e),
+                Err(e) => return Err(e),
+            });
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
         let delay = retry_delay(policy, lease.attempts);
         let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);

@@ -76,6 +76,20 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Commits the result: the job is completed under this epoch.
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()>;
 
+    /// [`complete`](Self::complete) for many leases in one statement (one commit, one fsync):
+    /// the throughput path. One answer per item, in order: `Ok(())` or
+    /// [`FenceError::Fenced`](crate::FenceError::Fenced) for that item alone.
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> Result<Vec<Result<()>>> {
+        let mut out = Vec::with_capacity(items.len());
+        for (lease, result) in items {
+            out.push(match self.complete(lease, result).await {
+                Err(e) if !e.is_fenced() => return Err(e),
+                other => other,
+            });
+        }
+        Ok(out)
+    }
+
     /// Records a failed attempt: failed with a backoff, or dead when out of attempts or `retry` is
     /// false.
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome>;
