@@ -30,11 +30,13 @@ mod schema;
 mod sqlite;
 mod store;
 mod supervisor;
+pub mod wire;
 
 pub use error::{FenceError, Result};
 pub use guards::Guards;
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
 pub use ledger::{Ledger, PgLedger, SqliteLedger, Verdict};
+pub use metrics::{Counter, Metrics, MetricsSnapshot};
 pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
@@ -42,6 +44,5 @@ pub use model::{
 pub use postgres::PgFence;
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::SqliteFence;
-pub use metrics::{Counter, Metrics, MetricsSnapshot};
 pub use store::FenceStore;
 pub use supervisor::{JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};

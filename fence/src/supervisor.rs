@@ -228,6 +228,19 @@ impl JobContext {
         self.slot.token.is_cancelled()
     }
 
+    /// The fencing stamp to send with every downstream call of this attempt (see [`crate::wire`]).
+    ///
+    /// ```no_run
+    /// # fn demo(ctx: fence::JobContext) {
+    /// for (name, value) in ctx.stamp().to_headers() {
+    ///     println!("{name}: {value}"); // e.g. request.header(name, value)
+    /// }
+    /// # }
+    /// ```
+    pub fn stamp(&self) -> crate::wire::FenceStamp {
+        crate::wire::FenceStamp::of_lease(&self.lease)
+    }
+
     /// Stores progress under the lease. A `Fenced` answer also cancels this attempt.
     ///
     /// ```no_run
@@ -327,7 +340,12 @@ impl Supervisor {
     }
 
     /// Like [`new`](Self::new), counting into shared metrics.
-    pub fn with_metrics(store: Arc<dyn FenceStore>, owner: Owner, config: SupervisorConfig, metrics: Arc<Metrics>) -> Self {
+    pub fn with_metrics(
+        store: Arc<dyn FenceStore>,
+        owner: Owner,
+        config: SupervisorConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let inner = Arc::new(Inner {
             store,
             owner,
@@ -392,7 +410,45 @@ impl Supervisor {
     ///
     /// The handler is cancelled (its future dropped, its token fired) as soon as the lease is
     /// lost, the monotonic deadline passes unconfirmed, or the attempt timeout strikes.
+    ///
+    /// The worker's monotonic deadline counts the lease's `ttl` from *now*: call this right after
+    /// the claim answered. When leases wait before they run (a batch claimed ahead), use
+    /// [`run_claimed_at`](Self::run_claimed_at) so the time already spent counts.
     pub async fn run<F, Fut>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+    {
+        self.run_claimed_at(lease, std::time::Instant::now(), payload, progress, handler).await
+    }
+
+    /// [`run`](Self::run) for a lease whose claim was *sent* at `claimed_at` (the instant taken
+    /// just before the claim statement went out; a later instant shortens the safety margin by
+    /// the delay). The worker stops trusting the lease at `claimed_at + ttl - safety margin`
+    /// unless a heartbeat confirms it first, so a lease that waited in a local queue cannot
+    /// outlive its database lease.
+    ///
+    /// ```no_run
+    /// # async fn demo(sup: fence::Supervisor, store: std::sync::Arc<dyn fence::FenceStore>,
+    /// #   q: fence::QueueName, me: fence::Owner) -> fence::Result<()> {
+    /// let sent = std::time::Instant::now();
+    /// let jobs = store.claim_next(&q, &me, sup.config().lease(), 10).await?;
+    /// for job in jobs {
+    ///     let outcome = sup.run_claimed_at(job.lease, sent, job.payload, job.progress, |ctx| async move {
+    ///         Ok(ctx.payload().to_vec())
+    ///     }).await;
+    ///     println!("{outcome:?}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_claimed_at<F, Fut>(
+        &self,
+        lease: Lease,
+        claimed_at: std::time::Instant,
+        payload: Vec<u8>,
+        progress: Option<Vec<u8>>,
+        handler: F,
+    ) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
@@ -404,10 +460,17 @@ impl Supervisor {
             epoch = lease.epoch,
             owner = %lease.owner,
         );
-        self.run_inner(lease, payload, progress, handler).instrument(span).await
+        self.run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler).instrument(span).await
     }
 
-    async fn run_inner<F, Fut>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
+    async fn run_inner<F, Fut>(
+        &self,
+        lease: Lease,
+        claimed_at: Instant,
+        payload: Vec<u8>,
+        progress: Option<Vec<u8>>,
+        handler: F,
+    ) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
@@ -416,13 +479,17 @@ impl Supervisor {
         let margin = inner.config.safety_margin();
         let state = Arc::new(SlotState {
             token: CancellationToken::new(),
-            deadline: AtomicU64::new(inner.nanos(Instant::now() + lease.ttl.saturating_sub(margin))),
+            deadline: AtomicU64::new(inner.nanos(claimed_at + lease.ttl.saturating_sub(margin))),
             loss: Mutex::new(None),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {
             map.insert(id, Slot { lease: lease.clone(), state: Arc::clone(&state) });
         }
+        // Leaves the in-flight registry however this attempt ends: normally, by a panic in the
+        // handler, or because the caller dropped this future. Otherwise the heartbeat would keep
+        // renewing the lease of an attempt nobody runs any more, and the job would be stuck.
+        let mut registered = Registered { inner, id: Some(id) };
         let ctx = JobContext {
             lease: lease.clone(),
             payload: payload.into(),
@@ -440,7 +507,7 @@ impl Supervisor {
         };
         let guarded = Guarded::new(work, Arc::clone(&state), inner.base, inner.config.cancel_on_loss);
         let result = guarded.await;
-        inner.remove(id);
+        registered.leave();
 
         match result {
             Err(LossReason::Shutdown) => match inner.store.release(&lease).await {
@@ -453,7 +520,7 @@ impl Supervisor {
             },
             Err(reason) => {
                 inner.metrics.incr(Counter::LeaseLosses);
-                tracing::warn!(?reason, "lease lost: handler cancelled, nothing committed");
+                inner.log_loss(&lease, reason).await;
                 Outcome::LeaseLost { reason }
             }
             Ok(Err(())) => {
@@ -479,7 +546,11 @@ impl Supervisor {
         inner.draining.cancel();
         let deadline = Instant::now() + grace;
         while self.in_flight() > 0 && Instant::now() < deadline {
-            let _ = tokio::time::timeout_at(deadline.min(Instant::now() + Duration::from_millis(100)), inner.idle.notified()).await;
+            let _ = tokio::time::timeout_at(
+                deadline.min(Instant::now() + Duration::from_millis(100)),
+                inner.idle.notified(),
+            )
+            .await;
         }
         let left: Vec<Arc<SlotState>> =
             inner.inflight.lock().map(|m| m.values().map(|s| Arc::clone(&s.state)).collect()).unwrap_or_default();
@@ -495,7 +566,76 @@ impl Supervisor {
     }
 }
 
+/// Removes an attempt from the in-flight registry when dropped (or at [`leave`](Self::leave)).
+struct Registered<'a> {
+    inner: &'a Inner,
+    id: Option<u64>,
+}
+
+impl Registered<'_> {
+    fn leave(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.inner.remove(id);
+        }
+    }
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        if self.id.is_some() {
+            tracing::warn!("attempt abandoned (handler panicked or its future was dropped); lease no longer renewed");
+        }
+        self.leave();
+    }
+}
+
 impl Inner {
+    /// Logs a lost lease with both epochs: ours and, when the database answers quickly, the one
+    /// that superseded it.
+    async fn log_loss(&self, lease: &Lease, reason: LossReason) {
+        let current = match reason {
+            LossReason::Superseded => {
+                tokio::time::timeout(Duration::from_millis(500), self.store.job(&lease.queue, &lease.key)).await.ok()
+            }
+            _ => None,
+        };
+        match current {
+            Some(Ok(Some(job))) => tracing::warn!(
+                ?reason,
+                key = %lease.key,
+                epoch = lease.epoch,
+                current_epoch = job.epoch,
+                current_owner = job.owner.as_deref().unwrap_or("none"),
+                current_state = %job.state,
+                "lease lost: handler cancelled, nothing committed"
+            ),
+            _ => tracing::warn!(
+                ?reason,
+                key = %lease.key,
+                epoch = lease.epoch,
+                "lease lost: handler cancelled, nothing committed"
+            ),
+        }
+    }
+
+    /// Cancels every attempt whose monotonic deadline has passed, so that work spawned with
+    /// [`JobContext::cancellation`] stops even when the attempt's own task is not being polled
+    /// (for example because the handler is stuck in blocking code).
+    fn expire_overdue(&self) {
+        if !self.config.cancel_on_loss {
+            return;
+        }
+        let now = self.nanos(Instant::now());
+        if let Ok(map) = self.inflight.lock() {
+            for slot in map.values() {
+                if !slot.state.token.is_cancelled() && slot.state.deadline.load(Ordering::Acquire) <= now {
+                    tracing::warn!(key = %slot.lease.key, epoch = slot.lease.epoch, "lease unconfirmed past its deadline; cancelling");
+                    slot.state.lose(LossReason::Unconfirmed);
+                }
+            }
+        }
+    }
+
     fn nanos(&self, at: Instant) -> u64 {
         u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
     }
@@ -575,7 +715,9 @@ impl Inner {
         for l in &hb.lost {
             if let Some(s) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
                 tracing::warn!(queue = %l.queue, key = %l.key, epoch = l.epoch, "heartbeat found lease lost; cancelling");
-                s.lose(LossReason::Superseded);
+                if self.config.cancel_on_loss {
+                    s.lose(LossReason::Superseded);
+                }
             }
         }
         if let Ok(mut map) = self.inflight.lock() {
@@ -611,6 +753,7 @@ async fn tick_loop(inner: Weak<Inner>, stop: CancellationToken, interval: Durati
         }
         let Some(inner) = inner.upgrade() else { return };
         wait = if inner.tick().await { interval } else { retry };
+        inner.expire_overdue();
     }
 }
 
@@ -645,10 +788,10 @@ impl<F: Future> Future for Guarded<F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
-        if this.enforce || this.state.reason() == LossReason::Shutdown && this.state.token.is_cancelled() {
-            if this.cancelled.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(this.state.reason()));
-            }
+        // With cancel-on-loss switched off (tests only) a lost lease is ignored, but shutdown still stops.
+        let watch = this.enforce || (this.state.reason() == LossReason::Shutdown && this.state.token.is_cancelled());
+        if watch && this.cancelled.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(this.state.reason()));
         }
         if this.enforce {
             loop {
@@ -667,5 +810,63 @@ impl<F: Future> Future for Guarded<F> {
             }
         }
         this.inner.as_mut().poll(cx).map(Ok)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Claim, SqliteFence};
+
+    async fn setup() -> (Supervisor, Lease) {
+        let store = SqliteFence::open("sqlite::memory:").await.expect("open");
+        store.migrate().await.expect("migrate");
+        let lease_len = LeaseDuration::from_secs(3).expect("lease");
+        let owner = Owner::unique("test");
+        let (q, k) = (QueueName::new("q").expect("q"), JobKey::new("k").expect("k"));
+        let lease = match store.claim(&q, &k, &owner, lease_len).await.expect("claim") {
+            Claim::Claimed(l) => l,
+            other => panic!("{other:?}"),
+        };
+        (Supervisor::new(Arc::new(store), owner, SupervisorConfig::new(lease_len)), lease)
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_leaves_the_registry() {
+        let (sup, lease) = setup().await;
+        let s = sup.clone();
+        let joined = tokio::spawn(async move {
+            s.run(lease, Vec::new(), None, |_ctx| async move {
+                tokio::task::yield_now().await;
+                panic!("handler bug")
+            })
+            .await
+        })
+        .await;
+        assert!(joined.is_err_and(|e| e.is_panic()));
+        assert_eq!(sup.in_flight(), 0, "a panicked attempt must not be renewed forever");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_attempt_leaves_the_registry() {
+        let (sup, lease) = setup().await;
+        let run = sup.run(lease, Vec::new(), None, |_ctx| std::future::pending());
+        assert!(tokio::time::timeout(Duration::from_millis(50), run).await.is_err());
+        assert_eq!(sup.in_flight(), 0, "a dropped attempt must not be renewed forever");
+    }
+
+    #[tokio::test]
+    async fn the_deadline_counts_from_the_claim() {
+        let (sup, lease) = setup().await;
+        let Some(long_ago) = std::time::Instant::now().checked_sub(Duration::from_secs(10)) else { return };
+        let started = std::time::Instant::now();
+        let outcome = sup
+            .run_claimed_at(lease, long_ago, Vec::new(), None, |_ctx| async move {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok(Vec::new())
+            })
+            .await;
+        assert!(matches!(outcome, Outcome::LeaseLost { reason: LossReason::Unconfirmed }), "{outcome:?}");
+        assert!(started.elapsed() < Duration::from_secs(1));
     }
 }

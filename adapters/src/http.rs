@@ -1,0 +1,329 @@
+//! The receiver side of the fence for an HTTP service (axum 0.8): a middleware that reads the
+//! [fencing stamp](fence::wire) from the request headers, checks its epoch against a
+//! [`Ledger`], and refuses a stale call before any handler runs.
+//!
+//! | request                                   | response                                  |
+//! |-------------------------------------------|-------------------------------------------|
+//! | no stamp, or a malformed one              | `400 Bad Request`, JSON naming the header |
+//! | an epoch older than the newest accepted   | `409 Conflict`, JSON naming job, epoch and newest |
+//! | the ledger cannot be reached              | `503 Service Unavailable` (retry later)   |
+//! | otherwise (epoch newest or equal: a retry)| passed on; the handler can extract [`AcceptedStamp`] |
+//!
+//! ```no_run
+//! # async fn demo(ledger: fence::Ledger) -> std::io::Result<()> {
+//! use axum::{Router, routing::post};
+//! use adapters::http::{AcceptedStamp, EpochGuard};
+//!
+//! async fn charge(AcceptedStamp { stamp, .. }: AcceptedStamp, body: String) -> String {
+//!     format!("charged {body} for {} at epoch {}", stamp.job, stamp.epoch)
+//! }
+//!
+//! let app = Router::new().route("/charge", post(charge)).layer(EpochGuard::new(ledger).layer());
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! axum::serve(listener, app).await
+//! # }
+//! ```
+//!
+//! ## Checking inside the receiver's own transaction
+//!
+//! The middleware's check and the handler's effect are two statements: a newer epoch accepted
+//! between them is not seen by the older call's effect. When the effect is a database write and
+//! strict ordering matters, skip the middleware for that route, extract the [`Stamp`] (parsed but
+//! not checked) and run the ledger's `accept_in` in the same transaction as the effect: either
+//! both commit or neither does, and a newer epoch's transaction waits on the ledger row.
+//!
+//! ```no_run
+//! # async fn demo() {}
+//! use axum::{extract::State, response::{IntoResponse, Response}};
+//! use adapters::http::{Stamp, stale_response};
+//! use fence::{PgLedger, Verdict};
+//!
+//! #[derive(Clone)]
+//! struct App { pool: sqlx::PgPool, ledger: PgLedger }
+//!
+//! async fn charge(State(app): State<App>, Stamp(stamp): Stamp, body: String) -> Response {
+//!     let Ok(mut tx) = app.pool.begin().await else { return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "db").into_response() };
+//!     match app.ledger.accept_in(&mut tx, &stamp.ledger_job(), stamp.epoch).await {
+//!         Ok(Verdict::Accepted { .. }) => {}
+//!         Ok(Verdict::Stale { newest }) => return stale_response(&stamp, newest), // tx rolls back on drop
+//!         Err(e) => return (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+//!     }
+//!     let _ = sqlx::query("INSERT INTO charges (job, body) VALUES ($1, $2)")
+//!         .bind(&stamp.job).bind(&body).execute(&mut *tx).await;
+//!     let _ = tx.commit().await;
+//!     "charged".into_response()
+//! }
+//! ```
+
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::{FromFnLayer, Next};
+use axum::response::{IntoResponse, Response};
+use fence::wire::{self, FenceStamp, StampError};
+use fence::{Ledger, Verdict};
+use futures::future::BoxFuture;
+
+/// The middleware function behind [`EpochGuard::layer`], as a plain function pointer.
+pub type EnforceFn = fn(State<EpochGuard>, Request, Next) -> BoxFuture<'static, Response>;
+
+/// The layer [`EpochGuard::layer`] returns: add it to a `Router` with `.layer(…)` (every route)
+/// or `.route_layer(…)` (matched routes only).
+pub type FenceLayer = FromFnLayer<EnforceFn, EpochGuard, (State<EpochGuard>, Request)>;
+
+/// Enforces the epoch convention on an HTTP receiver: one [`Ledger`] check per request.
+///
+/// ```no_run
+/// # fn demo(ledger: fence::Ledger) {
+/// let app: axum::Router = axum::Router::new()
+///     .route("/effect", axum::routing::post(|| async { "applied" }))
+///     .layer(adapters::http::EpochGuard::new(ledger).layer());
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct EpochGuard {
+    ledger: Ledger,
+}
+
+impl EpochGuard {
+    /// A guard checking stamps against `ledger` (give each receiver its own ledger scope).
+    ///
+    /// ```no_run
+    /// # fn demo(fence: fence::PgFence) {
+    /// let guard = adapters::http::EpochGuard::new(fence::Ledger::Pg(fence::PgLedger::new(&fence, "payments")));
+    /// # }
+    /// ```
+    pub fn new(ledger: Ledger) -> Self {
+        Self { ledger }
+    }
+
+    /// The ledger.
+    ///
+    /// ```no_run
+    /// # async fn demo(guard: adapters::http::EpochGuard) -> fence::Result<()> {
+    /// println!("newest: {:?}", guard.ledger().newest("orders/o-1").await?);
+    /// # Ok(()) }
+    /// ```
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// The axum layer.
+    ///
+    /// ```no_run
+    /// # fn demo(guard: adapters::http::EpochGuard) {
+    /// let app: axum::Router = axum::Router::new().layer(guard.layer());
+    /// # }
+    /// ```
+    pub fn layer(&self) -> FenceLayer {
+        axum::middleware::from_fn_with_state(self.clone(), enforce_boxed as EnforceFn)
+    }
+
+    /// Checks one request's headers: the accepted stamp, or the response refusing the call.
+    ///
+    /// ```no_run
+    /// # async fn demo(guard: adapters::http::EpochGuard, headers: axum::http::HeaderMap) {
+    /// match guard.check(&headers).await {
+    ///     Ok(accepted) => println!("accepted {}", accepted.stamp),
+    ///     Err(refusal) => println!("refused with {}", refusal.status()),
+    /// }
+    /// # }
+    /// ```
+    pub async fn check(&self, headers: &HeaderMap) -> Result<AcceptedStamp, Response> {
+        let stamp = stamp_from_headers(headers).map_err(|e| {
+            tracing::info!(error = %e, "request without a valid fence stamp refused");
+            stamp_error_response(&e)
+        })?;
+        match stamp.accept(&self.ledger).await {
+            Ok(Verdict::Accepted { newest }) => {
+                tracing::debug!(%stamp, newest, "fence stamp accepted");
+                Ok(AcceptedStamp { stamp, newest })
+            }
+            Ok(Verdict::Stale { newest }) => {
+                tracing::warn!(
+                    queue = %stamp.queue,
+                    job = %stamp.job,
+                    epoch = stamp.epoch,
+                    newest,
+                    owner = stamp.owner.as_deref().unwrap_or("-"),
+                    "stale epoch refused: the caller was superseded"
+                );
+                Err(stale_response(&stamp, newest))
+            }
+            Err(fence::FenceError::InvalidInput { what, reason }) => {
+                let e = StampError::Malformed { name: wire::JOB, reason: format!("{what}: {reason}") };
+                Err(stamp_error_response(&e))
+            }
+            Err(e) => {
+                tracing::error!(%stamp, error = %e, "ledger unavailable; call refused");
+                Err(unavailable_response(&e))
+            }
+        }
+    }
+}
+
+/// The middleware: refuses a request without a valid stamp (400) or with a stale epoch (409);
+/// otherwise inserts the [`AcceptedStamp`] into the request's extensions and calls the handler.
+/// Use it with `axum::middleware::from_fn_with_state(guard, enforce)`, or through
+/// [`EpochGuard::layer`].
+///
+/// ```no_run
+/// # fn demo(guard: adapters::http::EpochGuard) {
+/// let app: axum::Router = axum::Router::new()
+///     .layer(axum::middleware::from_fn_with_state(guard, adapters::http::enforce));
+/// # }
+/// ```
+pub async fn enforce(State(guard): State<EpochGuard>, mut req: Request, next: Next) -> Response {
+    match guard.check(req.headers()).await {
+        Ok(accepted) => {
+            req.extensions_mut().insert(accepted);
+            next.run(req).await
+        }
+        Err(refusal) => refusal,
+    }
+}
+
+fn enforce_boxed(state: State<EpochGuard>, req: Request, next: Next) -> BoxFuture<'static, Response> {
+    Box::pin(enforce(state, req, next))
+}
+
+/// The stamp a request was accepted with, and the newest epoch the ledger now keeps for its job
+/// (equal to the stamp's epoch). Put into the request's extensions by the middleware; extract it
+/// in a handler. Extracting it on a route without the middleware is a `500` (a wiring mistake).
+///
+/// ```no_run
+/// async fn handler(adapters::http::AcceptedStamp { stamp, newest }: adapters::http::AcceptedStamp) -> String {
+///     format!("{stamp} accepted (newest {newest})")
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcceptedStamp {
+    /// The stamp as sent.
+    pub stamp: FenceStamp,
+    /// The newest epoch kept for the job after this call.
+    pub newest: i64,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for AcceptedStamp {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<AcceptedStamp>().cloned().ok_or((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "AcceptedStamp extracted on a route without the EpochGuard layer",
+        ))
+    }
+}
+
+/// The stamp of a request, parsed from its headers but NOT checked against a ledger: for handlers
+/// that run `accept_in` inside their own transaction (see the module docs). Missing or malformed:
+/// `400` with the same body as the middleware.
+///
+/// ```no_run
+/// async fn handler(adapters::http::Stamp(stamp): adapters::http::Stamp) -> String {
+///     format!("job {} epoch {}", stamp.job, stamp.epoch)
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stamp(pub FenceStamp);
+
+impl<S: Send + Sync> FromRequestParts<S> for Stamp {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        if let Some(accepted) = parts.extensions.get::<AcceptedStamp>() {
+            return Ok(Stamp(accepted.stamp.clone()));
+        }
+        stamp_from_headers(&parts.headers).map(Stamp).map_err(|e| stamp_error_response(&e))
+    }
+}
+
+/// Reads the stamp from an HTTP header map (a value that is not visible ASCII is malformed).
+///
+/// ```
+/// use axum::http::HeaderMap;
+/// let mut headers = HeaderMap::new();
+/// adapters::http::insert_stamp(&mut headers, &fence::wire::FenceStamp::new("q", "k 1", 3));
+/// let stamp = adapters::http::stamp_from_headers(&headers).unwrap();
+/// assert_eq!((stamp.job.as_str(), stamp.epoch), ("k 1", 3));
+/// ```
+pub fn stamp_from_headers(headers: &HeaderMap) -> Result<FenceStamp, StampError> {
+    let mut pairs: Vec<(&'static str, &str)> = Vec::with_capacity(4);
+    for name in wire::NAMES {
+        for value in headers.get_all(name) {
+            let value = value
+                .to_str()
+                .map_err(|_| StampError::Malformed { name, reason: "not visible ASCII (encode the value)".into() })?;
+            pairs.push((name, value));
+        }
+    }
+    FenceStamp::from_headers(pairs)
+}
+
+/// Writes the stamp into an HTTP header map (replacing earlier stamp headers). Works with any
+/// client built on the `http` 1.x crate (reqwest 0.12, hyper 1).
+///
+/// ```
+/// let mut headers = axum::http::HeaderMap::new();
+/// adapters::http::insert_stamp(&mut headers, &fence::wire::FenceStamp::new("q", "k", 2).with_owner("w"));
+/// assert_eq!(headers["fence-epoch"], "2");
+/// assert_eq!(headers.len(), 4);
+/// ```
+pub fn insert_stamp(headers: &mut HeaderMap, stamp: &FenceStamp) {
+    for name in wire::NAMES {
+        headers.remove(name);
+    }
+    for (name, value) in stamp.to_headers() {
+        // Encoded values are visible ASCII by construction, so both conversions succeed.
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(HeaderName::from_static(lower(name)), value);
+        }
+    }
+}
+
+fn lower(name: &'static str) -> &'static str {
+    match name {
+        wire::QUEUE => "fence-queue",
+        wire::JOB => "fence-job",
+        wire::EPOCH => "fence-epoch",
+        _ => "fence-owner",
+    }
+}
+
+/// The `409 Conflict` for a stale epoch, with a JSON body naming job, epoch and newest.
+///
+/// ```
+/// let stamp = fence::wire::FenceStamp::new("orders", "o-1", 1);
+/// let response = adapters::http::stale_response(&stamp, 2);
+/// assert_eq!(response.status(), axum::http::StatusCode::CONFLICT);
+/// ```
+pub fn stale_response(stamp: &FenceStamp, newest: i64) -> Response {
+    json(StatusCode::CONFLICT, wire::stale_epoch_json(stamp, newest))
+}
+
+/// The `400 Bad Request` for a missing or malformed stamp, with a JSON body naming the header.
+///
+/// ```
+/// let err = fence::wire::StampError::Missing { name: fence::wire::EPOCH };
+/// assert_eq!(adapters::http::stamp_error_response(&err).status(), axum::http::StatusCode::BAD_REQUEST);
+/// ```
+pub fn stamp_error_response(err: &StampError) -> Response {
+    json(StatusCode::BAD_REQUEST, err.to_json())
+}
+
+fn unavailable_response(err: &fence::FenceError) -> Response {
+    let body = format!(
+        r#"{{"error":"ledger_unavailable","message":"the epoch ledger could not be reached; retry later ({})"}}"#,
+        err.to_string().replace(['"', '\\'], "'")
+    );
+    let mut response = json(StatusCode::SERVICE_UNAVAILABLE, body);
+    response.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+fn json(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}

@@ -1,0 +1,416 @@
+//! The zombie demo — run it first: `cargo run --example zombie`.
+//!
+//! Two workers and a downstream payments service share one job. Worker A claims it (epoch 1)
+//! and then freezes: its thread is blocked, as in a stop-the-world GC pause or a VM stall, so its
+//! heartbeat cannot run and its 3 s lease runs out. Worker B takes the job over (epoch 2), charges
+//! the customer and commits. Then A wakes up, still believing it owns the job, and carries on.
+//! The demo plays both orderings of A's late call and B's call at the payments service:
+//!
+//! | case                                 | zombie's receiver call    | zombie's commit | final state                    |
+//! |--------------------------------------|---------------------------|-----------------|--------------------------------|
+//! | new owner reaches the receiver first | rejected                  | rejected        | epoch 2, the new owner's result |
+//! | zombie reaches the receiver first    | accepted, then superseded | rejected        | epoch 2, the new owner's result |
+//!
+//! With no services it runs on SQLite (a temporary file). With `DATABASE_URL=postgres://…` in the
+//! environment it runs on PostgreSQL, in a fresh schema it drops at the end.
+//!
+//! The payments service stands in for an HTTP receiver: it gets the same `Fence-*` headers
+//! (`fence::wire`) and makes the same ledger check as the `adapters::http` middleware, in process
+//! so that the demo needs no features and no ports. The proof that all of this also holds across
+//! real processes frozen with SIGSTOP is `tests/zombie_proof.rs`.
+
+use std::collections::HashMap;
+use std::error::Error;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use brokerfence::fence::wire::{self, FenceStamp};
+use brokerfence::fence::{
+    Claim, FenceStore, JobKey, LeaseDuration, Ledger, MetricsSnapshot, Outcome, Owner, PgFence, PgLedger, QueueName,
+    SchemaName, SqliteFence, SqliteLedger, Supervisor, SupervisorConfig, Verdict,
+};
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+const LEASE: Duration = Duration::from_secs(3);
+const QUEUE: &str = "payments";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    NewOwnerFirst,
+    ZombieFirst,
+}
+
+impl Order {
+    fn title(self) -> &'static str {
+        match self {
+            Order::NewOwnerFirst => "new owner reaches the receiver first",
+            Order::ZombieFirst => "zombie reaches the receiver first",
+        }
+    }
+}
+
+/// Where the demo keeps its state.
+#[derive(Debug, Clone)]
+enum Db {
+    Postgres { url: String, schema: SchemaName },
+    Sqlite { path: std::path::PathBuf },
+}
+
+impl Db {
+    async fn open(&self) -> Result<(Arc<dyn FenceStore>, Ledger), BoxError> {
+        Ok(match self {
+            Db::Postgres { url, schema } => {
+                let fence = PgFence::connect(url).await?.with_schema(schema.clone());
+                fence.migrate().await?;
+                let ledger = Ledger::Pg(PgLedger::new(&fence, "payments-service"));
+                (Arc::new(fence), ledger)
+            }
+            Db::Sqlite { path } => {
+                let fence = SqliteFence::open(&format!("sqlite:{}", path.display())).await?;
+                fence.migrate().await?;
+                let ledger = Ledger::Sqlite(SqliteLedger::new(&fence, "payments-service"));
+                (Arc::new(fence), ledger)
+            }
+        })
+    }
+}
+
+/// Prints one timeline line.
+#[derive(Clone, Copy)]
+struct Clock(Instant);
+
+impl Clock {
+    fn say(&self, who: &str, what: impl std::fmt::Display) {
+        println!("  [{:>5.2}s] {who:<9} {what}", self.0.elapsed().as_secs_f64());
+    }
+}
+
+/// The downstream receiver: charges a customer once per job, newest epoch wins.
+struct Payments {
+    ledger: Ledger,
+    clock: Mutex<Clock>,
+    /// The charge on record per job: (epoch, description).
+    charges: Mutex<HashMap<String, (i64, String)>>,
+}
+
+impl Payments {
+    async fn handle(&self, headers: &[(&'static str, String)], body: &str) -> (u16, String) {
+        let clock = *self.clock.lock().expect("clock");
+        let stamp = match FenceStamp::from_headers(headers.iter().map(|(k, v)| (*k, v.as_str()))) {
+            Ok(s) => s,
+            Err(e) => return (400, e.to_json()),
+        };
+        match stamp.accept(&self.ledger).await {
+            Ok(Verdict::Accepted { .. }) => {
+                let mut charges = self.charges.lock().expect("charges");
+                let before = charges.insert(stamp.ledger_job(), (stamp.epoch, body.to_owned()));
+                match before {
+                    Some((e, _)) if e < stamp.epoch => clock.say(
+                        "payments",
+                        format!("epoch {} accepted: replaces the charge of epoch {e} with {body:?}", stamp.epoch),
+                    ),
+                    _ => clock.say("payments", format!("epoch {} accepted: {body:?} on record", stamp.epoch)),
+                }
+                (200, "charged".into())
+            }
+            Ok(Verdict::Stale { newest }) => {
+                clock.say(
+                    "payments",
+                    format!("epoch {} REFUSED (409): epoch {newest} was already accepted", stamp.epoch),
+                );
+                (409, wire::stale_epoch_json(&stamp, newest))
+            }
+            Err(e) => (503, e.to_string()),
+        }
+    }
+}
+
+/// One request on the in-process "network" to the payments service.
+struct Request {
+    headers: Vec<(&'static str, String)>,
+    body: String,
+    reply: std::sync::mpsc::Sender<(u16, String)>,
+}
+
+#[derive(Clone)]
+struct Network(tokio::sync::mpsc::UnboundedSender<Request>);
+
+impl Network {
+    /// A blocking call, as a handler doing synchronous I/O makes it: nothing can interrupt it.
+    fn call_blocking(&self, stamp: &FenceStamp, body: &str) -> (u16, String) {
+        let (reply, answer) = std::sync::mpsc::channel();
+        let sent = self.0.send(Request { headers: stamp.to_headers(), body: body.to_owned(), reply });
+        match sent {
+            Ok(()) => answer.recv().unwrap_or((503, "payments service gone".into())),
+            Err(_) => (503, "payments service gone".into()),
+        }
+    }
+
+    /// The same call from async code.
+    async fn call(&self, stamp: &FenceStamp, body: &str) -> (u16, String) {
+        let net = self.clone();
+        let (stamp, body) = (stamp.clone(), body.to_owned());
+        tokio::task::spawn_blocking(move || net.call_blocking(&stamp, &body)).await.unwrap_or((503, "join".into()))
+    }
+}
+
+/// What one case observed.
+struct CaseResult {
+    zombie_call: String,
+    zombie_commit: String,
+    final_state: String,
+}
+
+fn describe(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Completed => "accepted: the job is completed with this result".into(),
+        Outcome::Fenced(e) => format!("REFUSED (Fenced): {e}"),
+        Outcome::LeaseLost { reason } => format!("cancelled before committing ({reason:?})"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// What worker A reports: its outcome, the status of its receiver call, its counters.
+type WorkerAReport = (Outcome, Option<u16>, MetricsSnapshot);
+
+/// Worker A: its own thread and its own single-threaded runtime, so that blocking the thread
+/// freezes everything A does — handler and heartbeat alike.
+#[allow(clippy::too_many_arguments)]
+fn worker_a(
+    db: Db,
+    key: JobKey,
+    order: Order,
+    clock: Clock,
+    net: Network,
+    claimed: tokio::sync::oneshot::Sender<()>,
+    frozen: tokio::sync::oneshot::Sender<()>,
+    thaw: std::sync::mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<Result<WorkerAReport, String>> {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+        rt.block_on(async move {
+            let (store, _) = db.open().await.map_err(|e| e.to_string())?;
+            let owner = Owner::new("worker-A").map_err(|e| e.to_string())?;
+            let lease_len = LeaseDuration::new(LEASE).map_err(|e| e.to_string())?;
+            let queue = QueueName::new(QUEUE).map_err(|e| e.to_string())?;
+            let lease = match store.claim(&queue, &key, &owner, lease_len).await.map_err(|e| e.to_string())? {
+                Claim::Claimed(lease) => lease,
+                other => return Err(format!("worker A could not claim: {other:?}")),
+            };
+            clock.say("worker-A", format!("claimed {key} -> epoch {} (lease 3 s, heartbeat every 1 s)", lease.epoch));
+            let _ = claimed.send(());
+            let supervisor = Supervisor::new(store, owner, SupervisorConfig::new(lease_len));
+            let call_status = Arc::new(Mutex::new(None));
+            let seen = Arc::clone(&call_status);
+            let outcome = supervisor
+                .run(lease, Vec::new(), None, move |ctx| async move {
+                    let stamp = ctx.stamp();
+                    let charge = |status: &mut Option<u16>| {
+                        clock.say("worker-A", format!("-> payments: charge {} (epoch {})", ctx.key(), ctx.epoch()));
+                        let (code, _) = net.call_blocking(&stamp, "charge by worker-A");
+                        *status = Some(code);
+                        clock.say("worker-A", format!("<- payments answered {code}"));
+                    };
+                    if order == Order::ZombieFirst {
+                        charge(&mut seen.lock().expect("status"));
+                    }
+                    clock.say("worker-A", "FREEZES: stop-the-world pause; its thread (heartbeat included) is blocked");
+                    let paused = Instant::now();
+                    let _ = frozen.send(());
+                    let _ = thaw.recv(); // blocked here, like a GC pause: nothing of A runs
+                    clock.say(
+                        "worker-A",
+                        format!(
+                            "wakes up after {:.1} s, past its lease; still believes it holds epoch {}",
+                            paused.elapsed().as_secs_f64(),
+                            ctx.epoch()
+                        ),
+                    );
+                    if order == Order::NewOwnerFirst {
+                        charge(&mut seen.lock().expect("status"));
+                    }
+                    clock.say("worker-A", "handler returns \"charged by worker-A\"; the supervisor commits it");
+                    Ok(b"charged by worker-A".to_vec())
+                })
+                .await;
+            clock.say("worker-A", format!("commit {}", describe(&outcome)));
+            let metrics = supervisor.metrics().snapshot();
+            supervisor.shutdown(Duration::from_millis(100)).await;
+            let status = *call_status.lock().map_err(|e| e.to_string())?;
+            Ok((outcome, status, metrics))
+        })
+    })
+}
+
+async fn run_case(
+    db: &Db,
+    order: Order,
+    key: &str,
+    payments: &Payments,
+    net: &Network,
+) -> Result<CaseResult, BoxError> {
+    let clock = Clock(Instant::now());
+    *payments.clock.lock().expect("clock") = clock;
+    println!("\n=== case: {} ===", order.title());
+    let key = JobKey::new(key)?;
+    let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel();
+    let (frozen_tx, frozen_rx) = tokio::sync::oneshot::channel();
+    let (thaw_tx, thaw_rx) = std::sync::mpsc::channel();
+    let a = worker_a(db.clone(), key.clone(), order, clock, net.clone(), claimed_tx, frozen_tx, thaw_rx);
+    claimed_rx.await?;
+    frozen_rx.await?;
+
+    // Worker B: an ordinary worker on the main runtime.
+    let (store, _) = db.open().await?;
+    let owner = Owner::new("worker-B")?;
+    let lease_len = LeaseDuration::new(LEASE)?;
+    let queue = QueueName::new(QUEUE)?;
+    let mut told = false;
+    let lease = loop {
+        match store.claim(&queue, &key, &owner, lease_len).await? {
+            Claim::Claimed(lease) => break lease,
+            Claim::Busy { owner, epoch, ttl, .. } => {
+                if !told {
+                    let holder = owner.unwrap_or_default();
+                    clock.say(
+                        "worker-B",
+                        format!("{key} is busy: {holder} holds epoch {epoch} for {:.1} s more", ttl.as_secs_f64()),
+                    );
+                    told = true;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return Err(format!("unexpected claim outcome {other:?}").into()),
+        }
+    };
+    clock.say("worker-B", format!("A's lease expired unrenewed -> B claimed {key}: epoch {}", lease.epoch));
+    let supervisor = Supervisor::new(Arc::clone(&store), owner, SupervisorConfig::new(lease_len));
+    let b_net = net.clone();
+    let outcome = supervisor
+        .run(lease, Vec::new(), None, move |ctx| async move {
+            clock.say("worker-B", format!("-> payments: charge {} (epoch {})", ctx.key(), ctx.epoch()));
+            let (code, _) = b_net.call(&ctx.stamp(), "charge by worker-B").await;
+            clock.say("worker-B", format!("<- payments answered {code}"));
+            Ok(b"charged by worker-B".to_vec())
+        })
+        .await;
+    clock.say("worker-B", format!("commit {}", describe(&outcome)));
+    let b_metrics = supervisor.metrics().snapshot();
+    supervisor.shutdown(Duration::from_millis(100)).await;
+
+    let _ = thaw_tx.send(());
+    let (a_outcome, a_status, a_metrics) =
+        tokio::task::spawn_blocking(move || a.join()).await?.map_err(|_| "worker A panicked")??;
+
+    let job = store.job(&queue, &key).await?.ok_or("job row missing")?;
+    let result = String::from_utf8_lossy(job.result.as_deref().unwrap_or_default()).into_owned();
+    let ledger_job = FenceStamp::new(QUEUE, key.as_str(), 1).ledger_job();
+    let newest = payments.ledger.newest(&ledger_job).await?;
+    let charge = payments.charges.lock().expect("charges").get(&ledger_job).cloned();
+    println!("  final state of {key}:");
+    println!(
+        "    job row    {}, epoch {}, owner {}, result {result:?}",
+        job.state,
+        job.epoch,
+        job.owner.as_deref().unwrap_or("-")
+    );
+    println!(
+        "    payments   newest epoch {}, charge on record: {}",
+        newest.map_or("-".into(), |e| e.to_string()),
+        charge.as_ref().map_or("none".into(), |(e, d)| format!("{d:?} (epoch {e})"))
+    );
+    for (who, m) in [("worker-A", a_metrics), ("worker-B", b_metrics)] {
+        println!(
+            "    {who}   heartbeats={} lease_losses={} fenced_rejections={} completions={}",
+            m.heartbeats, m.lease_losses, m.fenced_rejections, m.completions
+        );
+    }
+
+    let zombie_call = match (order, a_status) {
+        (Order::NewOwnerFirst, Some(409)) => "rejected (409)".to_owned(),
+        (Order::ZombieFirst, Some(200)) if newest == Some(job.epoch) && job.epoch > 1 => {
+            format!("accepted, then superseded by epoch {}", job.epoch)
+        }
+        (_, status) => format!("unexpected: {status:?}"),
+    };
+    let zombie_commit = match a_outcome {
+        Outcome::Fenced(_) => "rejected (Fenced)".to_owned(),
+        other => format!("unexpected: {}", describe(&other)),
+    };
+    Ok(CaseResult {
+        zombie_call,
+        zombie_commit,
+        final_state: format!("{} at epoch {}, {result:?}", job.state, job.epoch),
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    }
+    // Only the environment decides: a fresh machine with nothing installed runs on SQLite.
+    let db = match std::env::var("DATABASE_URL") {
+        Ok(url) if url.starts_with("postgres") => {
+            let schema = SchemaName::new(format!("zombie_demo_{:08x}", rand::random::<u32>()))?;
+            println!("brokerfence zombie demo on PostgreSQL ({url}, schema {})", schema.as_str());
+            Db::Postgres { url, schema }
+        }
+        _ => {
+            let path = std::env::temp_dir().join(format!("brokerfence-zombie-demo-{}.db", std::process::id()));
+            println!(
+                "brokerfence zombie demo on SQLite ({}); set DATABASE_URL=postgres://… to use PostgreSQL",
+                path.display()
+            );
+            Db::Sqlite { path }
+        }
+    };
+    println!("lease 3 s, renewed every 1 s; every claim increments the job's epoch (its fencing token)");
+
+    let (_, ledger) = db.open().await?;
+    let payments =
+        Arc::new(Payments { ledger, clock: Mutex::new(Clock(Instant::now())), charges: Mutex::new(HashMap::new()) });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Request>();
+    let service = Arc::clone(&payments);
+    let server = tokio::spawn(async move {
+        while let Some(req) = rx.recv().await {
+            let answer = service.handle(&req.headers, &req.body).await;
+            let _ = req.reply.send(answer);
+        }
+    });
+    let net = Network(tx);
+
+    let mut rows = Vec::new();
+    for (order, key) in [(Order::NewOwnerFirst, "order-1"), (Order::ZombieFirst, "order-2")] {
+        rows.push((order, run_case(&db, order, key, &payments, &net).await?));
+    }
+
+    println!("\n| case | zombie's receiver call | zombie's commit | final state |");
+    println!("|---|---|---|---|");
+    for (order, r) in &rows {
+        println!("| {} | {} | {} | {} |", order.title(), r.zombie_call, r.zombie_commit, r.final_state);
+    }
+    println!(
+        "\nBoth orderings end the same way: the newest epoch wins. Had worker A awaited anything after\n\
+         waking, its supervisor would have cancelled the handler right there (its lease deadline had\n\
+         passed); the receiver's check and the fenced commit cover the steps no one can interrupt."
+    );
+
+    drop(net);
+    let _ = server.await;
+    match &db {
+        Db::Postgres { schema, url } => {
+            let fence = PgFence::connect(url).await?;
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.as_str())))
+                .execute(fence.pool())
+                .await?;
+        }
+        Db::Sqlite { path } => {
+            for ext in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,421 @@
+//! A scripted worker process for the zombie proof tests (and for poking at by hand).
+//!
+//! It claims one job, runs a handler made of the steps given with `--plan` under a
+//! [`Supervisor`], calls an HTTP receiver with the fencing stamp (`Fence-*` headers), commits
+//! through the supervisor, and prints one machine-readable line per step on stdout:
+//!
+//! ```text
+//! EVENT ready pid=4242
+//! EVENT claimed epoch=1 owner=zombie-… ttl_ms=2999
+//! EVENT receiver epoch=1 status=200 mode=async
+//! EVENT gate
+//! EVENT heartbeat lost epoch=1
+//! EVENT gate-passed
+//! EVENT receiver epoch=1 status=409 mode=sync
+//! EVENT handler-dropped finished=true
+//! EVENT outcome=fenced detail=job k: epoch 1 was superseded (current epoch 2, owner new-owner)
+//! EVENT metrics claims=1 busy=0 … lease_losses=0 fenced_rejections=1 completions=0 …
+//! EVENT exit code=0
+//! ```
+//!
+//! Plan steps (comma separated):
+//! - `call`: an async HTTP call to the receiver (the handler can be cancelled while it waits);
+//! - `call-sync`: a blocking HTTP call — no await point, so nothing can stop it once it started;
+//! - `gate`: prints `EVENT gate` and blocks until a line arrives on stdin. The tests use it to
+//!   choose the exact instruction at which they freeze the process with SIGSTOP;
+//! - `sleep:MS`: an async sleep;
+//! - `calls:N:MS`: N times (async call, then async sleep MS);
+//! - `checkpoint`: stores progress under the lease;
+//! - `fail`: the handler returns a retryable error instead of a result.
+//!
+//! ```text
+//! cargo run --example zombie_worker -- --db sqlite:/tmp/zombie.db --queue demo --key job-1 \
+//!     --receiver http://127.0.0.1:8080/effect --plan call,sleep:500
+//! ```
+//!
+//! Options: `--db URL` (postgres://… or sqlite:…), `--schema NAME`, `--queue`, `--key`,
+//! `--owner PREFIX`, `--lease-secs N` (≥ 3), `--receiver URL`, `--plan STEPS`, `--result TEXT`,
+//! `--claim-wait-ms N`, and with the `guard-switches` feature `--guards` with any of
+//! `no-epoch-increment,no-commit-cas,no-heartbeat-cas,no-cancel-on-loss` (tests only).
+
+use std::future::Future;
+use std::io::{Read, Write};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use brokerfence::fence::{
+    self, Claim, FenceStore, JobContext, JobError, JobKey, Lease, LeaseDuration, LeaseHook, Metrics, Outcome, Owner,
+    PgFence, QueueName, SchemaName, SqliteFence, Supervisor, SupervisorConfig,
+};
+
+fn main() {
+    std::process::exit(run(std::env::args().skip(1).collect()));
+}
+
+/// Prints one `EVENT …` line and flushes it at once (the tests read it through a pipe).
+pub fn event(line: impl std::fmt::Display) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "EVENT {line}");
+    let _ = out.flush();
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Step {
+    Call,
+    CallSync,
+    Gate,
+    Sleep(u64),
+    Calls(u32, u64),
+    Checkpoint,
+    Fail,
+}
+
+#[derive(Debug, Clone)]
+struct Opts {
+    db: String,
+    schema: String,
+    queue: String,
+    key: String,
+    owner: String,
+    lease_secs: u64,
+    receiver: Option<String>,
+    plan: Vec<Step>,
+    result: Option<String>,
+    claim_wait: Duration,
+    guards: Vec<String>,
+}
+
+fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts {
+        db: String::new(),
+        schema: fence::DEFAULT_SCHEMA.to_owned(),
+        queue: "zombie".into(),
+        key: "job-1".into(),
+        owner: "zombie".into(),
+        lease_secs: 3,
+        receiver: None,
+        plan: Vec::new(),
+        result: None,
+        claim_wait: Duration::from_secs(10),
+        guards: Vec::new(),
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--db" => o.db = value()?,
+            "--schema" => o.schema = value()?,
+            "--queue" => o.queue = value()?,
+            "--key" => o.key = value()?,
+            "--owner" => o.owner = value()?,
+            "--lease-secs" => o.lease_secs = value()?.parse().map_err(|e| format!("--lease-secs: {e}"))?,
+            "--receiver" => o.receiver = Some(value()?),
+            "--result" => o.result = Some(value()?),
+            "--claim-wait-ms" => {
+                o.claim_wait = Duration::from_millis(value()?.parse().map_err(|e| format!("--claim-wait-ms: {e}"))?)
+            }
+            "--guards" => o.guards = value()?.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+            "--plan" => {
+                o.plan = value()?.split(',').filter(|s| !s.is_empty()).map(parse_step).collect::<Result<_, _>>()?
+            }
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    if o.db.is_empty() {
+        return Err("--db is required".into());
+    }
+    Ok(o)
+}
+
+fn parse_step(s: &str) -> Result<Step, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let num = |i: usize| -> Result<u64, String> {
+        parts.get(i).ok_or_else(|| format!("step {s}: missing number"))?.parse().map_err(|e| format!("step {s}: {e}"))
+    };
+    Ok(match parts[0] {
+        "call" => Step::Call,
+        "call-sync" => Step::CallSync,
+        "gate" => Step::Gate,
+        "sleep" => Step::Sleep(num(1)?),
+        "calls" => Step::Calls(u32::try_from(num(1)?).map_err(|e| e.to_string())?, num(2)?),
+        "checkpoint" => Step::Checkpoint,
+        "fail" => Step::Fail,
+        other => return Err(format!("unknown step {other}")),
+    })
+}
+
+/// Runs the worker with these arguments; returns the process exit code.
+pub fn run(args: Vec<String>) -> i32 {
+    let opts = match parse(&args) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("zombie_worker: {e}");
+            return 2;
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fence=info")),
+        )
+        .try_init();
+    // Two worker threads: a blocking step holds one, the heartbeat keeps running on the other
+    // (until the whole process is stopped with SIGSTOP).
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("zombie_worker: runtime: {e}");
+            return 2;
+        }
+    };
+    let code = rt.block_on(async move {
+        match worker(opts).await {
+            Ok(code) => code,
+            Err(e) => {
+                event(format!("error detail={e}"));
+                1
+            }
+        }
+    });
+    event(format!("exit code={code}"));
+    code
+}
+
+fn guards(names: &[String]) -> Result<fence::Guards, String> {
+    #[allow(unused_mut)]
+    let mut g = fence::Guards::default();
+    for name in names {
+        #[cfg(feature = "guard-switches")]
+        {
+            g = match name.as_str() {
+                "no-epoch-increment" => g.without_epoch_increment(),
+                "no-commit-cas" => g.without_commit_cas(),
+                "no-heartbeat-cas" => g.without_heartbeat_cas(),
+                "no-ledger-check" => g.without_ledger_check(),
+                "no-cancel-on-loss" => g, // a supervisor setting, applied below
+                other => return Err(format!("unknown guard {other}")),
+            };
+        }
+        #[cfg(not(feature = "guard-switches"))]
+        return Err(format!("--guards {name} needs the guard-switches feature"));
+    }
+    Ok(g)
+}
+
+async fn open(o: &Opts) -> Result<Arc<dyn FenceStore>, String> {
+    let schema = SchemaName::new(o.schema.clone()).map_err(|e| e.to_string())?;
+    #[allow(unused_variables)]
+    let g = guards(&o.guards)?;
+    let store: Arc<dyn FenceStore> = if o.db.starts_with("postgres") {
+        let f = PgFence::connect(&o.db).await.map_err(|e| e.to_string())?.with_schema(schema);
+        #[cfg(feature = "guard-switches")]
+        let f = f.with_guards(g);
+        Arc::new(f)
+    } else {
+        let f = SqliteFence::open(&o.db).await.map_err(|e| e.to_string())?.with_schema(schema);
+        #[cfg(feature = "guard-switches")]
+        let f = f.with_guards(g);
+        Arc::new(f)
+    };
+    store.migrate().await.map_err(|e| e.to_string())?;
+    Ok(store)
+}
+
+/// Prints what every heartbeat found. (`LeaseHook` is an `async_trait`; this is its expansion,
+/// written out because the example does not depend on the macro crate.)
+struct EventHook;
+
+type HookFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+impl LeaseHook for EventHook {
+    fn confirmed<'a, 'b, 'c>(&'a self, leases: &'b [Lease]) -> HookFuture<'c>
+    where
+        'a: 'c,
+        'b: 'c,
+        Self: 'c,
+    {
+        for l in leases {
+            event(format!("heartbeat renewed epoch={} lease_until={}", l.epoch, l.lease_until.0));
+        }
+        Box::pin(std::future::ready(()))
+    }
+
+    fn lost<'a, 'b, 'c>(&'a self, leases: &'b [Lease]) -> HookFuture<'c>
+    where
+        'a: 'c,
+        'b: 'c,
+        Self: 'c,
+    {
+        for l in leases {
+            event(format!("heartbeat lost epoch={}", l.epoch));
+        }
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// Prints when the handler's future is dropped: at its end, or when the supervisor cancels it.
+struct DropProbe(Arc<AtomicBool>);
+
+impl Drop for DropProbe {
+    fn drop(&mut self) {
+        event(format!("handler-dropped finished={}", self.0.load(Ordering::SeqCst)));
+    }
+}
+
+async fn worker(o: Opts) -> Result<i32, String> {
+    event(format!("ready pid={}", std::process::id()));
+    let store = open(&o).await?;
+    let queue = QueueName::new(o.queue.clone()).map_err(|e| e.to_string())?;
+    let key = JobKey::new(o.key.clone()).map_err(|e| e.to_string())?;
+    let owner = Owner::unique(&o.owner);
+    let lease_len = LeaseDuration::from_secs(o.lease_secs).map_err(|e| e.to_string())?;
+
+    let deadline = tokio::time::Instant::now() + o.claim_wait;
+    let lease = loop {
+        match store.claim(&queue, &key, &owner, lease_len).await.map_err(|e| e.to_string())? {
+            Claim::Claimed(lease) => break lease,
+            other if tokio::time::Instant::now() >= deadline => {
+                event(format!("not-claimed detail={other:?}"));
+                return Ok(3);
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    event(format!(
+        "claimed epoch={} owner={} ttl_ms={} lease_until={}",
+        lease.epoch,
+        lease.owner,
+        lease.ttl.as_millis(),
+        lease.lease_until.0
+    ));
+
+    #[allow(unused_mut)]
+    let mut config = SupervisorConfig::new(lease_len);
+    #[cfg(feature = "guard-switches")]
+    if o.guards.iter().any(|g| g == "no-cancel-on-loss") {
+        config = config.without_cancel_on_loss();
+    }
+    let metrics = Arc::new(Metrics::default());
+    metrics.incr(fence::Counter::Claims);
+    let supervisor = Supervisor::with_metrics(Arc::clone(&store), owner.clone(), config, Arc::clone(&metrics));
+    supervisor.add_hook(Arc::new(EventHook));
+
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string())?;
+    let result = o.result.clone().unwrap_or_else(|| format!("result of {owner}"));
+    let plan = o.plan.clone();
+    let receiver = o.receiver.clone();
+    let outcome =
+        supervisor.run(lease, Vec::new(), None, move |ctx| handler(ctx, plan, receiver, client, result)).await;
+    let line = match &outcome {
+        Outcome::Completed => "outcome=completed".to_owned(),
+        Outcome::Failed { error, .. } => format!("outcome=failed detail={error}"),
+        Outcome::Dead { error } => format!("outcome=dead detail={error}"),
+        Outcome::LeaseLost { reason } => format!("outcome=lease_lost reason={reason:?}"),
+        Outcome::Fenced(e) => format!("outcome=fenced detail={e}"),
+        Outcome::Released => "outcome=released".to_owned(),
+        Outcome::StoreError(e) => format!("outcome=store_error detail={e}"),
+    };
+    event(line);
+    event(format!("metrics {}", metrics.snapshot()));
+    supervisor.shutdown(Duration::from_secs(1)).await;
+    Ok(0)
+}
+
+async fn handler(
+    ctx: JobContext,
+    plan: Vec<Step>,
+    receiver: Option<String>,
+    client: reqwest::Client,
+    result: String,
+) -> Result<Vec<u8>, JobError> {
+    let finished = Arc::new(AtomicBool::new(false));
+    let _probe = DropProbe(Arc::clone(&finished));
+    let mut fail = false;
+    for step in plan {
+        match step {
+            Step::Call => call_async(&ctx, &client, receiver.as_deref()).await,
+            Step::CallSync => {
+                tokio::task::block_in_place(|| call_sync(&ctx, receiver.as_deref()));
+            }
+            Step::Gate => {
+                event("gate");
+                tokio::task::block_in_place(|| {
+                    let mut line = String::new();
+                    let _ = std::io::stdin().read_line(&mut line);
+                });
+                event("gate-passed");
+            }
+            Step::Sleep(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            Step::Calls(n, ms) => {
+                for _ in 0..n {
+                    call_async(&ctx, &client, receiver.as_deref()).await;
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+            }
+            Step::Checkpoint => match ctx.checkpoint(format!("progress of {}", ctx.owner()).as_bytes()).await {
+                Ok(()) => event(format!("checkpoint epoch={} result=ok", ctx.epoch())),
+                Err(e) if e.is_fenced() => event(format!("checkpoint epoch={} result=fenced", ctx.epoch())),
+                Err(e) => event(format!("checkpoint epoch={} result=error detail={e}", ctx.epoch())),
+            },
+            Step::Fail => fail = true,
+        }
+    }
+    finished.store(true, Ordering::SeqCst);
+    if fail { Err(JobError::retry(format!("failure reported by {}", ctx.owner()))) } else { Ok(result.into_bytes()) }
+}
+
+fn body_of(ctx: &JobContext) -> String {
+    format!("effect of {} at epoch {}", ctx.owner(), ctx.epoch())
+}
+
+async fn call_async(ctx: &JobContext, client: &reqwest::Client, receiver: Option<&str>) {
+    let Some(url) = receiver else { return };
+    let mut request = client.post(url).body(body_of(ctx));
+    for (name, value) in ctx.stamp().to_headers() {
+        request = request.header(name, value);
+    }
+    event(format!("calling epoch={} mode=async", ctx.epoch()));
+    match request.send().await {
+        Ok(response) => {
+            event(format!("receiver epoch={} status={} mode=async", ctx.epoch(), response.status().as_u16()))
+        }
+        Err(e) => event(format!("receiver epoch={} status=0 mode=async error={e}", ctx.epoch())),
+    }
+}
+
+/// A plain HTTP/1.1 POST over a blocking socket: once it starts, it runs to its end without
+/// giving the async runtime (or the supervisor) a chance to intervene.
+fn call_sync(ctx: &JobContext, receiver: Option<&str>) {
+    let Some(url) = receiver else { return };
+    event(format!("calling epoch={} mode=sync", ctx.epoch()));
+    match post_blocking(url, &ctx.stamp().to_headers(), &body_of(ctx)) {
+        Ok(status) => event(format!("receiver epoch={} status={status} mode=sync", ctx.epoch())),
+        Err(e) => event(format!("receiver epoch={} status=0 mode=sync error={e}", ctx.epoch())),
+    }
+}
+
+fn post_blocking(url: &str, headers: &[(&str, String)], body: &str) -> std::io::Result<u16> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_owned());
+    let rest = url.strip_prefix("http://").ok_or_else(|| bad("only http:// URLs"))?;
+    let (host, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(h, p)| (h, format!("/{p}")));
+    let mut stream = std::net::TcpStream::connect(host)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    stream.write_all(request.as_bytes())?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let head = String::from_utf8_lossy(&response);
+    head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("no HTTP status line"))
+}
