@@ -87,6 +87,7 @@ impl Retrofit {
     /// Claims `key`, runs `handler` under the lease, commits through the fence, and says what to
     /// tell the broker.
     pub async fn process<H: Handler>(&self, key: &JobKey, payload: Vec<u8>, handler: H) -> Processed {
+        let claim_sent = std::time::Instant::now();
         let claim = self
             .supervisor
             .store()
@@ -102,7 +103,10 @@ impl Retrofit {
         match claim {
             Claim::Claimed(lease) => {
                 self.metrics().incr(Counter::Claims);
-                let outcome = self.supervisor.run(lease, payload, None, move |ctx| handler.call(ctx)).await;
+                let outcome = self
+                    .supervisor
+                    .run_claimed_at(lease, claim_sent, payload, None, move |ctx| handler.call(ctx))
+                    .await;
                 Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }
             }
             other => {

@@ -248,6 +248,7 @@ impl<S: Source> Consumer<S> {
                     _ = tasks.join_next() => continue,
                 }
             }
+            let asked_at = std::time::Instant::now();
             let received = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 r = self.source.receive(free.min(self.config.batch), &ctx) => r,
@@ -270,7 +271,7 @@ impl<S: Source> Consumer<S> {
                     }
                 }
             };
-            if let Err(wait) = self.dispatch(incoming, handler, ack_tx, tasks).await {
+            if let Err(wait) = self.dispatch(incoming, asked_at, handler, ack_tx, tasks).await {
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(wait.min(backoff.next())) => {}
@@ -284,6 +285,7 @@ impl<S: Source> Consumer<S> {
     async fn dispatch<H: Handler>(
         &self,
         incoming: Vec<Incoming<S::Delivery>>,
+        asked_at: std::time::Instant,
         handler: &H,
         ack_tx: &mpsc::UnboundedSender<S::Delivery>,
         tasks: &mut JoinSet<()>,
@@ -299,7 +301,7 @@ impl<S: Source> Consumer<S> {
                 }
                 Incoming::Claimed { delivery, job } => {
                     metrics.incr(Counter::Claims);
-                    self.start(job.lease, job.payload, job.progress, delivery, handler, ack_tx, tasks);
+                    self.start(job.lease, asked_at, job.payload, job.progress, delivery, handler, ack_tx, tasks);
                 }
                 Incoming::Unclaimed { delivery, key, payload } => unclaimed.push((delivery, key, payload)),
             }
@@ -308,6 +310,7 @@ impl<S: Source> Consumer<S> {
             return Ok(());
         }
         let keys: Vec<_> = unclaimed.iter().map(|(_, k, _)| k.clone()).collect();
+        let claim_sent = std::time::Instant::now();
         let claims = match self
             .supervisor
             .store()
@@ -327,7 +330,7 @@ impl<S: Source> Consumer<S> {
                 None if started.insert(key.clone()) => {
                     if let Claim::Claimed(lease) = claim {
                         metrics.incr(Counter::Claims);
-                        self.start(lease, payload, None, delivery, handler, ack_tx, tasks);
+                        self.start(lease, claim_sent, payload, None, delivery, handler, ack_tx, tasks);
                     }
                 }
                 None => {
@@ -354,6 +357,7 @@ impl<S: Source> Consumer<S> {
     fn start<H: Handler>(
         &self,
         lease: Lease,
+        claimed_at: std::time::Instant,
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
         delivery: S::Delivery,
@@ -368,7 +372,10 @@ impl<S: Source> Consumer<S> {
         let ack_tx = ack_tx.clone();
         tracked.insert(&lease, delivery.clone());
         tasks.spawn(async move {
-            let outcome = supervisor.run(lease.clone(), payload, progress, move |ctx| handler.call(ctx)).await;
+            // The deadline counts from before the claim was asked for, not from when it started.
+            let outcome = supervisor
+                .run_claimed_at(lease.clone(), claimed_at, payload, progress, move |ctx| handler.call(ctx))
+                .await;
             tracked.remove(&lease);
             let disposition = Disposition::after_run(&outcome);
             settle(&*source, delivery, disposition, &ack_tx, supervisor.metrics()).await;

@@ -60,6 +60,10 @@ pub enum FenceError {
         #[source]
         source: sqlx::Error,
     },
+    /// A batched commit failed as a whole (for example the connection dropped): whether this
+    /// result was committed is unknown to the worker, so the delivery must not be acknowledged.
+    #[error("commit outcome unknown: {0}")]
+    CommitUnconfirmed(String),
     /// The database answered with something the fence does not understand (a bug or a foreign schema).
     #[error("unexpected database state: {0}")]
     Corrupt(String),

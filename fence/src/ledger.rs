@@ -33,14 +33,15 @@ impl Verdict {
     }
 }
 
+/// Longest ledger job id: room for [`crate::wire::FenceStamp::ledger_job`], which joins a
+/// percent-escaped queue name (up to 3 × [`crate::MAX_NAME_BYTES`]), a `/` and the job key.
+pub const MAX_LEDGER_JOB_BYTES: usize = crate::MAX_KEY_BYTES + 3 * crate::MAX_NAME_BYTES + 1;
+
 /// Input checks shared by both backends.
 fn check(scope: &str, job: &str, epoch: i64) -> Result<()> {
-    for (what, v) in [("scope", scope), ("job", job)] {
-        if v.is_empty() || v.contains('\0') || v.len() > crate::MAX_KEY_BYTES {
-            return Err(FenceError::InvalidInput {
-                what: if what == "scope" { "ledger scope" } else { "ledger job" },
-                reason: "must be 1..=1024 bytes without NUL".into(),
-            });
+    for (what, v, max) in [("ledger scope", scope, crate::MAX_NAME_BYTES), ("ledger job", job, MAX_LEDGER_JOB_BYTES)] {
+        if v.is_empty() || v.contains('\0') || v.len() > max {
+            return Err(FenceError::InvalidInput { what, reason: format!("must be 1..={max} bytes without NUL") });
         }
     }
     if epoch < 1 {

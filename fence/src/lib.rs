@@ -35,7 +35,7 @@ pub mod wire;
 pub use error::{FenceError, Result};
 pub use guards::Guards;
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
-pub use ledger::{Ledger, PgLedger, SqliteLedger, Verdict};
+pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, PgLedger, SqliteLedger, Verdict};
 pub use metrics::{Counter, Metrics, MetricsSnapshot};
 pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,

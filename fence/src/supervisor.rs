@@ -297,6 +297,46 @@ struct Inner {
     stop: CancellationToken,
     draining: CancellationToken,
     idle: tokio::sync::Notify,
+    committer: tokio::sync::mpsc::UnboundedSender<CommitRequest>,
+}
+
+/// A result waiting for the group commit, and where to send the verdict.
+type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
+
+/// Most completions committed by one statement.
+const MAX_COMMIT_BATCH: usize = 256;
+
+/// Group commit: takes every completion queued at the moment and commits them with one
+/// `complete_batch` statement (one round trip, one fsync), then answers each. Under light load a
+/// batch is a single completion, so nothing waits for a batch to fill; under heavy load batches
+/// grow while the previous statement is in flight. Each completion is still its own
+/// compare-and-set: a fenced one is refused alone.
+async fn commit_loop(store: Arc<dyn FenceStore>, mut rx: tokio::sync::mpsc::UnboundedReceiver<CommitRequest>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < MAX_COMMIT_BATCH {
+            match rx.try_recv() {
+                Ok(req) => batch.push(req),
+                Err(_) => break,
+            }
+        }
+        let (items, replies): (Vec<(Lease, Vec<u8>)>, Vec<_>) =
+            batch.into_iter().map(|(lease, result, reply)| ((lease, result), reply)).unzip();
+        match store.complete_batch(&items).await {
+            Ok(answers) => {
+                for (reply, answer) in replies.into_iter().zip(answers) {
+                    let _ = reply.send(answer);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, n = items.len(), "batched commit failed");
+                let msg = e.to_string();
+                for reply in replies {
+                    let _ = reply.send(Err(FenceError::CommitUnconfirmed(msg.clone())));
+                }
+            }
+        }
+    }
 }
 
 /// Runs handlers under leases for one worker (one owner).
@@ -346,7 +386,10 @@ impl Supervisor {
         config: SupervisorConfig,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let (committer, commits) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(commit_loop(Arc::clone(&store), commits));
         let inner = Arc::new(Inner {
+            committer,
             store,
             owner,
             config,
@@ -527,7 +570,7 @@ impl Supervisor {
                 let msg = format!("attempt timed out after {:?}", timeout.unwrap_or_default());
                 inner.fail(&lease, JobError::retry(msg)).await
             }
-            Ok(Ok(Ok(result))) => match inner.store.complete(&lease, &result).await {
+            Ok(Ok(Ok(result))) => match inner.commit(&lease, result).await {
                 Ok(()) => {
                     inner.metrics.incr(Counter::Completions);
                     tracing::debug!("result committed");
@@ -647,6 +690,17 @@ impl Inner {
                 self.idle.notify_waiters();
             }
         }
+    }
+
+    /// Commits a result through the group commit (the fenced compare-and-set, batched).
+    async fn commit(&self, lease: &Lease, result: Vec<u8>) -> Result<()> {
+        let (reply, verdict) = tokio::sync::oneshot::channel();
+        if let Err(tokio::sync::mpsc::error::SendError((lease, result, _))) =
+            self.committer.send((lease.clone(), result, reply))
+        {
+            return self.store.complete(&lease, &result).await;
+        }
+        verdict.await.unwrap_or_else(|_| Err(FenceError::CommitUnconfirmed("the committer stopped".into())))
     }
 
     fn commit_error(&self, e: FenceError) -> Outcome {
