@@ -54,7 +54,7 @@ pub fn dotenv_path() -> Option<PathBuf> {
     if let Ok(cwd) = std::env::current_dir() {
         starts.insert(0, cwd);
     }
-    starts.iter().find_map(|start| {
-        start.ancestors().map(|d: &Path| d.join("localstack").join(".env")).find(|p| p.is_file())
-    })
+    starts
+        .iter()
+        .find_map(|start| start.ancestors().map(|d: &Path| d.join("localstack").join(".env")).find(|p| p.is_file()))
 }
