@@ -6,9 +6,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fence::{Claim, Counter, FenceStore, Lease, LeaseHook, Metrics, Owner, Supervisor, SupervisorConfig};
+use fence::{Claim, Counter, FenceStore, JobKey, Lease, LeaseHook, Metrics, Owner, Supervisor, SupervisorConfig};
+use std::sync::atomic::{AtomicU32, Ordering};
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::disposition::Disposition;
@@ -197,6 +199,9 @@ impl<S: Source> Consumer<S> {
     /// Runs until `shutdown` fires or the source fails fatally; then stops receiving, lets
     /// running jobs finish within the grace period, releases the leases of the rest, and returns.
     /// Transient source and database errors are retried with backoff and never end the loop.
+    ///
+    /// The claim of a received batch runs in its own task, so the next receive overlaps it; at
+    /// most `concurrency` deliveries are held at once (received, claiming, or running).
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
         let (ack_tx, ack_rx) = mpsc::unbounded_channel();
         let acker = tokio::spawn(ack_loop(
@@ -206,16 +211,26 @@ impl<S: Source> Consumer<S> {
             self.config.ack_linger,
             Arc::clone(self.supervisor.metrics()),
         ));
-        let mut tasks = JoinSet::new();
-        let result = self.receive_loop(&handler, &shutdown, &ack_tx, &mut tasks).await;
+        let shared = Arc::new(Shared {
+            source: Arc::clone(&self.source),
+            supervisor: self.supervisor.clone(),
+            tracked: Arc::clone(&self.tracked),
+            handler,
+            ack_tx,
+            lease: self.config.supervisor.lease(),
+            claim_failures: AtomicU32::new(0),
+            stopping: shutdown.clone(),
+        });
+        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let result = self.receive_loop(&shared, &permits, &shutdown).await;
         tracing::info!(in_flight = self.supervisor.in_flight(), "consumer stopping");
         self.supervisor.shutdown(self.config.grace).await;
-        while let Some(joined) = tasks.join_next().await {
-            if let Err(e) = joined {
-                tracing::error!(error = %e, "job task panicked");
-            }
+        // Every delivery holds a permit until it is settled: wait for all of them to come back.
+        let all = u32::try_from(self.config.concurrency).unwrap_or(u32::MAX);
+        if tokio::time::timeout(Duration::from_secs(30), permits.acquire_many(all)).await.is_err() {
+            tracing::error!("deliveries still unsettled 30 s after shutdown; returning anyway");
         }
-        drop(ack_tx);
+        drop(shared);
         if let Err(e) = acker.await {
             tracing::error!(error = %e, "ack task panicked");
         }
@@ -225,33 +240,51 @@ impl<S: Source> Consumer<S> {
 
     async fn receive_loop<H: Handler>(
         &self,
-        handler: &H,
+        shared: &Arc<Shared<S, H>>,
+        permits: &Arc<Semaphore>,
         shutdown: &CancellationToken,
-        ack_tx: &mpsc::UnboundedSender<S::Delivery>,
-        tasks: &mut JoinSet<()>,
     ) -> Result<(), SourceError> {
         let ctx = ReceiveContext { owner: self.supervisor.owner().clone(), lease: self.config.supervisor.lease() };
         let mut backoff = Backoff::default();
         loop {
-            while let Some(joined) = tasks.try_join_next() {
-                if let Err(e) = joined {
-                    tracing::error!(error = %e, "job task panicked");
-                }
-            }
-            if shutdown.is_cancelled() {
-                return Ok(());
-            }
-            let free = self.config.concurrency.saturating_sub(tasks.len());
-            if free == 0 {
+            // While claims fail (database unreachable), slow down instead of piling up deliveries.
+            let failures = shared.claim_failures.load(Ordering::Relaxed);
+            if failures > 0 {
+                let wait = Backoff(failures.saturating_sub(1)).next();
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
-                    _ = tasks.join_next() => continue,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+            // One permit per delivery asked for: wait for the first, take what else is free.
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                p = Arc::clone(permits).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => return Ok(()),
+                },
+            };
+            // Fill the batch: what is free now, then whatever frees up within a short linger, so
+            // that one claim statement serves a full batch rather than one delivery at a time.
+            let mut held = vec![first];
+            let fill_until = tokio::time::Instant::now() + BATCH_FILL_LINGER;
+            while held.len() < self.config.batch {
+                if let Ok(p) = Arc::clone(permits).try_acquire_owned() {
+                    held.push(p);
+                    continue;
+                }
+                tokio::select! {
+                    p = Arc::clone(permits).acquire_owned() => match p {
+                        Ok(p) => held.push(p),
+                        Err(_) => break,
+                    },
+                    _ = tokio::time::sleep_until(fill_until) => break,
                 }
             }
             let asked_at = std::time::Instant::now();
             let received = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
-                r = self.source.receive(free.min(self.config.batch), &ctx) => r,
+                r = self.source.receive(held.len(), &ctx) => r,
             };
             let incoming = match received {
                 Ok(v) => {
@@ -271,73 +304,108 @@ impl<S: Source> Consumer<S> {
                     }
                 }
             };
-            if let Err(wait) = self.dispatch(incoming, asked_at, handler, ack_tx, tasks).await {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(wait.min(backoff.next())) => {}
+            // A source that returns more than asked still gets one permit each (waiting for them).
+            while held.len() < incoming.len() {
+                match Arc::clone(permits).acquire_owned().await {
+                    Ok(p) => held.push(p),
+                    Err(_) => return Ok(()),
                 }
             }
+            held.truncate(incoming.len());
+            shared.dispatch(incoming, held, asked_at).await;
         }
     }
+}
 
-    /// Claims what needs claiming (one statement for the whole batch) and starts the attempts.
-    /// Returns Err(wait) when the database could not be asked.
-    async fn dispatch<H: Handler>(
-        &self,
+/// How long the receive loop waits for more free slots to fill a batch once it has one.
+const BATCH_FILL_LINGER: Duration = Duration::from_millis(2);
+
+/// A delivery that holds one of the consumer's concurrency permits until it is settled.
+type Held<D> = (D, OwnedSemaphorePermit);
+
+/// What the receive loop, the claim tasks and the job tasks share.
+struct Shared<S: Source, H> {
+    source: Arc<S>,
+    supervisor: Supervisor,
+    tracked: Arc<Tracked<S::Delivery>>,
+    handler: H,
+    ack_tx: mpsc::UnboundedSender<S::Delivery>,
+    lease: fence::LeaseDuration,
+    claim_failures: AtomicU32,
+    stopping: CancellationToken,
+}
+
+impl<S: Source, H: Handler> Shared<S, H> {
+    /// Sorts one received batch: malformed ones are dead-lettered, already-claimed ones start,
+    /// the rest are claimed together in a task of their own.
+    async fn dispatch(
+        self: &Arc<Self>,
         incoming: Vec<Incoming<S::Delivery>>,
+        held: Vec<OwnedSemaphorePermit>,
         asked_at: std::time::Instant,
-        handler: &H,
-        ack_tx: &mpsc::UnboundedSender<S::Delivery>,
-        tasks: &mut JoinSet<()>,
-    ) -> Result<(), Duration> {
+    ) {
         let metrics = self.supervisor.metrics();
         let mut unclaimed = Vec::new();
-        for item in incoming {
+        for (item, permit) in incoming.into_iter().zip(held) {
             match item {
                 Incoming::Malformed { delivery, reason } => {
                     tracing::warn!(%reason, "malformed delivery: dead-lettering it");
                     metrics.incr(Counter::DeadLetters);
-                    self.settle(delivery, Disposition::DeadLetter(reason), ack_tx).await;
+                    self.settle(delivery, Disposition::DeadLetter(reason)).await;
                 }
                 Incoming::Claimed { delivery, job } => {
                     metrics.incr(Counter::Claims);
-                    self.start(job.lease, asked_at, job.payload, job.progress, delivery, handler, ack_tx, tasks);
+                    self.start(job.lease, asked_at, job.payload, job.progress, (delivery, permit));
                 }
-                Incoming::Unclaimed { delivery, key, payload } => unclaimed.push((delivery, key, payload)),
+                Incoming::Unclaimed { delivery, key, payload } => unclaimed.push(((delivery, permit), key, payload)),
             }
         }
-        if unclaimed.is_empty() {
-            return Ok(());
+        if !unclaimed.is_empty() {
+            tokio::spawn(Arc::clone(self).claim_and_start(unclaimed));
         }
-        let keys: Vec<_> = unclaimed.iter().map(|(_, k, _)| k.clone()).collect();
+    }
+
+    /// One statement claims the whole batch; each delivery then starts or is settled.
+    async fn claim_and_start(self: Arc<Self>, unclaimed: Vec<(Held<S::Delivery>, JobKey, Vec<u8>)>) {
+        let metrics = self.supervisor.metrics();
+        let keys: Vec<JobKey> = unclaimed.iter().map(|(_, k, _)| k.clone()).collect();
         let claim_sent = std::time::Instant::now();
         let claims = match self
             .supervisor
             .store()
-            .claim_batch(self.source.queue(), &keys, self.supervisor.owner(), self.config.supervisor.lease())
+            .claim_batch(self.source.queue(), &keys, self.supervisor.owner(), self.lease)
             .await
         {
-            Ok(c) => c,
+            Ok(c) => {
+                self.claim_failures.store(0, Ordering::Relaxed);
+                c
+            }
             Err(e) => {
                 // Leave the deliveries to the broker's visibility timeout: they come back.
+                self.claim_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, n = keys.len(), "claim failed; deliveries left to the broker");
-                return Err(Duration::from_millis(500));
+                return;
             }
         };
         let mut started = HashSet::new();
-        for ((delivery, key, payload), claim) in unclaimed.into_iter().zip(claims) {
+        for ((held, key, payload), claim) in unclaimed.into_iter().zip(claims) {
             match Disposition::after_claim(&claim) {
                 None if started.insert(key.clone()) => {
                     if let Claim::Claimed(lease) = claim {
                         metrics.incr(Counter::Claims);
-                        self.start(lease, claim_sent, payload, None, delivery, handler, ack_tx, tasks);
+                        if self.stopping.is_cancelled() {
+                            // Claimed while shutting down: give it straight back.
+                            self.release_unstarted(&lease, held.0).await;
+                        } else {
+                            self.start(lease, claim_sent, payload, None, held);
+                        }
                     }
                 }
                 None => {
                     // The same key twice in one batch: the first runs; this one waits its turn.
                     let hold = claim.lease().map(|l| l.ttl).unwrap_or_default();
                     metrics.incr(Counter::Busy);
-                    self.settle(delivery, Disposition::Hold(hold), ack_tx).await;
+                    self.settle(held.0, Disposition::Hold(hold)).await;
                 }
                 Some(d) => {
                     match &d {
@@ -346,44 +414,61 @@ impl<S: Source> Consumer<S> {
                         _ => {}
                     }
                     tracing::debug!(%key, disposition = ?d, "delivery not claimed");
-                    self.settle(delivery, d, ack_tx).await;
+                    self.settle(held.0, d).await;
                 }
             }
         }
-        Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn start<H: Handler>(
-        &self,
+    async fn release_unstarted(&self, lease: &Lease, delivery: S::Delivery) {
+        match self.supervisor.store().release(lease).await {
+            Ok(()) => {
+                self.supervisor.metrics().incr(Counter::Releases);
+                self.settle(delivery, Disposition::Abandon).await;
+            }
+            Err(e) => tracing::warn!(error = %e, key = %lease.key, "could not release a lease claimed at shutdown"),
+        }
+    }
+
+    /// Runs one attempt in its own task; the permit returns when the delivery is settled.
+    fn start(
+        self: &Arc<Self>,
         lease: Lease,
         claimed_at: std::time::Instant,
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
-        delivery: S::Delivery,
-        handler: &H,
-        ack_tx: &mpsc::UnboundedSender<S::Delivery>,
-        tasks: &mut JoinSet<()>,
+        (delivery, permit): Held<S::Delivery>,
     ) {
-        let supervisor = self.supervisor.clone();
-        let tracked = Arc::clone(&self.tracked);
-        let source = Arc::clone(&self.source);
-        let handler = handler.clone();
-        let ack_tx = ack_tx.clone();
-        tracked.insert(&lease, delivery.clone());
-        tasks.spawn(async move {
+        let shared = Arc::clone(self);
+        shared.tracked.insert(&lease, delivery.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let untrack = Untrack { tracked: &shared.tracked, lease: &lease };
+            let handler = shared.handler.clone();
             // The deadline counts from before the claim was asked for, not from when it started.
-            let outcome = supervisor
+            let outcome = shared
+                .supervisor
                 .run_claimed_at(lease.clone(), claimed_at, payload, progress, move |ctx| handler.call(ctx))
                 .await;
-            tracked.remove(&lease);
-            let disposition = Disposition::after_run(&outcome);
-            settle(&*source, delivery, disposition, &ack_tx, supervisor.metrics()).await;
+            drop(untrack);
+            shared.settle(delivery, Disposition::after_run(&outcome)).await;
         });
     }
 
-    async fn settle(&self, delivery: S::Delivery, d: Disposition, ack_tx: &mpsc::UnboundedSender<S::Delivery>) {
-        settle(&*self.source, delivery, d, ack_tx, self.supervisor.metrics()).await;
+    async fn settle(&self, delivery: S::Delivery, d: Disposition) {
+        settle(&*self.source, delivery, d, &self.ack_tx, self.supervisor.metrics()).await;
+    }
+}
+
+/// Forgets a delivery's broker handle when its attempt ends, however it ends.
+struct Untrack<'a, D: Clone> {
+    tracked: &'a Tracked<D>,
+    lease: &'a Lease,
+}
+
+impl<D: Clone> Drop for Untrack<'_, D> {
+    fn drop(&mut self) {
+        self.tracked.remove(self.lease);
     }
 }
 
