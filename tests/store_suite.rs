@@ -991,7 +991,10 @@ async fn ledger_newest_wins<S: TestStore>() {
             "accept({job:?}, {epoch}) is InvalidInput"
         );
     }
-    let long = "x".repeat(MAX_KEY_BYTES + 1);
+    // The ledger's job id has room for a wire ledger id (escaped queue + '/' + key), no more.
+    let longest = "x".repeat(brokerfence::fence::MAX_LEDGER_JOB_BYTES);
+    assert_eq!(l.accept(&longest, 1).await.unwrap(), Verdict::Accepted { newest: 1 });
+    let long = "x".repeat(brokerfence::fence::MAX_LEDGER_JOB_BYTES + 1);
     assert!(matches!(l.accept(&long, 1).await, Err(FenceError::InvalidInput { .. })));
 
     // accept_in: the verdict and the receiver's own rows commit or roll back together.

@@ -90,7 +90,7 @@ async fn drains_exactly_once(store: Arc<dyn FenceStore>) {
         assert_eq!(m.lease_losses, 0);
     }
     assert_eq!(completions, 300);
-    let seen = seen.lock().expect("lock");
+    let seen = seen.lock().expect("lock").clone();
     assert!(
         seen.values().all(|n| *n == 1),
         "a job ran twice: {:?}",
