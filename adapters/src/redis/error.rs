@@ -1,0 +1,74 @@
+//! Typed errors of the Redis adapter.
+
+use crate::source::SourceError;
+
+/// What went wrong talking to Redis.
+///
+/// ```
+/// use adapters::redis::RedisError;
+/// let e = RedisError::Config("stream name must not be empty".into());
+/// assert_eq!(e.to_string(), "invalid redis adapter configuration: stream name must not be empty");
+/// assert!(matches!(adapters::SourceError::from(e), adapters::SourceError::Fatal(_)));
+/// ```
+#[derive(Debug, thiserror::Error)]
+pub enum RedisError {
+    /// A command failed (connection, timeout, or an error reply).
+    #[error("redis {command} failed: {source}")]
+    Command {
+        /// The command or script that failed.
+        command: &'static str,
+        /// The client's error.
+        #[source]
+        source: ::redis::RedisError,
+    },
+    /// Redis answered with a shape this adapter does not understand.
+    #[error("unexpected reply to redis {command}: {detail}")]
+    Reply {
+        /// The command.
+        command: &'static str,
+        /// What was wrong with it.
+        detail: String,
+    },
+    /// The adapter was configured with something unusable (empty names, bad durations).
+    #[error("invalid redis adapter configuration: {0}")]
+    Config(String),
+}
+
+impl RedisError {
+    pub(crate) fn command(command: &'static str) -> impl FnOnce(::redis::RedisError) -> Self {
+        move |source| RedisError::Command { command, source }
+    }
+
+    pub(crate) fn reply(command: &'static str, detail: impl Into<String>) -> Self {
+        RedisError::Reply { command, detail: detail.into() }
+    }
+
+    /// The server's error code (`NOGROUP`, `BUSYGROUP`, `NOSCRIPT`, `WRONGTYPE`, …), if any.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            RedisError::Command { source, .. } => source.code(),
+            _ => None,
+        }
+    }
+
+    /// True when retrying cannot help: bad configuration, authentication, permissions, or a key
+    /// of the wrong type.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            RedisError::Config(_) => true,
+            RedisError::Reply { .. } => false,
+            RedisError::Command { source, .. } => {
+                matches!(
+                    source.kind(),
+                    ::redis::ErrorKind::AuthenticationFailed | ::redis::ErrorKind::InvalidClientConfig
+                ) || matches!(source.code(), Some("WRONGTYPE" | "NOPERM" | "NOAUTH" | "WRONGPASS"))
+            }
+        }
+    }
+}
+
+impl From<RedisError> for SourceError {
+    fn from(e: RedisError) -> Self {
+        if e.is_fatal() { SourceError::Fatal(e.to_string()) } else { SourceError::Transient(e.to_string()) }
+    }
+}

@@ -1,0 +1,661 @@
+//! Lists: the fence inside a `BRPOP`/`BLMOVE` loop you own ([`ListRetrofit`]), and a reliable-list
+//! source ([`ReliableList`]).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ::redis::Value;
+use ::redis::aio::ConnectionManager;
+use async_trait::async_trait;
+use fence::{FenceStore, JobContext, JobKey, Lease, Owner, QueueName, SupervisorConfig};
+use tokio::time::Instant;
+
+use super::conn::RedisConnections;
+use super::error::RedisError;
+use super::keys::{sibling_key, token};
+use super::lease::{LeaseKeyHook, LeaseKeys};
+use super::reply;
+use super::scripts::SCRIPTS;
+use crate::disposition::Disposition;
+use crate::handler::Handler;
+use crate::middleware::{Detail, Retrofit};
+use crate::runtime::ReceiveContext;
+use crate::source::{Incoming, Source, SourceError};
+
+type DecodeFn = dyn Fn(&[u8]) -> Result<(JobKey, Vec<u8>), String> + Send + Sync;
+
+/// How a list item maps to a job key and a payload. Lists carry no message id, so the identity
+/// must come from the item itself.
+///
+/// ```
+/// use adapters::redis::ItemKey;
+/// let (key, payload) = ItemKey::Split(b'|').decode(b"order-7|{\"qty\":2}").unwrap();
+/// assert_eq!(key.as_str(), "order-7");
+/// assert_eq!(payload, b"{\"qty\":2}");
+/// let (key, payload) = ItemKey::ContentHash.decode(b"hello").unwrap();
+/// assert_eq!(key.as_str(), "sha1:aaf4c61ddcc5e8a2dabede0f3b482cd9aea9434d");
+/// assert_eq!(payload, b"hello");
+/// assert!(ItemKey::Split(b'|').decode(b"no separator").is_err());
+/// ```
+#[derive(Clone)]
+pub enum ItemKey {
+    /// `sha1:<hex>` of the whole item, which is also the payload: identical items are one job.
+    ContentHash,
+    /// The bytes before the first separator are the key, the rest is the payload.
+    Split(u8),
+    /// Your own decoding: key and payload, or why the item cannot be used (it is dead-lettered).
+    Custom(Arc<DecodeFn>),
+}
+
+impl std::fmt::Debug for ItemKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ItemKey::ContentHash => f.write_str("ContentHash"),
+            ItemKey::Split(b) => f.debug_tuple("Split").field(&char::from(*b)).finish(),
+            ItemKey::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+fn content_key(item: &[u8]) -> String {
+    format!("sha1:{}", sha1_smol::Sha1::from(item).digest())
+}
+
+impl ItemKey {
+    /// The job key and payload of `item`, or why it cannot be decoded.
+    pub fn decode(&self, item: &[u8]) -> Result<(JobKey, Vec<u8>), String> {
+        match self {
+            ItemKey::ContentHash => {
+                let key = JobKey::new(content_key(item)).map_err(|e| e.to_string())?;
+                Ok((key, item.to_vec()))
+            }
+            ItemKey::Split(sep) => {
+                let at = item
+                    .iter()
+                    .position(|b| b == sep)
+                    .ok_or_else(|| format!("item has no {:?} separator before its payload", char::from(*sep)))?;
+                let key = JobKey::from_bytes(&item[..at]).map_err(|e| format!("item has no usable job key: {e}"))?;
+                Ok((key, item[at + 1..].to_vec()))
+            }
+            ItemKey::Custom(f) => f(item),
+        }
+    }
+
+    /// The job key used for `item`'s lease key: its own, or (undecodable) its content hash.
+    fn lease_job(&self, item: &[u8]) -> Option<JobKey> {
+        match self.decode(item) {
+            Ok((k, _)) => Some(k),
+            Err(_) => JobKey::new(content_key(item)).ok(),
+        }
+    }
+}
+
+/// The handle on one list item taken by a [`ReliableList`]: the item itself (list entries have no
+/// id; it is removed from the processing list by value) and its lease key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ListDelivery {
+    item: Arc<[u8]>,
+    lease_key: Arc<str>,
+}
+
+impl ListDelivery {
+    /// The item as it sits in the list.
+    pub fn item(&self) -> &[u8] {
+        &self.item
+    }
+
+    /// Its lease key: the delivery's identity in Redis.
+    pub fn lease_key(&self) -> &str {
+        &self.lease_key
+    }
+}
+
+#[derive(Debug)]
+struct ListState {
+    next_reap: Option<Instant>,
+    suspects: HashSet<Vec<u8>>,
+    lease: Duration,
+}
+
+/// A reliable list: items move atomically from the queue list to a processing list
+/// (`BLMOVE queue processing RIGHT LEFT`), and each gets a lease key at once (a reservation that the
+/// claimed epoch takes over on the first confirmed heartbeat). Nothing leaves the processing list
+/// but through a fenced outcome:
+///
+/// - committed (or a duplicate of a completed job): removed;
+/// - failed, to retry: its lease key is shortened to the backoff;
+/// - undecodable or dead: moved to the dead-letter stream with the reason;
+/// - released at shutdown: pushed back on the queue at once.
+///
+/// A reaper in every consumer (one script call every [`reap_every`](Self::reap_every)) puts back on
+/// the queue any item of the processing list whose lease key lapsed — a crashed or stalled worker's,
+/// a failed attempt's after its backoff — once it saw it without a key on two passes in a row (so an
+/// item just moved, whose key is being set, is never taken).
+///
+/// Producers `LPUSH` to the queue list.
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use adapters::redis::{ItemKey, RedisConnections, ReliableList};
+/// use adapters::{Consumer, ConsumerConfig};
+/// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+/// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
+/// let source = ReliableList::new(redis, QueueName::new("mail")?, "mail")?.item_key(ItemKey::Split(b'|'));
+/// assert_eq!(source.processing_list(), "{mail}:processing");
+/// let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
+/// consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal()).await?;
+/// # Ok(()) }
+/// ```
+pub struct ReliableList {
+    conns: RedisConnections,
+    queue: QueueName,
+    list: String,
+    processing: String,
+    dead: String,
+    item_key: ItemKey,
+    block: Duration,
+    reap_every: Duration,
+    reap_scan: usize,
+    leases: LeaseKeys,
+    state: Mutex<ListState>,
+}
+
+impl std::fmt::Debug for ReliableList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReliableList")
+            .field("queue", &self.queue)
+            .field("list", &self.list)
+            .field("processing", &self.processing)
+            .field("dead", &self.dead)
+            .field("item_key", &self.item_key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReliableList {
+    /// Takes items from `list`; jobs are fenced under `queue`. The processing list is
+    /// `{list}:processing`, dead letters go to the stream `{list}:dead` (same cluster slot). Items are
+    /// keyed by content hash unless you choose otherwise ([`item_key`](Self::item_key)).
+    pub fn new(conns: RedisConnections, queue: QueueName, list: impl Into<String>) -> Result<Self, RedisError> {
+        let list = list.into();
+        if list.is_empty() {
+            return Err(RedisError::Config("list name must not be empty".into()));
+        }
+        Ok(Self {
+            leases: LeaseKeys::new(conns.commands(), list.clone()),
+            processing: sibling_key(&list, ":processing"),
+            dead: sibling_key(&list, ":dead"),
+            conns,
+            queue,
+            list,
+            item_key: ItemKey::ContentHash,
+            block: Duration::from_secs(2),
+            reap_every: Duration::from_secs(1),
+            reap_scan: 256,
+            state: Mutex::new(ListState { next_reap: None, suspects: HashSet::new(), lease: Duration::from_secs(30) }),
+        })
+    }
+
+    /// How items map to job keys (default: content hash).
+    pub fn item_key(mut self, item_key: ItemKey) -> Self {
+        self.item_key = item_key;
+        self
+    }
+
+    /// The processing list (default `{list}:processing`). Keep it in the queue's cluster slot.
+    pub fn processing(mut self, key: impl Into<String>) -> Self {
+        self.processing = key.into();
+        self
+    }
+
+    /// The dead-letter stream (default `{list}:dead`).
+    pub fn dead_letter_stream(mut self, key: impl Into<String>) -> Self {
+        self.dead = key.into();
+        self
+    }
+
+    /// How long one `BLMOVE` blocks when the queue is empty (default 2 s, at least 10 ms).
+    pub fn block(mut self, block: Duration) -> Self {
+        self.block = block.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How often the reaper runs (default 1 s), and how many of the oldest processing items one
+    /// pass looks at (default 256).
+    pub fn reap_every(mut self, every: Duration, scan: usize) -> Self {
+        self.reap_every = every;
+        self.reap_scan = scan.max(1);
+        self
+    }
+
+    /// The queue list.
+    pub fn list(&self) -> &str {
+        &self.list
+    }
+
+    /// The processing list.
+    pub fn processing_list(&self) -> &str {
+        &self.processing
+    }
+
+    /// The dead-letter stream.
+    pub fn dead_stream(&self) -> &str {
+        &self.dead
+    }
+
+    /// The lease keys of this source's jobs.
+    pub fn leases(&self) -> &LeaseKeys {
+        &self.leases
+    }
+
+    fn lease_key_of(&self, item: &[u8]) -> String {
+        match self.item_key.lease_job(item) {
+            Some(k) => self.leases.key(&self.queue, &k),
+            // Unreachable in practice (a content hash is always a valid key); keep a stable name.
+            None => sibling_key(&self.list, ":lease:invalid"),
+        }
+    }
+
+    /// One reaper pass: items of the processing list seen without a lease key on this pass and the
+    /// previous one go back on the queue. Returns how many went back.
+    pub async fn reap(&self) -> Result<usize, RedisError> {
+        let scan = i64::try_from(self.reap_scan).unwrap_or(i64::MAX);
+        let v: Value = ::redis::cmd("LRANGE")
+            .arg(&self.processing)
+            .arg(-scan)
+            .arg(-1)
+            .query_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("LRANGE"))?;
+        let items = reply::bulks(v).map_err(|e| RedisError::reply("LRANGE", e))?;
+        let suspects = self.state.lock().map(|s| s.suspects.clone()).unwrap_or_default();
+        if items.is_empty() {
+            if let Ok(mut s) = self.state.lock() {
+                s.suspects.clear();
+            }
+            return Ok(0);
+        }
+        let mut inv = SCRIPTS.list_reap.prepare_invoke();
+        inv.key(&self.processing).key(&self.list);
+        for item in &items {
+            inv.key(self.lease_key_of(item)).arg(item.as_slice());
+        }
+        for item in &items {
+            inv.arg(if suspects.contains(item) { "1" } else { "0" });
+        }
+        let v: Value =
+            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA reap"))?;
+        let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA reap", e))?;
+        let mut next = HashSet::new();
+        let mut reaped = 0;
+        for (item, code) in items.into_iter().zip(codes) {
+            match code {
+                1 => {
+                    next.insert(item);
+                }
+                2 => reaped += 1,
+                _ => {}
+            }
+        }
+        if let Ok(mut s) = self.state.lock() {
+            s.suspects = next;
+        }
+        if reaped > 0 {
+            tracing::info!(reaped, list = %self.list, "items whose lease lapsed went back to the queue");
+        }
+        Ok(reaped)
+    }
+
+    async fn take(&self, max: usize) -> Result<Vec<Vec<u8>>, RedisError> {
+        let v: Value = SCRIPTS
+            .list_take
+            .prepare_invoke()
+            .key(&self.list)
+            .key(&self.processing)
+            .arg(max)
+            .invoke_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("EVALSHA take"))?;
+        let mut items = reply::bulks(v).map_err(|e| RedisError::reply("EVALSHA take", e))?;
+        if items.is_empty() {
+            let v: Value = ::redis::cmd("BLMOVE")
+                .arg(&self.list)
+                .arg(&self.processing)
+                .arg("RIGHT")
+                .arg("LEFT")
+                .arg(format!("{:.3}", self.block.as_secs_f64()))
+                .query_async(&mut self.conns.blocking())
+                .await
+                .map_err(RedisError::command("BLMOVE"))?;
+            items.extend(reply::bytes(v));
+        }
+        Ok(items)
+    }
+}
+
+#[async_trait]
+impl Source for ReliableList {
+    type Delivery = ListDelivery;
+
+    fn queue(&self) -> &QueueName {
+        &self.queue
+    }
+
+    async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<ListDelivery>>, SourceError> {
+        let lease = ctx.lease.get();
+        let due = self
+            .state
+            .lock()
+            .map(|mut s| {
+                s.lease = lease;
+                let due = s.next_reap.is_none_or(|t| Instant::now() >= t);
+                if due {
+                    s.next_reap = Some(Instant::now() + self.reap_every);
+                }
+                due
+            })
+            .unwrap_or(false);
+        if due && let Err(e) = self.reap().await {
+            tracing::warn!(error = %e, "reaper pass failed");
+        }
+        let items = self.take(max).await?;
+        let mut out = Vec::with_capacity(items.len());
+        let mut reserve = Vec::new();
+        for item in items {
+            let lease_key: Arc<str> = Arc::from(self.lease_key_of(&item));
+            let delivery = ListDelivery { item: Arc::from(item.as_slice()), lease_key: lease_key.clone() };
+            match self.item_key.decode(&item) {
+                Ok((key, payload)) => {
+                    reserve.push(lease_key.to_string());
+                    out.push(Incoming::Unclaimed { delivery, key, payload });
+                }
+                Err(reason) => out.push(Incoming::Malformed { delivery, reason }),
+            }
+        }
+        if let Err(e) = self.leases.reserve(&reserve, &ctx.owner, lease).await {
+            // The items are safe in the processing list; the reaper returns any that stay keyless.
+            tracing::warn!(error = %e, "could not reserve lease keys");
+        }
+        Ok(out)
+    }
+
+    async fn extend(&self, leases: &[(Lease, ListDelivery)]) -> Result<(), SourceError> {
+        let keyed: Vec<(String, &Lease)> = leases.iter().map(|(l, d)| (d.lease_key().to_owned(), l)).collect();
+        self.leases.confirm(&keyed).await.map_err(Into::into)
+    }
+
+    async fn lost(&self, leases: &[(Lease, ListDelivery)]) -> Result<(), SourceError> {
+        let keyed: Vec<(String, &Lease)> = leases.iter().map(|(l, d)| (d.lease_key().to_owned(), l)).collect();
+        self.leases.release_lost(&keyed).await.map_err(Into::into)
+    }
+
+    async fn ack(&self, deliveries: Vec<ListDelivery>) -> Result<(), SourceError> {
+        if deliveries.is_empty() {
+            return Ok(());
+        }
+        let tokens: Vec<String> =
+            deliveries.iter().map(|d| self.leases.forget(d.lease_key()).unwrap_or_default()).collect();
+        let mut inv = SCRIPTS.list_ack.prepare_invoke();
+        inv.key(&self.processing);
+        for d in &deliveries {
+            inv.key(d.lease_key()).arg(d.item());
+        }
+        for t in &tokens {
+            inv.arg(t.as_str());
+        }
+        let removed: i64 =
+            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA list ack"))?;
+        tracing::debug!(removed, n = deliveries.len(), "items acknowledged");
+        Ok(())
+    }
+
+    async fn retry_later(&self, delivery: ListDelivery, delay: Duration) -> Result<(), SourceError> {
+        // The item stays in the processing list; when its lease key lapses the reaper returns it.
+        self.leases.shorten(delivery.lease_key(), delay).await.map(|_| ()).map_err(Into::into)
+    }
+
+    async fn hold(&self, delivery: ListDelivery, ttl: Duration) -> Result<(), SourceError> {
+        self.leases.shorten(delivery.lease_key(), ttl).await.map(|_| ()).map_err(Into::into)
+    }
+
+    async fn abandon(&self, delivery: ListDelivery) -> Result<(), SourceError> {
+        let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
+        let _: i64 = SCRIPTS
+            .list_requeue
+            .prepare_invoke()
+            .key(&self.processing)
+            .key(&self.list)
+            .key(delivery.lease_key())
+            .arg(delivery.item())
+            .arg(tok)
+            .invoke_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("EVALSHA requeue"))?;
+        Ok(())
+    }
+
+    async fn dead_letter(&self, delivery: ListDelivery, reason: &str) -> Result<(), SourceError> {
+        let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
+        let _: i64 = SCRIPTS
+            .list_dead
+            .prepare_invoke()
+            .key(&self.processing)
+            .key(&self.dead)
+            .key(delivery.lease_key())
+            .arg(delivery.item())
+            .arg(tok)
+            .arg(reason)
+            .arg(&self.list)
+            .invoke_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("EVALSHA list dead-letter"))?;
+        tracing::warn!(%reason, dead = %self.dead, "item dead-lettered");
+        Ok(())
+    }
+}
+
+/// What [`ListRetrofit::process`] did with one item.
+#[derive(Debug)]
+pub struct ListProcessed {
+    /// What to do with the item.
+    pub disposition: Disposition,
+    /// What the fence saw; `None` when the item could not be decoded (then the disposition is
+    /// [`Disposition::DeadLetter`] with the reason).
+    pub detail: Option<Detail>,
+    /// The lease key of the item's job: its identity in Redis (`None` when undecodable).
+    pub lease_key: Option<String>,
+}
+
+impl ListProcessed {
+    /// True when the item is done with (committed, or a duplicate of a completed job).
+    pub fn should_ack(&self) -> bool {
+        self.disposition == Disposition::Ack
+    }
+}
+
+/// The fence around a handler inside a list loop you already own (`BRPOP`, `BLMOVE`): the job key
+/// comes from the item ([`ItemKey`]), its lease key is set when the attempt starts, renewed on every
+/// heartbeat the database confirmed (a [`LeaseKeyHook`] on the supervisor), and released by
+/// compare-and-set when the attempt ends.
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
+/// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+/// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
+/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
+///     .item_key(ItemKey::Split(b'|'));
+/// let mut conn = redis.blocking();
+/// loop {
+///     // your loop, as before:
+///     let popped: Option<(String, Vec<u8>)> = adapters::redis::client::cmd("BRPOP").arg("mail").arg(5)
+///         .query_async(&mut conn).await?;
+///     let Some((_, item)) = popped else { continue };
+///     let done = fence.process(&item, |ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }).await;
+///     fence.requeue_popped(&item, &done).await?; // puts back what must run again
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct ListRetrofit {
+    retrofit: Retrofit,
+    leases: LeaseKeys,
+    item_key: ItemKey,
+    conn: ConnectionManager,
+    list: String,
+    dead: String,
+}
+
+impl ListRetrofit {
+    /// The fence for items of `list`, fenced under `queue`, with a fresh owner id. Must be created
+    /// inside a tokio runtime.
+    pub fn new(
+        store: Arc<dyn FenceStore>,
+        queue: QueueName,
+        config: SupervisorConfig,
+        conn: ConnectionManager,
+        list: impl Into<String>,
+    ) -> Self {
+        Self::with_owner(store, queue, Owner::unique("worker"), config, conn, list)
+    }
+
+    /// Like [`new`](Self::new) with the given owner id.
+    pub fn with_owner(
+        store: Arc<dyn FenceStore>,
+        queue: QueueName,
+        owner: Owner,
+        config: SupervisorConfig,
+        conn: ConnectionManager,
+        list: impl Into<String>,
+    ) -> Self {
+        let list = list.into();
+        let retrofit = Retrofit::with_owner(store, queue, owner, config);
+        let leases = LeaseKeys::new(conn.clone(), list.clone());
+        retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
+        Self { retrofit, leases, item_key: ItemKey::ContentHash, conn, dead: sibling_key(&list, ":dead"), list }
+    }
+
+    /// How items map to job keys (default: content hash).
+    pub fn item_key(mut self, item_key: ItemKey) -> Self {
+        self.item_key = item_key;
+        self
+    }
+
+    /// The underlying retrofit (supervisor, metrics).
+    pub fn retrofit(&self) -> &Retrofit {
+        &self.retrofit
+    }
+
+    /// The lease keys.
+    pub fn leases(&self) -> &LeaseKeys {
+        &self.leases
+    }
+
+    /// The dead-letter stream (`{list}:dead`).
+    pub fn dead_stream(&self) -> &str {
+        &self.dead
+    }
+
+    /// Claims the item's job, sets its lease key, runs `handler` under the lease, commits through
+    /// the fence, releases the lease key, and says what to do with the item.
+    pub async fn process<H: Handler>(&self, item: &[u8], handler: H) -> ListProcessed {
+        let (key, payload) = match self.item_key.decode(item) {
+            Ok(v) => v,
+            Err(reason) => {
+                tracing::warn!(%reason, "undecodable list item");
+                return ListProcessed { disposition: Disposition::DeadLetter(reason), detail: None, lease_key: None };
+            }
+        };
+        let lease_key = self.leases.key(self.retrofit.queue(), &key);
+        let ours: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let wrapped = {
+            let (leases, lease_key, ours) = (self.leases.clone(), lease_key.clone(), Arc::clone(&ours));
+            move |ctx: JobContext| {
+                let (handler, leases, lease_key, ours) =
+                    (handler.clone(), leases.clone(), lease_key.clone(), ours.clone());
+                async move {
+                    let l = ctx.lease();
+                    let tok = token(&l.owner, l.epoch);
+                    match leases.acquire(&[(lease_key.clone(), tok.clone(), l.epoch)], l.ttl).await {
+                        Ok(a) if a.first().is_some_and(|a| a.is_held()) => {
+                            if let Ok(mut o) = ours.lock() {
+                                *o = Some(tok);
+                            }
+                        }
+                        Ok(_) => {
+                            tracing::warn!(key = %lease_key, "lease key held by a newer epoch (the database decides)")
+                        }
+                        Err(e) => tracing::warn!(error = %e, "could not set the lease key (the database lease stands)"),
+                    }
+                    handler.call(ctx).await
+                }
+            }
+        };
+        let done = self.retrofit.process(&key, payload, wrapped).await;
+        let tok = ours.lock().ok().and_then(|mut o| o.take());
+        if let Some(tok) = tok
+            && let Err(e) = self.leases.release(&[(lease_key.clone(), tok)]).await
+        {
+            tracing::warn!(error = %e, "could not release the lease key (it expires)");
+        }
+        ListProcessed { disposition: done.disposition, detail: Some(done.detail), lease_key: Some(lease_key) }
+    }
+
+    /// For a loop that popped `item` destructively (`BRPOP`): puts back what must run again and
+    /// dead-letters what must not. A retry or hold is pushed back after its delay by a task of this
+    /// process (an item popped destructively lives only in memory until then: use
+    /// [`ReliableList`] where that matters); an item whose fate is unknown (the claim or the commit
+    /// could not reach the database) is pushed back at once, and the fence deduplicates it.
+    pub async fn requeue_popped(&self, item: &[u8], done: &ListProcessed) -> Result<(), RedisError> {
+        let push_now = match &done.disposition {
+            Disposition::Ack => return Ok(()),
+            Disposition::DeadLetter(reason) => {
+                let _: Value = ::redis::cmd("XADD")
+                    .arg(&self.dead)
+                    .arg("*")
+                    .arg("dead.reason")
+                    .arg(reason.as_str())
+                    .arg("dead.list")
+                    .arg(&self.list)
+                    .arg("item")
+                    .arg(item)
+                    .query_async(&mut self.conn.clone())
+                    .await
+                    .map_err(RedisError::command("XADD"))?;
+                return Ok(());
+            }
+            Disposition::RetryLater(d) | Disposition::Hold(d) => Some(*d),
+            Disposition::Abandon => None,
+            Disposition::Leave => match &done.detail {
+                Some(Detail::ClaimFailed(_)) | Some(Detail::Ran(fence::Outcome::StoreError(_))) => None,
+                // Lost or fenced: a newer epoch holds the job (from another copy of the item).
+                _ => return Ok(()),
+            },
+        };
+        let push = {
+            let (mut conn, list, item) = (self.conn.clone(), self.list.clone(), item.to_vec());
+            async move {
+                ::redis::cmd("LPUSH")
+                    .arg(&list)
+                    .arg(item)
+                    .query_async::<i64>(&mut conn)
+                    .await
+                    .map(|_| ())
+                    .map_err(RedisError::command("LPUSH"))
+            }
+        };
+        match push_now {
+            None | Some(Duration::ZERO) => push.await,
+            Some(delay) => {
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    if let Err(e) = push.await {
+                        tracing::error!(error = %e, "could not push a retried item back");
+                    }
+                });
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! Redis (feature `redis`): a lease key per job as a broker-side hint, a Streams consumer-group
+//! source, and two ways to fence list consumers.
+//!
+//! The database epoch decides; Redis only carries hints that follow it:
+//!
+//! - **Lease key** ([`LeaseKeys`]): `<owner>:<epoch>` under a hash-tagged key, set with
+//!   `SET … NX PX`, renewed (`GET == token → PEXPIRE`) and released (`GET == token → DEL`) by Lua
+//!   compare-and-set scripts that take `KEYS`/`ARGV` only. Renewal runs for all of a worker's
+//!   in-flight jobs in one script call per heartbeat tick, and only for leases the database just
+//!   confirmed.
+//! - **Streams** ([`StreamSource`]): `XREADGROUP` with a group created idempotently, `XAUTOCLAIM`
+//!   for entries idle past the visibility hint, `XCLAIM … JUSTID` on every confirmed heartbeat so a
+//!   live job is never auto-claimed, `XACK` only after a fenced commit, and a dead-letter stream for
+//!   entries that cannot be decoded or were delivered too often.
+//! - **Lists**: [`ListRetrofit`] puts the fence around a handler inside a `BRPOP`/`BLMOVE` loop you
+//!   already own; [`ReliableList`] is a source that `BLMOVE`s items to a processing list and puts an
+//!   item whose lease key lapsed back on the queue.
+//!
+//! ```no_run
+//! # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+//! use adapters::redis::{RedisConnections, StreamSource};
+//! use adapters::{Consumer, ConsumerConfig};
+//! use fence::{LeaseDuration, QueueName, SupervisorConfig};
+//! let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
+//! let source = StreamSource::new(redis, QueueName::new("orders")?, "orders", "billing")?;
+//! let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?));
+//! let consumer = Consumer::new(source, store, config);
+//! consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal()).await?;
+//! # Ok(()) }
+//! ```
+
+mod conn;
+mod error;
+mod keys;
+mod lease;
+mod list;
+mod reply;
+mod scripts;
+mod stream;
+
+/// The `redis` client crate this adapter is built on (same version), for your own commands.
+pub use ::redis as client;
+
+pub use conn::RedisConnections;
+pub use error::RedisError;
+pub use keys::{lease_key, sibling_key, slot_part, token};
+pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
+pub use list::{ItemKey, ListDelivery, ListProcessed, ListRetrofit, ReliableList};
+pub use stream::{KeyFrom, StreamDelivery, StreamSource};

@@ -1,0 +1,195 @@
+//! The Lua scripts. Each takes its keys in `KEYS` and its values in `ARGV` only — no script text is
+//! ever built from data — and each is loaded once and run with `EVALSHA`, falling back to `EVAL`
+//! (and loading it again) when the server answers `NOSCRIPT`, e.g. after a restart or `SCRIPT FLUSH`.
+
+use std::sync::LazyLock;
+
+use ::redis::Script;
+
+/// Acquire (or refresh) lease keys.
+/// KEYS: lease keys. ARGV[1]: ttl in ms; ARGV[1+i]: token i; ARGV[1+n+i]: epoch i.
+/// Per key: 1 = set with `SET NX PX` (or it already held this token: `PEXPIRE`), 2 = took it over
+/// from an older epoch, 0 = refused (held by the same or a newer epoch of another token).
+const ACQUIRE: &str = r"
+local ms = ARGV[1]
+local n = #KEYS
+local out = {}
+for i = 1, n do
+  local token = ARGV[1 + i]
+  local epoch = tonumber(ARGV[1 + n + i])
+  if redis.call('SET', KEYS[i], token, 'NX', 'PX', ms) then
+    out[i] = 1
+  else
+    local cur = redis.call('GET', KEYS[i])
+    if cur == token then
+      redis.call('PEXPIRE', KEYS[i], ms)
+      out[i] = 1
+    else
+      local held = nil
+      if cur then held = tonumber(string.match(cur, ':(%-?%d+)$')) end
+      if held ~= nil and epoch ~= nil and held < epoch then
+        redis.call('SET', KEYS[i], token, 'PX', ms)
+        out[i] = 2
+      else
+        out[i] = 0
+      end
+    end
+  end
+end
+return out
+";
+
+/// Renew lease keys: `GET == token → PEXPIRE`.
+/// KEYS: lease keys. ARGV[1]: ttl in ms; ARGV[1+i]: token i.
+/// Per key: 1 = renewed, 0 = missing, -1 = held by another token (untouched).
+const RENEW: &str = r"
+local out = {}
+for i = 1, #KEYS do
+  local cur = redis.call('GET', KEYS[i])
+  if cur == ARGV[1 + i] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    out[i] = 1
+  elseif cur then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out
+";
+
+/// Release lease keys: `GET == token → DEL`.
+/// KEYS: lease keys. ARGV[i]: token i. Per key: 1 = deleted, 0 = not ours (untouched).
+const RELEASE: &str = r"
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    redis.call('DEL', KEYS[i])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+";
+
+/// Dead-letter one stream entry: copy it to the dead-letter stream with the reason, `XACK` it, and
+/// release its lease key if it is ours.
+/// KEYS[1]: stream; KEYS[2]: dead-letter stream; KEYS[3] (optional): lease key.
+/// ARGV[1]: group; ARGV[2]: entry id; ARGV[3]: reason; ARGV[4]: lease token (with KEYS[3]).
+/// Returns the number of entries acknowledged (0 or 1).
+const STREAM_DEAD: &str = r"
+local args = {KEYS[2], '*', 'dead.reason', ARGV[3], 'dead.stream', KEYS[1], 'dead.group', ARGV[1], 'dead.id', ARGV[2]}
+local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if e[1] and e[1][2] then
+  local f = e[1][2]
+  if #f <= 7000 then
+    for j = 1, #f do args[#args + 1] = f[j] end
+  else
+    args[#args + 1] = 'dead.note'
+    args[#args + 1] = 'too many fields to copy'
+  end
+else
+  args[#args + 1] = 'dead.note'
+  args[#args + 1] = 'entry no longer in the stream'
+end
+redis.call('XADD', unpack(args))
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
+return acked
+";
+
+/// Move up to ARGV[1] items from the queue (right end) to the processing list (left end).
+/// KEYS[1]: queue; KEYS[2]: processing. Returns the items moved.
+const LIST_TAKE: &str = r"
+local out = {}
+for i = 1, tonumber(ARGV[1]) do
+  local item = redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
+  if not item then break end
+  out[#out + 1] = item
+end
+return out
+";
+
+/// Acknowledge list items: remove one copy of each from the processing list and release its lease
+/// key if it is ours. KEYS[1]: processing; KEYS[1+i]: lease key i. ARGV[i]: item i; ARGV[n+i]:
+/// token i. Returns the number of items removed.
+const LIST_ACK: &str = r"
+local n = #KEYS - 1
+local removed = 0
+for i = 1, n do
+  removed = removed + redis.call('LREM', KEYS[1], 1, ARGV[i])
+  if redis.call('GET', KEYS[1 + i]) == ARGV[n + i] then redis.call('DEL', KEYS[1 + i]) end
+end
+return removed
+";
+
+/// Give a list item back: remove one copy from the processing list, push it on the consuming end
+/// of the queue (it is next), release the lease key if it is ours.
+/// KEYS[1]: processing; KEYS[2]: queue; KEYS[3]: lease key. ARGV[1]: item; ARGV[2]: token.
+/// Returns 1 when the item was moved back.
+const LIST_REQUEUE: &str = r"
+local moved = 0
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  moved = 1
+end
+if redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
+return moved
+";
+
+/// Dead-letter a list item: remove one copy from the processing list, add it to the dead-letter
+/// stream with the reason, release the lease key if it is ours.
+/// KEYS[1]: processing; KEYS[2]: dead-letter stream; KEYS[3]: lease key (may be the empty string's
+/// key when none). ARGV[1]: item; ARGV[2]: token; ARGV[3]: reason; ARGV[4]: queue list name.
+/// Returns 1 when the item was in the processing list.
+const LIST_DEAD: &str = r"
+local removed = redis.call('LREM', KEYS[1], 1, ARGV[1])
+redis.call('XADD', KEYS[2], '*', 'dead.reason', ARGV[3], 'dead.list', ARGV[4], 'item', ARGV[1])
+if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
+return removed
+";
+
+/// One pass of the reaper. KEYS[1]: processing; KEYS[2]: queue; KEYS[2+i]: lease key of item i.
+/// ARGV[i]: item i; ARGV[n+i]: '1' when item i was already seen without a lease key on the previous
+/// pass. Per item: 0 = has a lease key, 1 = no lease key (a suspect), 2 = put back on the queue.
+const LIST_REAP: &str = r"
+local n = #KEYS - 2
+local out = {}
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[2 + i]) == 1 then
+    out[i] = 0
+  elseif ARGV[n + i] == '1' and redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+    out[i] = 2
+  else
+    out[i] = 1
+  end
+end
+return out
+";
+
+/// The scripts, hashed once per process.
+pub(crate) struct Scripts {
+    pub acquire: Script,
+    pub renew: Script,
+    pub release: Script,
+    pub stream_dead: Script,
+    pub list_take: Script,
+    pub list_ack: Script,
+    pub list_requeue: Script,
+    pub list_dead: Script,
+    pub list_reap: Script,
+}
+
+pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    acquire: Script::new(ACQUIRE),
+    renew: Script::new(RENEW),
+    release: Script::new(RELEASE),
+    stream_dead: Script::new(STREAM_DEAD),
+    list_take: Script::new(LIST_TAKE),
+    list_ack: Script::new(LIST_ACK),
+    list_requeue: Script::new(LIST_REQUEUE),
+    list_dead: Script::new(LIST_DEAD),
+    list_reap: Script::new(LIST_REAP),
+});

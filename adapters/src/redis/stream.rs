@@ -1,0 +1,538 @@
+//! Redis Streams consumer groups as a [`Source`].
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ::redis::Value;
+use async_trait::async_trait;
+use fence::{JobKey, Lease, QueueName};
+use tokio::time::Instant;
+
+use super::conn::RedisConnections;
+use super::error::RedisError;
+use super::keys::sibling_key;
+use super::lease::{LeaseKeys, millis};
+use super::reply::{self, RawEntry};
+use super::scripts::SCRIPTS;
+use crate::runtime::ReceiveContext;
+use crate::source::{Incoming, Source, SourceError};
+
+/// Where the job key of a stream entry comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyFrom {
+    /// The entry id (`1700000000000-0`): every entry is its own job.
+    EntryId,
+    /// A field of the entry, so that an entry a producer sends again is the same job. An entry
+    /// without the field (or with a value that is not a valid key) is dead-lettered.
+    Field(String),
+}
+
+/// The handle on one stream entry: its id, and the lease key of its job.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StreamDelivery {
+    id: Arc<str>,
+    lease_key: Option<Arc<str>>,
+}
+
+impl StreamDelivery {
+    /// The entry id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The lease key of the entry's job (none for an entry that could not be decoded).
+    pub fn lease_key(&self) -> Option<&str> {
+        self.lease_key.as_deref()
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    group_ready: bool,
+    cursor: String,
+    next_autoclaim: Option<Instant>,
+    consumer: Option<String>,
+    visibility: Duration,
+}
+
+/// A consumer-group reader of one stream.
+///
+/// - The group is created on first use (`XGROUP CREATE … MKSTREAM`; `BUSYGROUP` is fine), and again
+///   when the server lost it (a restart without persistence).
+/// - `receive`: `XAUTOCLAIM` of entries idle longer than the visibility hint (every
+///   [`autoclaim_every`](Self::autoclaim_every)), then `XREADGROUP … BLOCK` for new ones. An entry
+///   delivered more than [`max_deliveries`](Self::max_deliveries) times, or one that cannot be
+///   decoded, goes to the dead-letter stream with the reason.
+/// - `extend` (a heartbeat the database confirmed): `XCLAIM … JUSTID` of every in-flight entry to
+///   this consumer (idle back to 0: no one auto-claims a live job) and the lease keys renewed, in
+///   parallel.
+/// - `ack` (a fenced commit succeeded): `XACK` in batches, lease keys released by compare-and-set.
+///   `XACK` does not check the consumer, which is why nothing else ever calls it.
+///
+/// An entry is a set of fields; the payload is the [`body_field`](Self::body_field) (default
+/// `body`), the job key the entry id or a field ([`KeyFrom`]).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use adapters::redis::{KeyFrom, RedisConnections, StreamSource};
+/// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
+/// let source = StreamSource::new(redis, fence::QueueName::new("orders")?, "orders", "billing")?
+///     .key_from(KeyFrom::Field("order_id".into()))
+///     .max_deliveries(5)
+///     .block(Duration::from_secs(2));
+/// assert_eq!(source.dead_stream(), "{orders}:dead");
+/// # Ok(()) }
+/// ```
+pub struct StreamSource {
+    conns: RedisConnections,
+    queue: QueueName,
+    stream: String,
+    group: String,
+    dead: String,
+    key_from: KeyFrom,
+    body_field: String,
+    block: Duration,
+    visibility: Option<Duration>,
+    autoclaim_every: Duration,
+    max_deliveries: i64,
+    start_id: String,
+    leases: LeaseKeys,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for StreamSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSource")
+            .field("queue", &self.queue)
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("dead", &self.dead)
+            .field("key_from", &self.key_from)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StreamSource {
+    /// Reads `stream` as consumer group `group`; jobs are fenced under `queue`. The consumer name is
+    /// the worker's owner id. Dead letters go to `{stream}:dead` (same cluster slot).
+    pub fn new(
+        conns: RedisConnections,
+        queue: QueueName,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+    ) -> Result<Self, RedisError> {
+        let (stream, group) = (stream.into(), group.into());
+        if stream.is_empty() || group.is_empty() {
+            return Err(RedisError::Config("stream and group names must not be empty".into()));
+        }
+        let leases = LeaseKeys::new(conns.commands(), stream.clone());
+        Ok(Self {
+            dead: sibling_key(&stream, ":dead"),
+            conns,
+            queue,
+            stream,
+            group,
+            key_from: KeyFrom::EntryId,
+            body_field: "body".into(),
+            block: Duration::from_secs(2),
+            visibility: None,
+            autoclaim_every: Duration::from_secs(1),
+            max_deliveries: 10,
+            start_id: "0".into(),
+            leases,
+            state: Mutex::new(State {
+                group_ready: false,
+                cursor: "0-0".into(),
+                next_autoclaim: None,
+                consumer: None,
+                visibility: Duration::from_secs(30),
+            }),
+        })
+    }
+
+    /// Where job keys come from (default: the entry id).
+    pub fn key_from(mut self, key_from: KeyFrom) -> Self {
+        self.key_from = key_from;
+        self
+    }
+
+    /// The field holding the payload (default `body`).
+    pub fn body_field(mut self, field: impl Into<String>) -> Self {
+        self.body_field = field.into();
+        self
+    }
+
+    /// The dead-letter stream (default `{stream}:dead`).
+    pub fn dead_letter_stream(mut self, key: impl Into<String>) -> Self {
+        self.dead = key.into();
+        self
+    }
+
+    /// How long one `XREADGROUP` blocks when nothing is there (default 2 s, at least 1 ms).
+    pub fn block(mut self, block: Duration) -> Self {
+        self.block = block.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Idle time after which another consumer may auto-claim an entry (default: the lease). Keep it
+    /// well above the heartbeat interval (lease/3), or live jobs get auto-claimed (harmlessly: the
+    /// database refuses the claim, but it costs a delivery).
+    pub fn visibility(mut self, visibility: Duration) -> Self {
+        self.visibility = Some(visibility.max(Duration::from_millis(1)));
+        self
+    }
+
+    /// How often the `XAUTOCLAIM` sweep runs (default 1 s).
+    pub fn autoclaim_every(mut self, every: Duration) -> Self {
+        self.autoclaim_every = every;
+        self
+    }
+
+    /// Deliveries after which an entry is dead-lettered instead of claimed (default 10). Every
+    /// auto-claim counts one, including those of an entry held back by a retry backoff longer than
+    /// the visibility hint.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.max_deliveries = i64::from(n.max(1));
+        self
+    }
+
+    /// Where a newly created group starts (default `0`: every entry already in the stream; `$`:
+    /// only new ones).
+    pub fn start_id(mut self, id: impl Into<String>) -> Self {
+        self.start_id = id.into();
+        self
+    }
+
+    /// The stream key.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The group.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The dead-letter stream key.
+    pub fn dead_stream(&self) -> &str {
+        &self.dead
+    }
+
+    /// The lease keys of this source's jobs.
+    pub fn leases(&self) -> &LeaseKeys {
+        &self.leases
+    }
+
+    fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> Option<T> {
+        self.state.lock().ok().map(|mut s| f(&mut s))
+    }
+
+    fn consumer(&self) -> Option<String> {
+        self.with_state(|s| s.consumer.clone()).flatten()
+    }
+
+    fn effective_visibility(&self) -> Duration {
+        self.with_state(|s| s.visibility).unwrap_or(Duration::from_secs(30))
+    }
+
+    async fn ensure_group(&self) -> Result<(), RedisError> {
+        if self.with_state(|s| s.group_ready).unwrap_or(false) {
+            return Ok(());
+        }
+        let r: Result<Value, _> = ::redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(&self.start_id)
+            .arg("MKSTREAM")
+            .query_async(&mut self.conns.commands())
+            .await;
+        match r {
+            Ok(_) => tracing::info!(stream = %self.stream, group = %self.group, "consumer group created"),
+            Err(e) if e.code() == Some("BUSYGROUP") => {}
+            Err(e) => return Err(RedisError::Command { command: "XGROUP CREATE", source: e }),
+        }
+        self.with_state(|s| s.group_ready = true);
+        Ok(())
+    }
+
+    fn group_lost(&self, e: &RedisError) -> bool {
+        if e.code() == Some("NOGROUP") {
+            tracing::warn!(stream = %self.stream, group = %self.group, "consumer group is gone; creating it again");
+            self.with_state(|s| {
+                s.group_ready = false;
+                s.cursor = "0-0".into();
+            });
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Entries idle past the visibility hint, with their delivery counts.
+    async fn autoclaim(&self, consumer: &str, max: usize) -> Result<Vec<(RawEntry, Option<i64>)>, RedisError> {
+        let (cursor, visibility) = match self.with_state(|s| (s.cursor.clone(), s.visibility)) {
+            Some(v) => v,
+            None => return Ok(Vec::new()),
+        };
+        let v: Value = ::redis::cmd("XAUTOCLAIM")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(consumer)
+            .arg(millis(visibility))
+            .arg(&cursor)
+            .arg("COUNT")
+            .arg(max)
+            .query_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("XAUTOCLAIM"))?;
+        let (next, claimed, deleted) = reply::autoclaim(v).map_err(|e| RedisError::reply("XAUTOCLAIM", e))?;
+        let every = self.autoclaim_every;
+        self.with_state(|s| {
+            s.next_autoclaim = Some(if next == "0-0" { Instant::now() + every } else { Instant::now() });
+            s.cursor = next;
+        });
+        if !deleted.is_empty() {
+            tracing::info!(n = deleted.len(), "pending entries deleted from the stream were dropped by XAUTOCLAIM");
+        }
+        if claimed.is_empty() {
+            return Ok(Vec::new());
+        }
+        tracing::info!(n = claimed.len(), stream = %self.stream, "auto-claimed idle entries");
+        let counts = self.delivery_counts(consumer, &claimed).await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "could not read delivery counts; not dead-lettering this batch by count");
+            Vec::new()
+        });
+        Ok(claimed
+            .into_iter()
+            .map(|e| {
+                let count = counts.iter().find(|(id, _, _)| *id == e.id).map(|(_, _, c)| *c);
+                (e, count)
+            })
+            .collect())
+    }
+
+    async fn delivery_counts(
+        &self,
+        consumer: &str,
+        entries: &[RawEntry],
+    ) -> Result<Vec<(String, String, i64)>, RedisError> {
+        let ids: Vec<(u64, u64)> = entries.iter().filter_map(|e| parse_id(&e.id)).collect();
+        let (Some(lo), Some(hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(Vec::new()) };
+        let v: Value = ::redis::cmd("XPENDING")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(format!("{}-{}", lo.0, lo.1))
+            .arg(format!("{}-{}", hi.0, hi.1))
+            .arg(entries.len().saturating_mul(4).max(1000))
+            .arg(consumer)
+            .query_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("XPENDING"))?;
+        reply::pending(v).map_err(|e| RedisError::reply("XPENDING", e))
+    }
+
+    async fn read_new(&self, consumer: &str, count: usize, block: bool) -> Result<Vec<RawEntry>, RedisError> {
+        let mut cmd = ::redis::cmd("XREADGROUP");
+        cmd.arg("GROUP").arg(&self.group).arg(consumer).arg("COUNT").arg(count);
+        if block {
+            cmd.arg("BLOCK").arg(millis(self.block));
+        }
+        cmd.arg("STREAMS").arg(&self.stream).arg(">");
+        let mut conn = if block { self.conns.blocking() } else { self.conns.commands() };
+        let v: Value = cmd.query_async(&mut conn).await.map_err(RedisError::command("XREADGROUP"))?;
+        reply::read_group(v).map_err(|e| RedisError::reply("XREADGROUP", e))
+    }
+
+    fn decode(&self, entry: RawEntry, deliveries: Option<i64>) -> Incoming<StreamDelivery> {
+        let id: Arc<str> = Arc::from(entry.id.as_str());
+        let bad = |reason: String| Incoming::Malformed {
+            delivery: StreamDelivery { id: id.clone(), lease_key: None },
+            reason,
+        };
+        if let Some(n) = deliveries.filter(|n| *n > self.max_deliveries) {
+            return bad(format!("delivered {n} times, more than the limit of {}", self.max_deliveries));
+        }
+        if entry.fields.is_none() {
+            return bad("entry has no data (deleted from the stream)".into());
+        }
+        let key = match &self.key_from {
+            KeyFrom::EntryId => JobKey::new(entry.id.as_str()),
+            KeyFrom::Field(f) => match entry.field(f) {
+                Some(v) => JobKey::from_bytes(v),
+                None => return bad(format!("entry has no `{f}` field for its job key")),
+            },
+        };
+        let key = match key {
+            Ok(k) => k,
+            Err(e) => return bad(format!("entry has no usable job key: {e}")),
+        };
+        let Some(payload) = entry.field(&self.body_field).map(<[u8]>::to_vec) else {
+            return bad(format!("entry has no `{}` field", self.body_field));
+        };
+        let lease_key = Some(Arc::from(self.leases.key(&self.queue, &key)));
+        Incoming::Unclaimed { delivery: StreamDelivery { id, lease_key }, key, payload }
+    }
+
+    /// `XCLAIM` to this consumer without counting a delivery, with the idle time set so that the
+    /// entry becomes auto-claimable after `after`.
+    async fn reclaim_after(&self, d: &StreamDelivery, after: Duration) -> Result<(), RedisError> {
+        let Some(consumer) = self.consumer() else { return Ok(()) };
+        let idle = self.effective_visibility().saturating_sub(after);
+        let _: Value = ::redis::cmd("XCLAIM")
+            .arg(&self.stream)
+            .arg(&self.group)
+            .arg(consumer)
+            .arg(0)
+            .arg(d.id())
+            .arg("IDLE")
+            .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX))
+            .arg("JUSTID")
+            .query_async(&mut self.conns.commands())
+            .await
+            .map_err(RedisError::command("XCLAIM"))?;
+        Ok(())
+    }
+
+    async fn release(&self, d: &StreamDelivery) {
+        if let Some(k) = d.lease_key()
+            && let Err(e) = self.leases.release_held(&[k.to_owned()]).await
+        {
+            tracing::warn!(error = %e, "could not release a lease key (it expires)");
+        }
+    }
+}
+
+fn parse_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+#[async_trait]
+impl Source for StreamSource {
+    type Delivery = StreamDelivery;
+
+    fn queue(&self) -> &QueueName {
+        &self.queue
+    }
+
+    async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<StreamDelivery>>, SourceError> {
+        let consumer = ctx.owner.as_str().to_owned();
+        let visibility = self.visibility.unwrap_or(ctx.lease.get());
+        let due = self
+            .with_state(|s| {
+                s.consumer.get_or_insert_with(|| consumer.clone());
+                s.visibility = visibility;
+                s.next_autoclaim.is_none_or(|t| Instant::now() >= t)
+            })
+            .unwrap_or(false);
+        if let Err(e) = self.ensure_group().await {
+            return Err(e.into());
+        }
+        let mut raw = Vec::new();
+        if due {
+            match self.autoclaim(&consumer, max).await {
+                Ok(v) => raw = v,
+                Err(e) => {
+                    self.group_lost(&e);
+                    return Err(e.into());
+                }
+            }
+        }
+        if raw.len() < max {
+            match self.read_new(&consumer, max - raw.len(), raw.is_empty()).await {
+                Ok(v) => raw.extend(v.into_iter().map(|e| (e, None))),
+                Err(e) => {
+                    self.group_lost(&e);
+                    if raw.is_empty() {
+                        return Err(e.into());
+                    }
+                    tracing::warn!(error = %e, "XREADGROUP failed; handing on the auto-claimed entries");
+                }
+            }
+        }
+        Ok(raw.into_iter().map(|(e, n)| self.decode(e, n)).collect())
+    }
+
+    async fn extend(&self, leases: &[(Lease, StreamDelivery)]) -> Result<(), SourceError> {
+        let Some((first, _)) = leases.first() else { return Ok(()) };
+        let mut xclaim = ::redis::cmd("XCLAIM");
+        xclaim.arg(&self.stream).arg(&self.group).arg(first.owner.as_str()).arg(0);
+        for (_, d) in leases {
+            xclaim.arg(d.id());
+        }
+        xclaim.arg("JUSTID");
+        let keyed: Vec<(String, &Lease)> =
+            leases.iter().filter_map(|(l, d)| d.lease_key().map(|k| (k.to_owned(), l))).collect();
+        let mut conn = self.conns.commands();
+        let (claimed, keys) = tokio::join!(xclaim.query_async::<Value>(&mut conn), self.leases.confirm(&keyed));
+        if let Err(e) = keys {
+            tracing::warn!(error = %e, "could not renew lease keys (the database lease stands)");
+        }
+        let claimed = claimed.map_err(RedisError::command("XCLAIM"))?;
+        let kept = reply::strings(claimed).map(|v| v.len()).unwrap_or(0);
+        if kept < leases.len() {
+            tracing::debug!(kept, in_flight = leases.len(), "some in-flight entries are no longer pending");
+        }
+        Ok(())
+    }
+
+    async fn lost(&self, leases: &[(Lease, StreamDelivery)]) -> Result<(), SourceError> {
+        let keyed: Vec<(String, &Lease)> =
+            leases.iter().filter_map(|(l, d)| d.lease_key().map(|k| (k.to_owned(), l))).collect();
+        self.leases.release_lost(&keyed).await.map_err(Into::into)
+    }
+
+    async fn ack(&self, deliveries: Vec<StreamDelivery>) -> Result<(), SourceError> {
+        if deliveries.is_empty() {
+            return Ok(());
+        }
+        let mut xack = ::redis::cmd("XACK");
+        xack.arg(&self.stream).arg(&self.group);
+        for d in &deliveries {
+            xack.arg(d.id());
+        }
+        let keys: Vec<String> = deliveries.iter().filter_map(|d| d.lease_key().map(str::to_owned)).collect();
+        let mut conn = self.conns.commands();
+        let (acked, released) = tokio::join!(xack.query_async::<i64>(&mut conn), self.leases.release_held(&keys));
+        if let Err(e) = released {
+            tracing::warn!(error = %e, "could not release lease keys (they expire)");
+        }
+        let acked = acked.map_err(RedisError::command("XACK"))?;
+        tracing::debug!(acked, n = deliveries.len(), "entries acknowledged");
+        Ok(())
+    }
+
+    async fn retry_later(&self, delivery: StreamDelivery, delay: Duration) -> Result<(), SourceError> {
+        let (r, ()) = tokio::join!(self.reclaim_after(&delivery, delay), self.release(&delivery));
+        r.map_err(Into::into)
+    }
+
+    async fn dead_letter(&self, delivery: StreamDelivery, reason: &str) -> Result<(), SourceError> {
+        let mut inv = SCRIPTS.stream_dead.prepare_invoke();
+        inv.key(&self.stream).key(&self.dead).arg(&self.group).arg(delivery.id()).arg(reason);
+        if let Some(k) = delivery.lease_key()
+            && let Some(tok) = self.leases.held_token(k)
+        {
+            inv.key(k).arg(tok);
+        }
+        let acked: i64 =
+            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA dead-letter"))?;
+        if let Some(k) = delivery.lease_key() {
+            // The script released it by compare-and-set.
+            self.leases.forget(k);
+        }
+        tracing::warn!(id = delivery.id(), %reason, dead = %self.dead, acked, "entry dead-lettered");
+        Ok(())
+    }
+
+    async fn hold(&self, delivery: StreamDelivery, ttl: Duration) -> Result<(), SourceError> {
+        self.reclaim_after(&delivery, ttl).await.map_err(Into::into)
+    }
+
+    async fn abandon(&self, delivery: StreamDelivery) -> Result<(), SourceError> {
+        let (r, ()) = tokio::join!(self.reclaim_after(&delivery, Duration::ZERO), self.release(&delivery));
+        r.map_err(Into::into)
+    }
+}

@@ -1,0 +1,357 @@
+//! One received message, the newest receipt handle of each message, and FIFO group order.
+//!
+//! SQS hands out a new receipt handle on every receive, and only the newest one is sure to act on
+//! the message. Every delivery registers its handle here; broker calls on behalf of a live lease
+//! use the newest handle of the message this process holds. A delivery deregisters itself when the
+//! runtime drops its last clone, so nothing leaks whatever path the delivery took.
+//!
+//! On a FIFO queue one receive may return several messages of one group, which must be handled in
+//! order. The registry hands out one message per group at a time and parks the rest; a parked
+//! message's visibility is extended together with its group's running head, and the next one is
+//! handed out once the head is deleted (acked or dead-lettered). If the head ends any other way
+//! (retry later, lease lost), the parked messages are forgotten and left to SQS, which redelivers
+//! the group in order.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
+use tokio::sync::Notify;
+
+use super::error::SqsError;
+
+/// The broker's handle on one received message: what the runtime passes back to the source to
+/// extend, delete, re-hide or dead-letter it. Cheap to clone.
+///
+/// ```no_run
+/// # fn demo(d: adapters::sqs::SqsDelivery) {
+/// println!("{} received {} times", d.message_id(), d.receive_count());
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct SqsDelivery(pub(crate) Arc<Received>);
+
+impl std::fmt::Debug for SqsDelivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsDelivery")
+            .field("message_id", &self.0.message_id)
+            .field("group", &self.0.group)
+            .field("receive_count", &self.0.receive_count)
+            .finish()
+    }
+}
+
+impl SqsDelivery {
+    /// The SQS message id.
+    pub fn message_id(&self) -> &str {
+        &self.0.message_id
+    }
+
+    /// The receipt handle of this receive (broker calls use the newest one of the message).
+    pub fn receipt_handle(&self) -> &str {
+        &self.0.receipt_handle
+    }
+
+    /// The FIFO message group, if any.
+    pub fn group(&self) -> Option<&str> {
+        self.0.group.as_deref()
+    }
+
+    /// `ApproximateReceiveCount` at this receive (0 if SQS did not say).
+    pub fn receive_count(&self) -> u32 {
+        self.0.receive_count
+    }
+
+    /// The message as received.
+    pub fn message(&self) -> &Message {
+        &self.0.message
+    }
+
+    pub(crate) fn mark(&self, settled: Settled) {
+        self.0.settled.store(settled as u8, Ordering::Release);
+    }
+}
+
+/// How the runtime finished with a delivery (decides what its FIFO group does next).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Settled {
+    /// Nothing said (lease lost, fenced commit: the message is left to SQS).
+    Untouched = 0,
+    /// Deleted: acknowledged or moved to the dead-letter queue.
+    Removed = 1,
+    /// Kept in the queue, hidden for a while (retry later, busy elsewhere).
+    Kept = 2,
+    /// Made visible again (shutdown).
+    Abandoned = 3,
+}
+
+pub(crate) struct Received {
+    pub(crate) message: Message,
+    pub(crate) message_id: String,
+    pub(crate) receipt_handle: String,
+    pub(crate) group: Option<String>,
+    pub(crate) receive_count: u32,
+    seq: u64,
+    settled: AtomicU8,
+    registry: Weak<Registry>,
+}
+
+impl Drop for Received {
+    fn drop(&mut self) {
+        if let Some(registry) = self.registry.upgrade() {
+            registry.release(self);
+        }
+    }
+}
+
+struct HandleEntry {
+    seq: u64,
+    handle: String,
+    refs: usize,
+}
+
+#[derive(Default)]
+struct Group {
+    /// The delivery (by sequence number) handed out and not yet finished.
+    active: Option<u64>,
+    /// Later messages of the group, in order, waiting for the active one.
+    parked: VecDeque<SqsDelivery>,
+}
+
+#[derive(Default)]
+struct State {
+    handles: HashMap<String, HandleEntry>,
+    groups: HashMap<String, Group>,
+}
+
+/// The newest receipt handle per message, and FIFO group state, of one source.
+#[derive(Default)]
+pub(crate) struct Registry {
+    state: Mutex<State>,
+    next_seq: AtomicU64,
+    /// Fires when a parked message becomes ready.
+    pub(crate) ready: Notify,
+}
+
+impl Registry {
+    /// Wraps a received message, registering its receipt handle as the newest of the message.
+    pub(crate) fn register(self: &Arc<Self>, message: Message) -> Result<SqsDelivery, SqsError> {
+        let message_id = message.message_id().ok_or(SqsError::Incomplete { what: "MessageId" })?.to_owned();
+        let receipt_handle = message.receipt_handle().ok_or(SqsError::Incomplete { what: "ReceiptHandle" })?.to_owned();
+        let attrs = message.attributes();
+        let group = attrs.and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId)).cloned();
+        let receive_count = attrs
+            .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut state) = self.state.lock() {
+            let entry = state.handles.entry(message_id.clone()).or_insert_with(|| HandleEntry {
+                seq,
+                handle: receipt_handle.clone(),
+                refs: 0,
+            });
+            entry.refs += 1;
+            if entry.seq <= seq {
+                entry.seq = seq;
+                entry.handle.clone_from(&receipt_handle);
+            }
+        }
+        Ok(SqsDelivery(Arc::new(Received {
+            message,
+            message_id,
+            receipt_handle,
+            group,
+            receive_count,
+            seq,
+            settled: AtomicU8::new(Settled::Untouched as u8),
+            registry: Arc::downgrade(self),
+        })))
+    }
+
+    /// The newest receipt handle this process holds for the delivery's message.
+    pub(crate) fn newest_handle(&self, d: &SqsDelivery) -> String {
+        self.state
+            .lock()
+            .ok()
+            .and_then(|s| s.handles.get(&d.0.message_id).map(|e| e.handle.clone()))
+            .unwrap_or_else(|| d.0.receipt_handle.clone())
+    }
+
+    /// FIFO: of freshly received deliveries, hands out the first of each idle group and parks the
+    /// rest behind their group's running or parked messages.
+    pub(crate) fn admit(&self, deliveries: Vec<SqsDelivery>) -> Vec<SqsDelivery> {
+        let Ok(mut state) = self.state.lock() else { return deliveries };
+        let mut out = Vec::with_capacity(deliveries.len());
+        for d in deliveries {
+            let Some(group) = d.0.group.clone() else {
+                out.push(d);
+                continue;
+            };
+            let g = state.groups.entry(group).or_default();
+            if g.active.is_none() && g.parked.is_empty() {
+                g.active = Some(d.0.seq);
+                out.push(d);
+            } else {
+                g.parked.push_back(d);
+            }
+        }
+        out
+    }
+
+    /// FIFO: up to `max` parked messages whose group has nothing running, one per group.
+    pub(crate) fn take_ready(&self, max: usize) -> Vec<SqsDelivery> {
+        let Ok(mut state) = self.state.lock() else { return Vec::new() };
+        let mut out = Vec::new();
+        for g in state.groups.values_mut() {
+            if out.len() >= max {
+                break;
+            }
+            if g.active.is_none()
+                && let Some(d) = g.parked.pop_front()
+            {
+                g.active = Some(d.0.seq);
+                out.push(d);
+            }
+        }
+        out
+    }
+
+    /// FIFO: whether any message waits behind its group.
+    pub(crate) fn has_parked(&self) -> bool {
+        self.state.lock().map(|s| s.groups.values().any(|g| !g.parked.is_empty())).unwrap_or(false)
+    }
+
+    /// FIFO: (message id, newest handle) of the messages parked behind `d`, when `d` is its group's
+    /// running head: their visibility follows the head's.
+    pub(crate) fn parked_behind(&self, d: &SqsDelivery) -> Vec<(String, String)> {
+        let Some(group) = &d.0.group else { return Vec::new() };
+        let Ok(state) = self.state.lock() else { return Vec::new() };
+        match state.groups.get(group) {
+            Some(g) if g.active == Some(d.0.seq) => g
+                .parked
+                .iter()
+                .map(|p| {
+                    let handle = state
+                        .handles
+                        .get(&p.0.message_id)
+                        .map(|e| e.handle.clone())
+                        .unwrap_or_else(|| p.0.receipt_handle.clone());
+                    (p.0.message_id.clone(), handle)
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// FIFO: takes the messages parked behind `d` (its group's running head) out of the registry.
+    pub(crate) fn take_parked_behind(&self, d: &SqsDelivery) -> Vec<SqsDelivery> {
+        let Some(group) = &d.0.group else { return Vec::new() };
+        let Ok(mut state) = self.state.lock() else { return Vec::new() };
+        match state.groups.get_mut(group) {
+            Some(g) if g.active == Some(d.0.seq) => g.parked.drain(..).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// FIFO: takes every parked message out of the registry (shutdown).
+    pub(crate) fn drain_parked(&self) -> Vec<SqsDelivery> {
+        let Ok(mut state) = self.state.lock() else { return Vec::new() };
+        state.groups.values_mut().flat_map(|g| g.parked.drain(..)).collect()
+    }
+
+    fn release(&self, r: &Received) {
+        let mut forgotten = Vec::new();
+        {
+            let Ok(mut state) = self.state.lock() else { return };
+            if let Some(e) = state.handles.get_mut(&r.message_id) {
+                e.refs = e.refs.saturating_sub(1);
+                if e.refs == 0 {
+                    state.handles.remove(&r.message_id);
+                }
+            }
+            if let Some(group) = &r.group
+                && let Some(g) = state.groups.get_mut(group)
+            {
+                if g.active == Some(r.seq) {
+                    g.active = None;
+                    if r.settled.load(Ordering::Acquire) == Settled::Removed as u8 {
+                        if !g.parked.is_empty() {
+                            self.ready.notify_one();
+                        }
+                    } else {
+                        // The head stays in the queue (or its lease was lost): the rest of the
+                        // group must not overtake it. Leave them to SQS, which keeps the order.
+                        forgotten.extend(g.parked.drain(..));
+                    }
+                }
+                if g.active.is_none() && g.parked.is_empty() {
+                    state.groups.remove(group);
+                }
+            }
+        }
+        // Dropped outside the lock: their own release takes it again.
+        drop(forgotten);
+    }
+
+    /// Messages registered and not yet released (for tests and metrics).
+    #[cfg(test)]
+    pub(crate) fn live_messages(&self) -> usize {
+        self.state.lock().map(|s| s.handles.len()).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(id: &str, handle: &str, group: Option<&str>) -> Message {
+        let mut b = Message::builder().message_id(id).receipt_handle(handle).body("b");
+        if let Some(g) = group {
+            b = b.attributes(MessageSystemAttributeName::MessageGroupId, g);
+        }
+        b.build()
+    }
+
+    #[test]
+    fn newest_handle_wins_and_registry_empties() {
+        let reg = Arc::new(Registry::default());
+        let first = reg.register(msg("m1", "h1", None)).unwrap();
+        let second = reg.register(msg("m1", "h2", None)).unwrap();
+        assert_eq!(reg.newest_handle(&first), "h2");
+        drop(second);
+        assert_eq!(reg.live_messages(), 1, "first still alive");
+        drop(first);
+        assert_eq!(reg.live_messages(), 0);
+    }
+
+    #[test]
+    fn fifo_group_hands_out_one_at_a_time() {
+        let reg = Arc::new(Registry::default());
+        let batch: Vec<_> = ["a1", "a2", "b1", "a3"]
+            .iter()
+            .map(|id| reg.register(msg(id, &format!("h-{id}"), Some(&id[..1]))).unwrap())
+            .collect();
+        let out = reg.admit(batch);
+        let ids: Vec<_> = out.iter().map(|d| d.message_id().to_owned()).collect();
+        assert_eq!(ids, ["a1", "b1"]);
+        assert!(reg.has_parked());
+        assert!(reg.take_ready(10).is_empty(), "a1 still running");
+        assert_eq!(reg.parked_behind(&out[0]).len(), 2);
+        let mut out = out.into_iter();
+        let a1 = out.next().unwrap();
+        a1.mark(Settled::Removed);
+        drop(a1);
+        let next = reg.take_ready(10);
+        assert_eq!(next.iter().map(|d| d.message_id()).collect::<Vec<_>>(), ["a2"]);
+        // a2 is retried later: a3 must not overtake it, it is forgotten.
+        next[0].mark(Settled::Kept);
+        drop(next);
+        assert!(!reg.has_parked());
+        assert!(reg.take_ready(10).is_empty());
+        drop(out);
+        assert_eq!(reg.live_messages(), 0);
+    }
+}

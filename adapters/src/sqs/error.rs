@@ -1,0 +1,166 @@
+//! Typed errors of the SQS adapter, and the one place that decides which SQS failures are worth
+//! retrying.
+
+use aws_sdk_sqs::config::http::HttpResponse;
+use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+
+use crate::source::SourceError;
+
+/// What went wrong talking to SQS.
+///
+/// ```
+/// use adapters::sqs::SqsError;
+/// let e = SqsError::Transient { operation: "ReceiveMessage", code: Some("ThrottlingException".into()), message: "slow down".into() };
+/// assert!(e.is_transient());
+/// assert_eq!(e.code(), Some("ThrottlingException"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+pub enum SqsError {
+    /// The queue URL cannot be used (it names no queue).
+    #[error("invalid queue URL {url:?}: {reason}")]
+    InvalidQueueUrl {
+        /// The URL given.
+        url: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// Throttling, a dropped connection, a timeout or a server-side error: worth retrying.
+    #[error("SQS {operation} failed transiently ({}): {message}", code.as_deref().unwrap_or("no code"))]
+    Transient {
+        /// The SQS operation.
+        operation: &'static str,
+        /// The error code SQS answered with, if any.
+        code: Option<String>,
+        /// The full error text.
+        message: String,
+    },
+    /// A request SQS refused for good (missing queue, permissions, bad parameter).
+    #[error("SQS {operation} failed ({}): {message}", code.as_deref().unwrap_or("no code"))]
+    Service {
+        /// The SQS operation.
+        operation: &'static str,
+        /// The error code SQS answered with, if any.
+        code: Option<String>,
+        /// The full error text.
+        message: String,
+    },
+    /// Entries of a batch call still failed after the retries (their messages come back and are
+    /// deduplicated by the fence).
+    #[error("SQS {operation}: {failed} entries failed: {summary}")]
+    BatchEntries {
+        /// The SQS batch operation.
+        operation: &'static str,
+        /// How many entries failed.
+        failed: usize,
+        /// Codes and messages of the failures.
+        summary: String,
+        /// Whether any failure was on the server side (worth retrying).
+        transient: bool,
+    },
+    /// A message to dead-letter, but the queue has no dead-letter queue (no RedrivePolicy and none
+    /// configured). The message is left to the broker.
+    #[error("queue {queue} has no dead-letter queue (set a RedrivePolicy or SqsConfig::dead_letter_queue)")]
+    NoDeadLetterQueue {
+        /// The queue URL.
+        queue: String,
+    },
+    /// A received message lacks a field SQS always sends (id or receipt handle).
+    #[error("received message has no {what}")]
+    Incomplete {
+        /// The missing field.
+        what: &'static str,
+    },
+}
+
+impl SqsError {
+    /// True when the same call may succeed later.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SqsError::Transient { .. } => true,
+            SqsError::BatchEntries { transient, .. } => *transient,
+            _ => false,
+        }
+    }
+
+    /// The SQS error code, when SQS answered with one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            SqsError::Transient { code, .. } | SqsError::Service { code, .. } => code.as_deref(),
+            _ => None,
+        }
+    }
+}
+
+impl From<SqsError> for SourceError {
+    fn from(e: SqsError) -> Self {
+        if e.is_transient() { SourceError::Transient(e.to_string()) } else { SourceError::Fatal(e.to_string()) }
+    }
+}
+
+/// Error codes SQS uses for throttling and server-side trouble (they also arrive untyped, so
+/// match on the code).
+const TRANSIENT_CODES: &[&str] = &[
+    "ThrottlingException",
+    "Throttling",
+    "RequestThrottled",
+    "AWS.SimpleQueueService.RequestThrottled",
+    "OverLimit",
+    "KmsThrottled",
+    "ServiceUnavailable",
+    "AWS.SimpleQueueService.ServiceUnavailable",
+    "InternalError",
+    "InternalFailure",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "SlowDown",
+];
+
+/// True for an error code that says: try again later.
+pub(crate) fn is_transient_code(code: &str) -> bool {
+    TRANSIENT_CODES.contains(&code)
+}
+
+/// Classifies an SDK error: throttling, 5xx, timeouts and connection failures are transient;
+/// everything SQS refused on purpose is not.
+pub(crate) fn classify<E>(operation: &'static str, err: SdkError<E, HttpResponse>) -> SqsError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+{
+    let message = DisplayErrorContext(&err).to_string();
+    match &err {
+        SdkError::ServiceError(ctx) => {
+            let code = ctx.err().code().map(str::to_owned);
+            let status = ctx.raw().status().as_u16();
+            let transient = status >= 500 || status == 429 || code.as_deref().is_some_and(is_transient_code);
+            if transient {
+                SqsError::Transient { operation, code, message }
+            } else {
+                SqsError::Service { operation, code, message }
+            }
+        }
+        SdkError::ConstructionFailure(_) => SqsError::Service { operation, code: None, message },
+        // Timeouts, dispatch (connection) failures, unreadable responses, and anything newer.
+        _ => SqsError::Transient { operation, code: None, message },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transient_codes_map_to_transient_source_errors() {
+        assert!(is_transient_code("ThrottlingException"));
+        assert!(!is_transient_code("AWS.SimpleQueueService.NonExistentQueue"));
+        let e: SourceError =
+            SqsError::Transient { operation: "ReceiveMessage", code: None, message: "reset".into() }.into();
+        assert!(matches!(e, SourceError::Transient(_)));
+        let e: SourceError = SqsError::Service {
+            operation: "ReceiveMessage",
+            code: Some("AWS.SimpleQueueService.NonExistentQueue".into()),
+            message: "gone".into(),
+        }
+        .into();
+        assert!(matches!(e, SourceError::Fatal(_)));
+    }
+}

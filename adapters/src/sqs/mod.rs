@@ -1,0 +1,63 @@
+//! # SQS source (feature `sqs`)
+//!
+//! SQS deliveries mapped onto the fence. The database epoch is the authority; SQS's receipt handle
+//! and visibility timeout are hints that follow it:
+//!
+//! * the job key of a message is its `MessageId`, or on FIFO queues its `MessageDeduplicationId`,
+//!   or a message attribute / JSON body field you choose ([`KeyStrategy`]), so a producer's re-send
+//!   is deduplicated;
+//! * each received batch is claimed with one statement; `Busy` hides the message for the time left
+//!   on the database lease, `Done` deletes it;
+//! * visibility is extended only after the database confirmed a lease, with the newest receipt
+//!   handle of the message, and never for a lost lease (on LocalStack an old handle still deletes
+//!   or re-hides the message a newer receiver holds: a stale handle is no fence);
+//! * only a committed result deletes; a `Fenced` commit touches nothing.
+//!
+//! Run it under the shared [`Consumer`](crate::Consumer) with an [`SqsSource`], or call
+//! [`SqsRetrofit::process`] from a receive loop you already own. The client comes from the
+//! standard AWS environment over a single rustls (*ring*) HTTP stack ([`client_from_env`]).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use adapters::sqs::{KeyStrategy, SqsConfig, SqsSource, client_from_env};
+//! use adapters::{Consumer, ConsumerConfig};
+//! use fence::{FenceStore, LeaseDuration, PgFence, SupervisorConfig};
+//!
+//! let store = Arc::new(PgFence::connect("postgres://postgres@127.0.0.1/test").await?);
+//! store.migrate().await?;
+//! let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?.key(KeyStrategy::attribute("order-id"));
+//! let source = SqsSource::new(client_from_env().await, config);
+//! let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
+//! consumer
+//!     .run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal())
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+mod batch;
+mod config;
+mod dead_letter;
+mod delivery;
+mod error;
+mod key;
+mod receive;
+mod retrofit;
+mod source;
+
+pub use config::{
+    DeadLetterTarget, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT, SqsConfig, client_from_env, http_client, is_fifo_url,
+    queue_name_of_url, visibility_secs,
+};
+pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE};
+pub use delivery::SqsDelivery;
+pub use error::SqsError;
+pub use key::KeyStrategy;
+pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};
+pub use source::SqsSource;
+
+/// The AWS configuration loader, re-exported for the same reason.
+pub use aws_config;
+/// The AWS SDK for SQS, re-exported so applications need no second dependency line (and get the
+/// same version and features).
+pub use aws_sdk_sqs;

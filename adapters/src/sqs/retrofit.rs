@@ -1,0 +1,228 @@
+//! The retrofit entry point for SQS: you keep your `ReceiveMessage` loop; for each message the
+//! adapter claims, supervises (extending visibility after every confirmed heartbeat), commits and
+//! deletes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use aws_sdk_sqs::types::Message;
+use fence::{FenceStore, JobKey, Lease, LeaseHook, Metrics, Owner, SupervisorConfig};
+use tracing::Instrument;
+
+use super::delivery::SqsDelivery;
+use super::error::SqsError;
+use super::source::SqsSource;
+use crate::disposition::Disposition;
+use crate::handler::Handler;
+use crate::middleware::{Detail, Retrofit};
+
+/// What happened to one message in [`SqsRetrofit::process`].
+#[derive(Debug)]
+pub struct SqsProcessed {
+    /// What was done at SQS.
+    pub disposition: Disposition,
+    /// Why.
+    pub detail: SqsDetail,
+    /// The SQS call applying the disposition failed (the message comes back and the fence
+    /// deduplicates it).
+    pub broker_error: Option<SqsError>,
+}
+
+/// The fence's side of an [`SqsProcessed`].
+#[derive(Debug)]
+pub enum SqsDetail {
+    /// The message has no usable job key; it was dead-lettered with this reason.
+    Malformed(String),
+    /// The message lacks a MessageId or ReceiptHandle; nothing could be done with it.
+    Unusable(SqsError),
+    /// The fence's verdict: not claimed, or the attempt's outcome.
+    Fence(Detail),
+}
+
+impl SqsProcessed {
+    /// True when the handler's result was committed and the message deleted.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: adapters::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
+    /// let done = fence.process(&m, |ctx: fence::JobContext| async move { Ok(Vec::new()) }).await;
+    /// assert!(done.is_completed());
+    /// # }
+    /// ```
+    pub fn is_completed(&self) -> bool {
+        matches!(&self.detail, SqsDetail::Fence(Detail::Ran(o)) if o.is_completed()) && self.broker_error.is_none()
+    }
+}
+
+/// Deliveries being processed, by job key, so the heartbeat hook finds the handle to extend.
+#[derive(Default)]
+struct InFlight {
+    next: AtomicU64,
+    by_key: Mutex<HashMap<JobKey, Vec<(u64, SqsDelivery)>>>,
+}
+
+impl InFlight {
+    fn insert(&self, key: &JobKey, d: SqsDelivery) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut m) = self.by_key.lock() {
+            m.entry(key.clone()).or_default().push((id, d));
+        }
+        id
+    }
+
+    fn remove(&self, key: &JobKey, id: u64) {
+        let removed = self.by_key.lock().ok().and_then(|mut m| {
+            let list = m.get_mut(key)?;
+            let at = list.iter().position(|(i, _)| *i == id)?;
+            let d = list.remove(at);
+            if list.is_empty() {
+                m.remove(key);
+            }
+            Some(d)
+        });
+        // Dropped outside the lock (a delivery's drop deregisters its handle).
+        drop(removed);
+    }
+
+    fn newest(&self, key: &JobKey) -> Option<SqsDelivery> {
+        self.by_key.lock().ok()?.get(key)?.last().map(|(_, d)| d.clone())
+    }
+}
+
+struct ExtendHook {
+    source: SqsSource,
+    in_flight: Arc<InFlight>,
+}
+
+#[async_trait]
+impl LeaseHook for ExtendHook {
+    async fn confirmed(&self, leases: &[Lease]) {
+        let queue = self.source.config().fence_queue();
+        let pairs: Vec<(Lease, SqsDelivery)> = leases
+            .iter()
+            .filter(|l| &l.queue == queue)
+            .filter_map(|l| self.in_flight.newest(&l.key).map(|d| (l.clone(), d)))
+            .collect();
+        if !pairs.is_empty()
+            && let Err(e) = self.source.extend_visibility(&pairs).await
+        {
+            tracing::warn!(error = %e, n = pairs.len(), "could not extend SQS visibility (the database lease stands)");
+        }
+    }
+}
+
+/// The fence inside a consumer loop you already own. One per worker process.
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use adapters::sqs::{SqsConfig, SqsRetrofit, SqsSource, client_from_env};
+/// use fence::{LeaseDuration, SupervisorConfig};
+/// let client = client_from_env().await;
+/// let url = "http://127.0.0.1:4566/000000000000/orders";
+/// let fence = SqsRetrofit::new(store, SqsSource::new(client.clone(), SqsConfig::new(url)?),
+///     SupervisorConfig::new(LeaseDuration::from_secs(30)?));
+/// loop {
+///     let out = client.receive_message().queue_url(url).wait_time_seconds(20).send().await?;
+///     for message in out.messages() {
+///         let done = fence.process(message, |ctx: fence::JobContext| async move {
+///             Ok(format!("handled {} at epoch {}", ctx.key(), ctx.epoch()).into_bytes())
+///         }).await;
+///         println!("{:?}", done.disposition); // deleted, re-hidden, dead-lettered or left
+///     }
+/// }
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct SqsRetrofit {
+    retrofit: Retrofit,
+    source: SqsSource,
+    in_flight: Arc<InFlight>,
+}
+
+impl std::fmt::Debug for SqsRetrofit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsRetrofit").field("retrofit", &self.retrofit).field("source", &self.source).finish()
+    }
+}
+
+impl SqsRetrofit {
+    /// Middleware with a fresh owner id. Must be created inside a tokio runtime.
+    pub fn new(store: Arc<dyn FenceStore>, source: SqsSource, config: SupervisorConfig) -> Self {
+        Self::with_owner(store, source, Owner::unique("worker"), config)
+    }
+
+    /// Middleware with the given owner id.
+    pub fn with_owner(store: Arc<dyn FenceStore>, source: SqsSource, owner: Owner, config: SupervisorConfig) -> Self {
+        let retrofit = Retrofit::with_owner(store, source.config().fence_queue().clone(), owner, config);
+        let in_flight = Arc::new(InFlight::default());
+        retrofit
+            .supervisor()
+            .add_hook(Arc::new(ExtendHook { source: source.clone(), in_flight: Arc::clone(&in_flight) }));
+        Self { retrofit, source, in_flight }
+    }
+
+    /// The generic middleware underneath.
+    pub fn retrofit(&self) -> &Retrofit {
+        &self.retrofit
+    }
+
+    /// The source used for broker calls.
+    pub fn source(&self) -> &SqsSource {
+        &self.source
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        self.retrofit.metrics()
+    }
+
+    /// Claims the message's job, runs `handler` under the lease (visibility extended after each
+    /// confirmed heartbeat), commits through the fence, then tells SQS: delete on a committed
+    /// result or a duplicate, re-hide on a failure or a busy job, dead-letter a malformed or dead
+    /// message, and touch nothing when the lease was lost or the commit fenced.
+    pub async fn process<H: Handler>(&self, message: &Message, handler: H) -> SqsProcessed {
+        let span = tracing::info_span!(
+            "sqs_process",
+            queue = %self.retrofit.queue(),
+            message_id = message.message_id().unwrap_or("?"),
+        );
+        self.process_inner(message, handler).instrument(span).await
+    }
+
+    async fn process_inner<H: Handler>(&self, message: &Message, handler: H) -> SqsProcessed {
+        let delivery = match self.source.delivery(message.clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(error = %e, "message cannot be processed");
+                return SqsProcessed {
+                    disposition: Disposition::Leave,
+                    detail: SqsDetail::Unusable(e),
+                    broker_error: None,
+                };
+            }
+        };
+        let config = self.source.config();
+        let key = match config.key_strategy().key_of(message, config.is_fifo()) {
+            Ok(k) => k,
+            Err(reason) => {
+                tracing::warn!(%reason, "malformed message: dead-lettering it");
+                let disposition = Disposition::DeadLetter(reason.clone());
+                let broker_error = self.source.apply(&delivery, &disposition).await.err();
+                self.metrics().incr(fence::Counter::DeadLetters);
+                return SqsProcessed { disposition, detail: SqsDetail::Malformed(reason), broker_error };
+            }
+        };
+        let payload = message.body().unwrap_or_default().as_bytes().to_vec();
+        let id = self.in_flight.insert(&key, delivery.clone());
+        let processed = self.retrofit.process(&key, payload, handler).await;
+        self.in_flight.remove(&key, id);
+        let broker_error = self.source.apply(&delivery, &processed.disposition).await.err();
+        match (&processed.disposition, &broker_error) {
+            (Disposition::Ack, None) => self.metrics().incr(fence::Counter::Acks),
+            (_, Some(e)) => tracing::warn!(error = %e, "SQS call failed; the message comes back and is deduplicated"),
+            _ => {}
+        }
+        SqsProcessed { disposition: processed.disposition, detail: SqsDetail::Fence(processed.detail), broker_error }
+    }
+}

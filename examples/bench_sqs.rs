@@ -1,0 +1,564 @@
+//! Benchmark: messages per second of the fenced SQS consumer against a plain consumer (receive,
+//! handle, delete) on the same queue, with the same concurrency, in one run; and the database
+//! statements the fence spends per message. Not a test: run it by hand, in release.
+//!
+//! ```text
+//! bash localstack/up
+//! cargo run --release --features sqs --example bench_sqs -- --messages 3000 --concurrency 32 --work-ms 5
+//! ```
+//!
+//! Both consumers receive with one long-poll loop (batches of ten, never more than `concurrency`
+//! messages in hand), run the handler (a sleep of `--work-ms`, standing in for I/O), and delete in
+//! batches of ten (or after 20 ms). The fenced one adds one claim statement per received batch,
+//! the fenced commit per message (grouped by the supervisor), and the heartbeat per tick.
+//!
+//! After a warm-up of both, `--rounds` rounds alternate which consumer goes first; the medians
+//! give the ratio. Also printed: database statements per message (counted by a wrapper around the
+//! store), mean claim and commit latencies, where a fenced message's time goes, and how busy the
+//! machine's CPUs were in each phase (LocalStack, PostgreSQL and the benchmark share them: a
+//! phase at 100 % measures the machine, not the consumer). AWS and PostgreSQL settings come from
+//! the standard environment, falling back to `localstack/.env`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
+use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+use brokerfence::adapters::sqs::{SqsConfig, SqsSource, client_from_env};
+use brokerfence::adapters::{Consumer, ConsumerConfig};
+use brokerfence::fence::{
+    self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobError, JobKey, JobRecord,
+    Lease, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName, SupervisorConfig,
+};
+use futures::StreamExt;
+use sqlx::AssertSqlSafe;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+const USAGE: &str = "usage: bench_sqs [--messages N=3000] [--concurrency C=32] [--work-ms W=5] [--lease SECS=30]
+       [--rounds R=3] [--batch B=10] [--read-ahead]";
+
+struct Args {
+    read_ahead: bool,
+    batch: usize,
+    rounds: usize,
+    messages: usize,
+    concurrency: usize,
+    work: Duration,
+    lease: u64,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        read_ahead: false,
+        batch: 10,
+        rounds: 3,
+        messages: 3000,
+        concurrency: 32,
+        work: Duration::from_millis(5),
+        lease: 30,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(name) = it.next() {
+        if name == "--read-ahead" {
+            args.read_ahead = true;
+            continue;
+        }
+        let value = it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"))?;
+        let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{name} {v:?}: {e}"));
+        match name.as_str() {
+            "--messages" => args.messages = usize::try_from(num(&value)?).unwrap_or(1).max(1),
+            "--concurrency" => args.concurrency = usize::try_from(num(&value)?).unwrap_or(1).max(1),
+            "--work-ms" => args.work = Duration::from_millis(num(&value)?),
+            "--lease" => args.lease = num(&value)?,
+            "--batch" => args.batch = usize::try_from(num(&value)?).unwrap_or(10).max(1),
+            "--rounds" => args.rounds = usize::try_from(num(&value)?).unwrap_or(1).max(1),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+// ---------------------------------------------------------------- counting the statements
+
+/// Counts the statements the fence sends (each store call is one statement).
+#[derive(Default)]
+struct Counts {
+    claim_batch: AtomicU64,
+    complete: AtomicU64,
+    complete_batch: AtomicU64,
+    heartbeat: AtomicU64,
+    other: AtomicU64,
+    /// Microseconds spent waiting for claim and commit statements.
+    claim_us: AtomicU64,
+    commit_us: AtomicU64,
+    /// Where a fenced message's time goes: claim answered → handler started, and handler
+    /// finished → commit answered (microseconds, summed), by job key.
+    stages: std::sync::Mutex<Stages>,
+}
+
+#[derive(Default)]
+struct Stages {
+    claimed: std::collections::HashMap<String, Instant>,
+    finished: std::collections::HashMap<String, Instant>,
+    claim_to_start_us: u64,
+    starts: u64,
+    finish_to_commit_us: u64,
+    commits: u64,
+}
+
+impl Counts {
+    fn claimed(&self, keys: &[JobKey]) {
+        let now = Instant::now();
+        if let Ok(mut s) = self.stages.lock() {
+            for k in keys {
+                s.claimed.insert(k.as_str().to_owned(), now);
+            }
+        }
+    }
+    fn started(&self, key: &str) {
+        if let Ok(mut s) = self.stages.lock()
+            && let Some(at) = s.claimed.remove(key)
+        {
+            s.claim_to_start_us += micros(at);
+            s.starts += 1;
+        }
+    }
+    fn finished(&self, key: &str) {
+        if let Ok(mut s) = self.stages.lock() {
+            s.finished.insert(key.to_owned(), Instant::now());
+        }
+    }
+    fn committed(&self, items: &[(Lease, Vec<u8>)]) {
+        if let Ok(mut s) = self.stages.lock() {
+            for (l, _) in items {
+                if let Some(at) = s.finished.remove(l.key.as_str()) {
+                    s.finish_to_commit_us += micros(at);
+                    s.commits += 1;
+                }
+            }
+        }
+    }
+}
+
+impl Counts {
+    fn total(&self) -> u64 {
+        [&self.claim_batch, &self.complete, &self.complete_batch, &self.heartbeat, &self.other]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+    fn reset(&self) {
+        for c in [
+            &self.claim_batch,
+            &self.complete,
+            &self.complete_batch,
+            &self.heartbeat,
+            &self.other,
+            &self.claim_us,
+            &self.commit_us,
+        ] {
+            c.store(0, Ordering::Relaxed);
+        }
+        if let Ok(mut s) = self.stages.lock() {
+            *s = Stages::default();
+        }
+    }
+}
+
+struct Counting {
+    inner: PgFence,
+    counts: Arc<Counts>,
+}
+
+fn micros(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+#[async_trait]
+impl FenceStore for Counting {
+    async fn migrate(&self) -> fence::Result<()> {
+        self.inner.migrate().await
+    }
+    async fn claim(&self, q: &QueueName, k: &JobKey, o: &Owner, l: LeaseDuration) -> fence::Result<Claim> {
+        bump(&self.counts.claim_batch);
+        self.inner.claim(q, k, o, l).await
+    }
+    async fn claim_batch(&self, q: &QueueName, k: &[JobKey], o: &Owner, l: LeaseDuration) -> fence::Result<Vec<Claim>> {
+        bump(&self.counts.claim_batch);
+        let t = Instant::now();
+        let out = self.inner.claim_batch(q, k, o, l).await;
+        self.counts.claim_us.fetch_add(micros(t), Ordering::Relaxed);
+        self.counts.claimed(k);
+        out
+    }
+    async fn enqueue_many(&self, q: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> fence::Result<u64> {
+        bump(&self.counts.other);
+        self.inner.enqueue_many(q, jobs).await
+    }
+    async fn claim_next(&self, q: &QueueName, o: &Owner, l: LeaseDuration, n: u32) -> fence::Result<Vec<ClaimedJob>> {
+        bump(&self.counts.other);
+        self.inner.claim_next(q, o, l, n).await
+    }
+    async fn heartbeat(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
+        bump(&self.counts.heartbeat);
+        self.inner.heartbeat(leases, l).await
+    }
+    async fn checkpoint(&self, lease: &Lease, p: &[u8]) -> fence::Result<()> {
+        bump(&self.counts.other);
+        self.inner.checkpoint(lease, p).await
+    }
+    async fn complete(&self, lease: &Lease, r: &[u8]) -> fence::Result<()> {
+        bump(&self.counts.complete);
+        self.inner.complete(lease, r).await
+    }
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> fence::Result<Vec<fence::Result<()>>> {
+        bump(&self.counts.complete_batch);
+        let t = Instant::now();
+        let out = self.inner.complete_batch(items).await;
+        self.counts.commit_us.fetch_add(micros(t), Ordering::Relaxed);
+        self.counts.committed(items);
+        out
+    }
+    async fn fail(&self, lease: &Lease, e: &str, retry: bool, p: &RetryPolicy) -> fence::Result<FailOutcome> {
+        bump(&self.counts.other);
+        self.inner.fail(lease, e, retry, p).await
+    }
+    async fn release(&self, lease: &Lease) -> fence::Result<()> {
+        bump(&self.counts.other);
+        self.inner.release(lease).await
+    }
+    async fn job(&self, q: &QueueName, k: &JobKey) -> fence::Result<Option<JobRecord>> {
+        self.inner.job(q, k).await
+    }
+    async fn db_now(&self) -> fence::Result<DbTime> {
+        self.inner.db_now().await
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+}
+
+// ---------------------------------------------------------------- the queue
+
+async fn produce(client: &Client, url: &str, n: usize, tag: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let batches: Vec<Vec<usize>> = (0..n).collect::<Vec<_>>().chunks(10).map(<[usize]>::to_vec).collect();
+    let results: Vec<Result<(), String>> = futures::stream::iter(batches)
+        .map(|batch| async move {
+            let entries = batch
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    SendMessageBatchRequestEntry::builder()
+                        .id(format!("e{i}"))
+                        .message_body(format!(r#"{{"run":"{tag}","n":{m}}}"#))
+                        .build()
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            let out = client
+                .send_message_batch()
+                .queue_url(url)
+                .set_entries(Some(entries))
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if out.failed().is_empty() { Ok(()) } else { Err(format!("{} not sent", out.failed().len())) }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    results.into_iter().collect::<Result<(), String>>()?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- plain consumer
+
+/// Receive, handle, delete: the same loop shape as the fenced runtime, without the fence.
+/// The time is taken when the n-th delete is confirmed.
+async fn plain(
+    client: &Client,
+    url: &str,
+    n: usize,
+    concurrency: usize,
+    work: Duration,
+    lease: i32,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let started = Instant::now();
+    let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+    let deleter = {
+        let (client, url) = (client.clone(), url.to_owned());
+        tokio::spawn(async move {
+            let mut deleted = 0usize;
+            while let Some(first) = rx.recv().await {
+                let mut batch = vec![first];
+                let until = tokio::time::Instant::now() + Duration::from_millis(20);
+                while batch.len() < 10 {
+                    tokio::select! {
+                        h = rx.recv() => match h { Some(h) => batch.push(h), None => break },
+                        _ = tokio::time::sleep_until(until) => break,
+                    }
+                }
+                let entries: Vec<_> = batch
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, h)| {
+                        DeleteMessageBatchRequestEntry::builder().id(format!("e{i}")).receipt_handle(h).build().ok()
+                    })
+                    .collect();
+                match client.delete_message_batch().queue_url(&url).set_entries(Some(entries)).send().await {
+                    Ok(out) => deleted += batch.len() - out.failed().len(),
+                    Err(e) => eprintln!("plain: delete failed: {e}"),
+                }
+                if deleted >= n {
+                    return started.elapsed();
+                }
+            }
+            started.elapsed()
+        })
+    };
+    let mut tasks = JoinSet::new();
+    let mut received = 0usize;
+    while received < n {
+        while tasks.try_join_next().is_some() {}
+        let free = concurrency.saturating_sub(tasks.len());
+        if free == 0 {
+            tasks.join_next().await;
+            continue;
+        }
+        let out = client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(i32::try_from(free.min(10)).unwrap_or(10))
+            .wait_time_seconds(1)
+            .visibility_timeout(lease)
+            .send()
+            .await?;
+        for m in out.messages.unwrap_or_default() {
+            let Some(handle) = m.receipt_handle().map(str::to_owned) else { continue };
+            received += 1;
+            let tx = tx.clone();
+            tasks.spawn(async move {
+                let _body = m.body().unwrap_or_default().len();
+                tokio::time::sleep(work).await;
+                let _ = tx.send(handle);
+            });
+        }
+    }
+    drop(tx);
+    while tasks.join_next().await.is_some() {}
+    Ok(deleter.await?)
+}
+
+// ---------------------------------------------------------------- fenced consumer
+
+async fn fenced(
+    client: &Client,
+    url: &str,
+    store: Arc<dyn FenceStore>,
+    counts: Arc<Counts>,
+    n: usize,
+    args: &Args,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let (concurrency, work, lease) = (args.concurrency, args.work, args.lease);
+    let source = SqsSource::new(
+        client.clone(),
+        SqsConfig::new(url)?.wait_time(Duration::from_secs(1)).read_ahead(args.read_ahead),
+    );
+    let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(lease)?))
+        .concurrency(concurrency)
+        .batch(args.batch)
+        .ack_batching(10, Duration::from_millis(20));
+    let consumer = Arc::new(Consumer::new(source, store, config));
+    let metrics = consumer.metrics();
+    let stop = CancellationToken::new();
+    let started = Instant::now();
+    let run = {
+        let (consumer, stop) = (Arc::clone(&consumer), stop.clone());
+        tokio::spawn(async move {
+            consumer
+                .run(
+                    move |ctx: JobContext| {
+                        let counts = Arc::clone(&counts);
+                        async move {
+                            counts.started(ctx.key().as_str());
+                            let _body = ctx.payload().len();
+                            tokio::time::sleep(work).await;
+                            counts.finished(ctx.key().as_str());
+                            Ok::<_, JobError>(Vec::new())
+                        }
+                    },
+                    stop,
+                )
+                .await
+        })
+    };
+    while (metrics.snapshot().acks as usize) < n {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        if run.is_finished() {
+            return Err("fenced consumer stopped early".into());
+        }
+    }
+    let elapsed = started.elapsed();
+    stop.cancel();
+    run.await??;
+    consumer.source().release_unstarted(Duration::from_secs(5)).await;
+    let m = metrics.snapshot();
+    if m.duplicates > 0 || m.fenced_rejections > 0 || m.lease_losses > 0 {
+        eprintln!("fenced: unexpected: {m}");
+    }
+    Ok(elapsed)
+}
+
+// ---------------------------------------------------------------- CPU
+
+/// (busy, total) CPU ticks of the whole machine (Linux `/proc/stat`), to tell whether a phase was
+/// bound by CPU (LocalStack, PostgreSQL and this process share it).
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?;
+    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let total: u64 = v.iter().sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+fn busy_since(start: Option<(u64, u64)>) -> f64 {
+    match (start, cpu_ticks()) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 * 100.0 / (t1 - t0) as f64,
+        _ => f64::NAN,
+    }
+}
+
+// ---------------------------------------------------------------- main
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let client = client_from_env().await;
+    let name = format!("bench-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
+    let url = client.create_queue().queue_name(&name).send().await?.queue_url().unwrap_or_default().to_owned();
+    let database_url =
+        brokerfence::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+    let schema = SchemaName::new(format!("bench_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff))?;
+    let pg = PgFence::connect(&database_url).await?.with_schema(schema.clone());
+    pg.migrate().await?;
+    let counts = Arc::new(Counts::default());
+    let store: Arc<dyn FenceStore> = Arc::new(Counting { inner: pg.clone(), counts: Arc::clone(&counts) });
+    let lease_secs = i32::try_from(args.lease).unwrap_or(30);
+    println!(
+        "bench_sqs: {} rounds of {} messages each way, concurrency {}, handler {:?}, lease {} s, fenced batch {}, read-ahead {}, queue {name}",
+        args.rounds, args.messages, args.concurrency, args.work, args.lease, args.batch, args.read_ahead
+    );
+
+    // Warm up both paths (connections, LocalStack's queue, PostgreSQL's caches).
+    let warm = 200.min(args.messages);
+    produce(&client, &url, warm, "warm-plain").await?;
+    plain(&client, &url, warm, args.concurrency, args.work, lease_secs).await?;
+    produce(&client, &url, warm, "warm-fenced").await?;
+    fenced(&client, &url, Arc::clone(&store), Arc::clone(&counts), warm, &args).await?;
+    counts.reset();
+
+    // Alternate which goes first, so neither profits from the other's warm-up or suffers from a
+    // noisy neighbour alone.
+    let rate = |t: Duration| args.messages as f64 / t.as_secs_f64().max(1e-9);
+    let (mut plain_rates, mut fenced_rates) = (Vec::new(), Vec::new());
+    let (mut plain_busy, mut fenced_busy): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    for round in 0..args.rounds {
+        for fenced_turn in if round % 2 == 0 { [false, true] } else { [true, false] } {
+            produce(&client, &url, args.messages, if fenced_turn { "fenced" } else { "plain" }).await?;
+            let cpu = cpu_ticks();
+            if fenced_turn {
+                let t = fenced(&client, &url, Arc::clone(&store), Arc::clone(&counts), args.messages, &args).await?;
+                fenced_rates.push(rate(t));
+                fenced_busy.push(busy_since(cpu));
+            } else {
+                let t = plain(&client, &url, args.messages, args.concurrency, args.work, lease_secs).await?;
+                plain_rates.push(rate(t));
+                plain_busy.push(busy_since(cpu));
+            }
+        }
+        println!(
+            "round {}: plain {:>6.0} msg/s (CPU {:.0}% busy), fenced {:>6.0} msg/s (CPU {:.0}% busy)",
+            round + 1,
+            plain_rates.last().copied().unwrap_or(0.0),
+            plain_busy.last().copied().unwrap_or(f64::NAN),
+            fenced_rates.last().copied().unwrap_or(0.0),
+            fenced_busy.last().copied().unwrap_or(f64::NAN),
+        );
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let (p, f) = (median(&mut plain_rates), median(&mut fenced_rates));
+    let fenced_messages = (args.messages * args.rounds) as f64;
+    let statements = counts.total() as f64 / fenced_messages;
+    println!("plain : {p:>8.0} msg/s (median of {})", args.rounds);
+    println!("fenced: {f:>8.0} msg/s (median of {})", args.rounds);
+    println!("ratio fenced/plain: {:.3} (goal >= 0.9)", f / p);
+    println!(
+        "database statements per message: {statements:.3} (claim batches {}, completes {}, complete batches {}, heartbeats {}, other {})",
+        counts.claim_batch.load(Ordering::Relaxed),
+        counts.complete.load(Ordering::Relaxed),
+        counts.complete_batch.load(Ordering::Relaxed),
+        counts.heartbeat.load(Ordering::Relaxed),
+        counts.other.load(Ordering::Relaxed),
+    );
+    let mean_ms = |us: &AtomicU64, n: &AtomicU64| {
+        us.load(Ordering::Relaxed) as f64 / 1000.0 / n.load(Ordering::Relaxed).max(1) as f64
+    };
+    println!(
+        "mean statement latency: claim batch {:.2} ms, commit batch {:.2} ms",
+        mean_ms(&counts.claim_us, &counts.claim_batch),
+        mean_ms(&counts.commit_us, &counts.complete_batch),
+    );
+    if let Ok(s) = counts.stages.lock() {
+        println!(
+            "mean per fenced message: claim answered -> handler started {:.2} ms, handler done -> commit answered {:.2} ms",
+            s.claim_to_start_us as f64 / 1000.0 / s.starts.max(1) as f64,
+            s.finish_to_commit_us as f64 / 1000.0 / s.commits.max(1) as f64,
+        );
+    }
+
+    let _ = client.delete_queue().queue_url(&url).send().await;
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.as_str())))
+        .execute(pg.pool())
+        .await;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    brokerfence::services::load_dotenv();
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench_sqs: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
