@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::disposition::Disposition;
 use crate::handler::Handler;
@@ -201,7 +202,8 @@ impl<S: Source> Consumer<S> {
     /// Transient source and database errors are retried with backoff and never end the loop.
     ///
     /// The claim of a received batch runs in its own task, so the next receive overlaps it; at
-    /// most `concurrency` deliveries are held at once (received, claiming, or running).
+    /// most `concurrency` deliveries are held at once (received, being claimed, or in a handler);
+    /// a slot frees the moment its handler returns, so commits and acks overlap the next jobs.
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
         let (ack_tx, ack_rx) = mpsc::unbounded_channel();
         let acker = tokio::spawn(ack_loop(
@@ -220,16 +222,18 @@ impl<S: Source> Consumer<S> {
             lease: self.config.supervisor.lease(),
             claim_failures: AtomicU32::new(0),
             stopping: shutdown.clone(),
+            tasks: TaskTracker::new(),
         });
         let permits = Arc::new(Semaphore::new(self.config.concurrency));
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
         tracing::info!(in_flight = self.supervisor.in_flight(), "consumer stopping");
         self.supervisor.shutdown(self.config.grace).await;
-        // Every delivery holds a permit until it is settled: wait for all of them to come back.
-        let all = u32::try_from(self.config.concurrency).unwrap_or(u32::MAX);
-        if tokio::time::timeout(Duration::from_secs(30), permits.acquire_many(all)).await.is_err() {
+        // Claims in flight release what they get; attempts settle at the broker: wait for both.
+        shared.tasks.close();
+        if tokio::time::timeout(Duration::from_secs(30), shared.tasks.wait()).await.is_err() {
             tracing::error!("deliveries still unsettled 30 s after shutdown; returning anyway");
         }
+        self.source.close(self.config.grace).await;
         drop(shared);
         if let Err(e) = acker.await {
             tracing::error!(error = %e, "ack task panicked");
@@ -320,7 +324,7 @@ impl<S: Source> Consumer<S> {
 /// How long the receive loop waits for more free slots to fill a batch once it has one.
 const BATCH_FILL_LINGER: Duration = Duration::from_millis(2);
 
-/// A delivery that holds one of the consumer's concurrency permits until it is settled.
+/// A delivery that holds one of the consumer's concurrency permits until its handler returns.
 type Held<D> = (D, OwnedSemaphorePermit);
 
 /// What the receive loop, the claim tasks and the job tasks share.
@@ -333,6 +337,8 @@ struct Shared<S: Source, H> {
     lease: fence::LeaseDuration,
     claim_failures: AtomicU32,
     stopping: CancellationToken,
+    /// Claim tasks and attempts until they are settled at the broker.
+    tasks: TaskTracker,
 }
 
 impl<S: Source, H: Handler> Shared<S, H> {
@@ -361,7 +367,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
             }
         }
         if !unclaimed.is_empty() {
-            tokio::spawn(Arc::clone(self).claim_and_start(unclaimed));
+            self.tasks.spawn(Arc::clone(self).claim_and_start(unclaimed));
         }
     }
 
@@ -441,15 +447,22 @@ impl<S: Source, H: Handler> Shared<S, H> {
     ) {
         let shared = Arc::clone(self);
         shared.tracked.insert(&lease, delivery.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
+        let tasks = self.tasks.clone();
+        tasks.spawn(async move {
             let untrack = Untrack { tracked: &shared.tracked, lease: &lease };
             let handler = shared.handler.clone();
+            // The concurrency slot is the handler's: it frees the moment the handler returns (or
+            // is cancelled), so the commit and the broker call overlap the next job.
+            let run = move |ctx| {
+                let work = handler.call(ctx);
+                async move {
+                    let result = work.await;
+                    drop(permit);
+                    result
+                }
+            };
             // The deadline counts from before the claim was asked for, not from when it started.
-            let outcome = shared
-                .supervisor
-                .run_claimed_at(lease.clone(), claimed_at, payload, progress, move |ctx| handler.call(ctx))
-                .await;
+            let outcome = shared.supervisor.run_claimed_at(lease.clone(), claimed_at, payload, progress, run).await;
             drop(untrack);
             shared.settle(delivery, Disposition::after_run(&outcome)).await;
         });

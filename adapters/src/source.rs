@@ -102,4 +102,8 @@ pub trait Source: Send + Sync + 'static {
     async fn abandon(&self, _delivery: Self::Delivery) -> Result<(), SourceError> {
         Ok(())
     }
+
+    /// The consumer has stopped: give back whatever this source received but never handed on
+    /// (read-ahead, a long poll that was abandoned), waiting at most `grace`.
+    async fn close(&self, _grace: Duration) {}
 }

@@ -278,4 +278,11 @@ impl Source for SqsSource {
     async fn abandon(&self, delivery: SqsDelivery) -> Result<(), SourceError> {
         Ok(self.give_back(&delivery).await?)
     }
+
+    async fn close(&self, grace: Duration) {
+        let n = self.release_unstarted(grace).await;
+        if n > 0 {
+            tracing::info!(n, "gave back messages received but never started");
+        }
+    }
 }
