@@ -948,6 +948,7 @@ mod table {
 
 /// Common shape of the plain broker consumers: receive up to the free slots, one task per
 /// delivery (the work), acknowledgements batched by 10 or 20 ms.
+#[cfg(any(feature = "sqs", feature = "redis"))]
 struct PlainLoop {
     concurrency: usize,
     batch: usize,
@@ -955,12 +956,14 @@ struct PlainLoop {
 }
 
 /// What a plain consumer needs from its broker.
+#[cfg(any(feature = "sqs", feature = "redis"))]
 trait PlainBroker: Send + Sync + 'static {
     type Handle: Send + 'static;
     fn receive(&self, max: usize) -> impl std::future::Future<Output = Result<Vec<Self::Handle>, String>> + Send;
     fn ack(&self, handles: Vec<Self::Handle>) -> impl std::future::Future<Output = Result<usize, String>> + Send;
 }
 
+#[cfg(any(feature = "sqs", feature = "redis"))]
 impl PlainLoop {
     async fn run<B: PlainBroker>(&self, broker: Arc<B>, total: usize) -> Result<Rate, String> {
         let done = Arc::new(AtomicU64::new(0));
@@ -1020,6 +1023,7 @@ impl PlainLoop {
     }
 }
 
+#[cfg(any(feature = "sqs", feature = "redis"))]
 /// The fenced consumer runtime over `source` until `total` completions; statements counted.
 async fn fenced_run<S: Source>(
     o: &Opts,
@@ -1055,6 +1059,7 @@ async fn fenced_run<S: Source>(
     Ok((Rate { jobs: total, secs }, counting.total() as f64 / total as f64, counting.describe()))
 }
 
+#[cfg(any(feature = "sqs", feature = "redis"))]
 fn print_broker_figures(plain: Rate, fenced: Rate, per_msg: f64, breakdown: &str, lat: (&[Duration], &[Duration])) {
     line("plain consumer (receive, handle, acknowledge)", plain);
     line("fenced consumer runtime", fenced);

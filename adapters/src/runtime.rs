@@ -31,6 +31,7 @@ use crate::source::{Incoming, Source, SourceError};
 pub struct ConsumerConfig {
     supervisor: SupervisorConfig,
     concurrency: usize,
+    prefetch: Option<usize>,
     batch: usize,
     grace: Duration,
     ack_batch: usize,
@@ -43,6 +44,7 @@ impl ConsumerConfig {
         Self {
             supervisor,
             concurrency: 16,
+            prefetch: None,
             batch: 10,
             grace: Duration::from_secs(30),
             ack_batch: 10,
@@ -52,6 +54,12 @@ impl ConsumerConfig {
     /// Jobs running at once.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
+        self
+    }
+    /// Deliveries held before their handler starts (received, being claimed, or claimed and
+    /// waiting for a handler slot under a heartbeated lease). Default: the concurrency.
+    pub fn prefetch(mut self, n: usize) -> Self {
+        self.prefetch = Some(n.max(1));
         self
     }
     /// Deliveries asked for per receive.
@@ -201,11 +209,14 @@ impl<S: Source> Consumer<S> {
     /// running jobs finish within the grace period, releases the leases of the rest, and returns.
     /// Transient source and database errors are retried with backoff and never end the loop.
     ///
-    /// The claim of a received batch runs in its own task, so the next receive overlaps it; at
-    /// most `concurrency` deliveries are held at once (received, being claimed, or in a handler);
-    /// a slot frees the moment its handler returns, so commits and acks overlap the next jobs.
+    /// The claim of a received batch runs in its own task, so the next receive overlaps it. At
+    /// most `concurrency` handlers run at once, and at most `prefetch` more deliveries are held
+    /// ahead of them (received, being claimed, or claimed and waiting under a heartbeated lease);
+    /// a handler slot frees the moment its handler returns, so commits and acks overlap the next
+    /// jobs.
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
         let (ack_tx, ack_rx) = mpsc::unbounded_channel();
+        let (claims_tx, claims_rx) = mpsc::unbounded_channel();
         let acker = tokio::spawn(ack_loop(
             Arc::clone(&self.source),
             ack_rx,
@@ -223,9 +234,16 @@ impl<S: Source> Consumer<S> {
             claim_failures: AtomicU32::new(0),
             stopping: shutdown.clone(),
             tasks: TaskTracker::new(),
+            slots: Arc::new(Semaphore::new(self.config.concurrency)),
+            claims: Mutex::new(Some(claims_tx)),
         });
-        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx));
+        let permits = Arc::new(Semaphore::new(self.config.prefetch.unwrap_or(self.config.concurrency)));
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
+        // No more batches to claim: the claimer finishes what is queued and stops.
+        if let Ok(mut claims) = shared.claims.lock() {
+            claims.take();
+        }
         tracing::info!(in_flight = self.supervisor.in_flight(), "consumer stopping");
         self.supervisor.shutdown(self.config.grace).await;
         // Claims in flight release what they get; attempts settle at the broker: wait for both.
@@ -324,8 +342,17 @@ impl<S: Source> Consumer<S> {
 /// How long the receive loop waits for more free slots to fill a batch once it has one.
 const BATCH_FILL_LINGER: Duration = Duration::from_millis(2);
 
-/// A delivery that holds one of the consumer's concurrency permits until its handler returns.
+/// A delivery that holds one of the consumer's prefetch places until its handler starts.
 type Held<D> = (D, OwnedSemaphorePermit);
+
+/// A received delivery waiting for the group claim.
+type Unclaimed<D> = (Held<D>, JobKey, Vec<u8>);
+
+/// Most deliveries claimed by one statement.
+const MAX_CLAIM_BATCH: usize = 500;
+
+/// Claim statements in flight at once: the database flushes concurrent commits together.
+const CLAIMS_IN_FLIGHT: usize = 4;
 
 /// What the receive loop, the claim tasks and the job tasks share.
 struct Shared<S: Source, H> {
@@ -337,6 +364,10 @@ struct Shared<S: Source, H> {
     lease: fence::LeaseDuration,
     claim_failures: AtomicU32,
     stopping: CancellationToken,
+    /// Handlers running at once.
+    slots: Arc<Semaphore>,
+    /// Received batches waiting for the group claim; taken (closed) at shutdown.
+    claims: Mutex<Option<mpsc::UnboundedSender<Vec<Unclaimed<S::Delivery>>>>>,
     /// Claim tasks and attempts until they are settled at the broker.
     tasks: TaskTracker,
 }
@@ -366,13 +397,42 @@ impl<S: Source, H: Handler> Shared<S, H> {
                 Incoming::Unclaimed { delivery, key, payload } => unclaimed.push(((delivery, permit), key, payload)),
             }
         }
-        if !unclaimed.is_empty() {
-            self.tasks.spawn(Arc::clone(self).claim_and_start(unclaimed));
+        if unclaimed.is_empty() {
+            return;
+        }
+        let queued = match self.claims.lock() {
+            Ok(claims) => claims.as_ref().map(|tx| tx.send(unclaimed)),
+            Err(_) => None,
+        };
+        if !matches!(queued, Some(Ok(()))) {
+            tracing::warn!("consumer stopping: received deliveries left to the broker");
+        }
+    }
+
+    /// Group claim: takes every received batch queued at the moment and claims them all with one
+    /// statement (one round trip, one commit), so that while a claim is in flight the next
+    /// receives pile up for the next one instead of each paying for its own.
+    async fn claim_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Vec<Unclaimed<S::Delivery>>>) {
+        let in_flight = Arc::new(Semaphore::new(CLAIMS_IN_FLIGHT));
+        while let Some(mut batch) = rx.recv().await {
+            // While every claim slot is busy, batches keep piling up for the next statement.
+            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
+            while batch.len() < MAX_CLAIM_BATCH {
+                match rx.try_recv() {
+                    Ok(more) => batch.extend(more),
+                    Err(_) => break,
+                }
+            }
+            let shared = Arc::clone(&self);
+            self.tasks.spawn(async move {
+                shared.claim_and_start(batch).await;
+                drop(permit);
+            });
         }
     }
 
     /// One statement claims the whole batch; each delivery then starts or is settled.
-    async fn claim_and_start(self: Arc<Self>, unclaimed: Vec<(Held<S::Delivery>, JobKey, Vec<u8>)>) {
+    async fn claim_and_start(self: Arc<Self>, unclaimed: Vec<Unclaimed<S::Delivery>>) {
         let metrics = self.supervisor.metrics();
         let keys: Vec<JobKey> = unclaimed.iter().map(|(_, k, _)| k.clone()).collect();
         let claim_sent = std::time::Instant::now();
@@ -411,7 +471,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
                     // The same key twice in one batch: the first runs; this one waits its turn.
                     let hold = claim.lease().map(|l| l.ttl).unwrap_or_default();
                     metrics.incr(Counter::Busy);
-                    self.settle(held.0, Disposition::Hold(hold)).await;
+                    self.settle_later(held.0, Disposition::Hold(hold));
                 }
                 Some(d) => {
                     match &d {
@@ -420,7 +480,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
                         _ => {}
                     }
                     tracing::debug!(%key, disposition = ?d, "delivery not claimed");
-                    self.settle(held.0, d).await;
+                    self.settle_later(held.0, d);
                 }
             }
         }
@@ -453,19 +513,27 @@ impl<S: Source, H: Handler> Shared<S, H> {
             let handler = shared.handler.clone();
             // The concurrency slot is the handler's: it frees the moment the handler returns (or
             // is cancelled), so the commit and the broker call overlap the next job.
-            let run = move |ctx| {
-                let work = handler.call(ctx);
-                async move {
-                    let result = work.await;
-                    drop(permit);
-                    result
-                }
+            let slots = Arc::clone(&shared.slots);
+            let run = move |ctx| async move {
+                // Wait for a handler slot under the lease (the supervisor already heartbeats it),
+                // then give the prefetch place back; the slot frees when the handler returns.
+                let slot = slots.acquire_owned().await;
+                drop(permit);
+                let result = handler.call(ctx).await;
+                drop(slot);
+                result
             };
             // The deadline counts from before the claim was asked for, not from when it started.
             let outcome = shared.supervisor.run_claimed_at(lease.clone(), claimed_at, payload, progress, run).await;
             drop(untrack);
             shared.settle(delivery, Disposition::after_run(&outcome)).await;
         });
+    }
+
+    /// Settles in a task of its own, so the claimer does not wait on the broker.
+    fn settle_later(self: &Arc<Self>, delivery: S::Delivery, d: Disposition) {
+        let shared = Arc::clone(self);
+        self.tasks.spawn(async move { shared.settle(delivery, d).await });
     }
 
     async fn settle(&self, delivery: S::Delivery, d: Disposition) {

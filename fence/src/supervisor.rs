@@ -306,13 +306,20 @@ type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
 /// Most completions committed by one statement.
 const MAX_COMMIT_BATCH: usize = 256;
 
+/// Commit statements in flight at once: the database flushes concurrent commits together.
+const COMMITS_IN_FLIGHT: usize = 4;
+
 /// Group commit: takes every completion queued at the moment and commits them with one
-/// `complete_batch` statement (one round trip, one fsync), then answers each. Under light load a
+/// `complete_batch` statement (one round trip, one fsync), then answers each; up to
+/// [`COMMITS_IN_FLIGHT`] such statements run at once. Under light load a
 /// batch is a single completion, so nothing waits for a batch to fill; under heavy load batches
 /// grow while the previous statement is in flight. Each completion is still its own
 /// compare-and-set: a fenced one is refused alone.
 async fn commit_loop(store: Arc<dyn FenceStore>, mut rx: tokio::sync::mpsc::UnboundedReceiver<CommitRequest>) {
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(COMMITS_IN_FLIGHT));
     while let Some(first) = rx.recv().await {
+        // While every commit slot is busy, completions keep piling up for the next statement.
+        let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
         let mut batch = vec![first];
         while batch.len() < MAX_COMMIT_BATCH {
             match rx.try_recv() {
@@ -320,20 +327,29 @@ async fn commit_loop(store: Arc<dyn FenceStore>, mut rx: tokio::sync::mpsc::Unbo
                 Err(_) => break,
             }
         }
-        let (items, replies): (Vec<(Lease, Vec<u8>)>, Vec<_>) =
-            batch.into_iter().map(|(lease, result, reply)| ((lease, result), reply)).unzip();
-        match store.complete_batch(&items).await {
-            Ok(answers) => {
-                for (reply, answer) in replies.into_iter().zip(answers) {
-                    let _ = reply.send(answer);
-                }
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            commit_batch(&*store, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Commits one group and answers each of its completions.
+async fn commit_batch(store: &dyn FenceStore, batch: Vec<CommitRequest>) {
+    let (items, replies): (Vec<(Lease, Vec<u8>)>, Vec<_>) =
+        batch.into_iter().map(|(lease, result, reply)| ((lease, result), reply)).unzip();
+    match store.complete_batch(&items).await {
+        Ok(answers) => {
+            for (reply, answer) in replies.into_iter().zip(answers) {
+                let _ = reply.send(answer);
             }
-            Err(e) => {
-                tracing::error!(error = %e, n = items.len(), "batched commit failed");
-                let msg = e.to_string();
-                for reply in replies {
-                    let _ = reply.send(Err(FenceError::CommitUnconfirmed(msg.clone())));
-                }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, n = items.len(), "batched commit failed");
+            let msg = e.to_string();
+            for reply in replies {
+                let _ = reply.send(Err(FenceError::CommitUnconfirmed(msg.clone())));
             }
         }
     }
