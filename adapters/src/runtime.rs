@@ -348,6 +348,9 @@ type Held<D> = (D, OwnedSemaphorePermit);
 /// A received delivery waiting for the group claim.
 type Unclaimed<D> = (Held<D>, JobKey, Vec<u8>);
 
+/// Where received batches queue for the group claim.
+type ClaimQueue<D> = mpsc::UnboundedSender<Vec<Unclaimed<D>>>;
+
 /// Most deliveries claimed by one statement.
 const MAX_CLAIM_BATCH: usize = 500;
 
@@ -367,7 +370,7 @@ struct Shared<S: Source, H> {
     /// Handlers running at once.
     slots: Arc<Semaphore>,
     /// Received batches waiting for the group claim; taken (closed) at shutdown.
-    claims: Mutex<Option<mpsc::UnboundedSender<Vec<Unclaimed<S::Delivery>>>>>,
+    claims: Mutex<Option<ClaimQueue<S::Delivery>>>,
     /// Claim tasks and attempts until they are settled at the broker.
     tasks: TaskTracker,
 }
