@@ -201,6 +201,10 @@ fn guards(names: &[String]) -> Result<fence::Guards, String> {
             };
         }
         #[cfg(not(feature = "guard-switches"))]
+        let _ = (name, &mut g);
+    }
+    #[cfg(not(feature = "guard-switches"))]
+    if let Some(name) = names.first() {
         return Err(format!("--guards {name} needs the guard-switches feature"));
     }
     Ok(g)
