@@ -375,6 +375,8 @@ async fn fenced(
     );
     let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(lease)?))
         .concurrency(concurrency)
+        // `concurrency` handlers, as in the plain consumer; claims happen ahead of them.
+        .prefetch(concurrency)
         .batch(args.batch)
         .ack_batching(10, Duration::from_millis(20));
     let consumer = Arc::new(Consumer::new(source, store, config));

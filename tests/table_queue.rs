@@ -44,6 +44,15 @@ fn config(lease: u64) -> ConsumerConfig {
 /// Three consumers drain 300 jobs; each job runs to completion exactly once, and every
 /// payload reaches its handler intact.
 async fn drains_exactly_once(store: Arc<dyn FenceStore>) {
+    drain(store, None).await;
+}
+
+/// The same with prefetching: claimed jobs wait for a handler slot under heartbeated leases.
+async fn drains_exactly_once_with_prefetch(store: Arc<dyn FenceStore>) {
+    drain(store, Some(8)).await;
+}
+
+async fn drain(store: Arc<dyn FenceStore>, prefetch: Option<usize>) {
     let queue = QueueName::new("drain").expect("queue");
     let jobs: Vec<(JobKey, Vec<u8>)> = (0..300)
         .map(|i| (JobKey::new(format!("job-{i}")).expect("key"), format!("payload-{i}").into_bytes()))
@@ -54,7 +63,11 @@ async fn drains_exactly_once(store: Arc<dyn FenceStore>) {
     let stop = CancellationToken::new();
     let mut runs = Vec::new();
     for _ in 0..3 {
-        let consumer = Consumer::new(TableQueue::new(store.clone(), queue.clone()), store.clone(), config(10));
+        let cfg = match prefetch {
+            Some(n) => config(10).prefetch(n),
+            None => config(10),
+        };
+        let consumer = Consumer::new(TableQueue::new(store.clone(), queue.clone()), store.clone(), cfg);
         let seen = seen.clone();
         let stop = stop.clone();
         runs.push(tokio::spawn(async move {
@@ -265,4 +278,10 @@ macro_rules! both {
     };
 }
 
-both!(drains_exactly_once, failures_retry_then_die, shutdown_releases, retrofit_dispositions);
+both!(
+    drains_exactly_once,
+    drains_exactly_once_with_prefetch,
+    failures_retry_then_die,
+    shutdown_releases,
+    retrofit_dispositions
+);

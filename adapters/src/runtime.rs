@@ -56,8 +56,11 @@ impl ConsumerConfig {
         self.concurrency = n.max(1);
         self
     }
-    /// Deliveries held before their handler starts (received, being claimed, or claimed and
-    /// waiting for a handler slot under a heartbeated lease). Default: the concurrency.
+    /// Opt in to prefetching: up to `n` deliveries are held ahead of the handlers (received,
+    /// being claimed, or claimed and waiting for a handler slot under a heartbeated lease), on top
+    /// of the `concurrency` handlers running. Without it (the default), one slot covers a
+    /// delivery from its receive until its handler returns, so a worker never holds more than
+    /// `concurrency` deliveries.
     pub fn prefetch(mut self, n: usize) -> Self {
         self.prefetch = Some(n.max(1));
         self
@@ -209,11 +212,10 @@ impl<S: Source> Consumer<S> {
     /// running jobs finish within the grace period, releases the leases of the rest, and returns.
     /// Transient source and database errors are retried with backoff and never end the loop.
     ///
-    /// The claim of a received batch runs in its own task, so the next receive overlaps it. At
-    /// most `concurrency` handlers run at once, and at most `prefetch` more deliveries are held
-    /// ahead of them (received, being claimed, or claimed and waiting under a heartbeated lease);
-    /// a handler slot frees the moment its handler returns, so commits and acks overlap the next
-    /// jobs.
+    /// Claims are grouped and run in tasks of their own, so the next receive overlaps them. At
+    /// most `concurrency` deliveries are held from receive until their handler returns (plus
+    /// `prefetch` more ahead of the handlers, if set); a slot frees the moment its handler
+    /// returns, so commits and acks overlap the next jobs.
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
         let (ack_tx, ack_rx) = mpsc::unbounded_channel();
         let (claims_tx, claims_rx) = mpsc::unbounded_channel();
@@ -234,7 +236,7 @@ impl<S: Source> Consumer<S> {
             claim_failures: AtomicU32::new(0),
             stopping: shutdown.clone(),
             tasks: TaskTracker::new(),
-            slots: Arc::new(Semaphore::new(self.config.concurrency)),
+            slots: self.config.prefetch.map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
             claims: Mutex::new(Some(claims_tx)),
         });
         shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx));
@@ -367,8 +369,8 @@ struct Shared<S: Source, H> {
     lease: fence::LeaseDuration,
     claim_failures: AtomicU32,
     stopping: CancellationToken,
-    /// Handlers running at once.
-    slots: Arc<Semaphore>,
+    /// Handlers running at once, when prefetching (else the receive permits bound them).
+    slots: Option<Arc<Semaphore>>,
     /// Received batches waiting for the group claim; taken (closed) at shutdown.
     claims: Mutex<Option<ClaimQueue<S::Delivery>>>,
     /// Claim tasks and attempts until they are settled at the broker.
@@ -516,12 +518,19 @@ impl<S: Source, H: Handler> Shared<S, H> {
             let handler = shared.handler.clone();
             // The concurrency slot is the handler's: it frees the moment the handler returns (or
             // is cancelled), so the commit and the broker call overlap the next job.
-            let slots = Arc::clone(&shared.slots);
+            let slots = shared.slots.clone();
             let run = move |ctx| async move {
-                // Wait for a handler slot under the lease (the supervisor already heartbeats it),
-                // then give the prefetch place back; the slot frees when the handler returns.
-                let slot = slots.acquire_owned().await;
-                drop(permit);
+                // Prefetching: wait for a handler slot under the lease (the supervisor already
+                // heartbeats it), then give the prefetch place back. Otherwise the receive permit
+                // is the slot. Either frees the moment the handler returns.
+                let slot = match slots {
+                    Some(slots) => {
+                        let slot = slots.acquire_owned().await.ok();
+                        drop(permit);
+                        (slot, None)
+                    }
+                    None => (None, Some(permit)),
+                };
                 let result = handler.call(ctx).await;
                 drop(slot);
                 result
