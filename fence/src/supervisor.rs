@@ -772,18 +772,19 @@ impl Inner {
                 return false;
             }
         };
-        let by_id: HashMap<(&str, &str, i64), &Arc<SlotState>> =
-            snapshot.iter().map(|(_, l, s)| ((l.queue.as_str(), l.key.as_str(), l.epoch), s)).collect();
+        // (queue, key, epoch) → the slot's id and state, for the answers of this heartbeat.
+        let by_id: HashMap<(&str, &str, i64), (u64, &Arc<SlotState>)> =
+            snapshot.iter().map(|(id, l, s)| ((l.queue.as_str(), l.key.as_str(), l.epoch), (*id, s))).collect();
         let margin = self.config.safety_margin();
         for l in &hb.renewed {
-            if let Some(s) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
+            if let Some((_, s)) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
                 let deadline = sent + l.ttl.saturating_sub(margin);
                 s.deadline.fetch_max(self.nanos(deadline), Ordering::AcqRel);
             }
         }
         self.metrics.add(Counter::Renewals, hb.renewed.len() as u64);
         for l in &hb.lost {
-            if let Some(s) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
+            if let Some((_, s)) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
                 tracing::warn!(queue = %l.queue, key = %l.key, epoch = l.epoch, "heartbeat found lease lost; cancelling");
                 if self.config.cancel_on_loss {
                     s.lose(LossReason::Superseded);
@@ -792,11 +793,10 @@ impl Inner {
         }
         if let Ok(mut map) = self.inflight.lock() {
             for l in &hb.renewed {
-                for slot in map.values_mut() {
-                    if slot.lease.queue == l.queue && slot.lease.key == l.key && slot.lease.epoch == l.epoch {
-                        slot.lease.lease_until = l.lease_until;
-                        slot.lease.ttl = l.ttl;
-                    }
+                let found = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch));
+                if let Some(slot) = found.and_then(|(id, _)| map.get_mut(id)) {
+                    slot.lease.lease_until = l.lease_until;
+                    slot.lease.ttl = l.ttl;
                 }
             }
         }
