@@ -1317,6 +1317,71 @@ mod pg_only {
     use super::*;
     use sqlx::AssertSqlSafe;
 
+    /// Rows of `jobs` read so far by this connection's backend (sequential plus index fetches).
+    async fn rows_read(s: &PgFence) -> i64 {
+        // Pending statistics reach the shared view when the backend next goes idle.
+        sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.pool()).await.unwrap();
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables \
+             WHERE relid = to_regclass($1)",
+        )
+        .bind(format!("{}.jobs", s.schema().as_str()))
+        .fetch_one(s.pool())
+        .await
+        .unwrap();
+        n
+    }
+
+    /// Guard: the batched statements (batch claim, heartbeat, batch commit) find each row by its
+    /// primary key, whatever the table held when their plan was made. A connection keeps the plan
+    /// of a prepared statement; here it is made on an empty table (forced generic, which the
+    /// server picks by itself after five runs). The table then grows by 20,000 rows, and one more
+    /// round over ten keys must read about ten rows. Written as joins (as before), the plan made
+    /// on the empty table was a hash join over a sequential scan, or an index scan on the queue
+    /// alone: every call read the whole table, and a consumer slowed down as its table grew.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batch_statements_read_rows_by_key_whatever_the_table_size() {
+        let options: sqlx::postgres::PgConnectOptions = common::database_url().parse().unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.options([("plan_cache_mode", "force_generic_plan")]))
+            .await
+            .unwrap();
+        let s = PgFence::new(pool).with_schema(common::unique_schema());
+        s.migrate().await.unwrap();
+        // No autovacuum ANALYZE may replace the plans midway (that would hide the fault).
+        sqlx::query(AssertSqlSafe(format!(
+            "ALTER TABLE {}.jobs SET (autovacuum_enabled = false)",
+            s.schema().as_str()
+        )))
+        .execute(s.pool())
+        .await
+        .unwrap();
+        let (q, w) = (queue(), owner("w"));
+        let round = |tag: &'static str| {
+            let s = &s;
+            let (q, w) = (&q, &w);
+            async move {
+                let keys: Vec<JobKey> = (0..10).map(|i| key(&format!("{tag}-{i}"))).collect();
+                let leases: Vec<Lease> =
+                    s.claim_batch(q, &keys, w, lease(30)).await.unwrap().into_iter().map(claimed).collect();
+                let hb = s.heartbeat(&leases, lease(30)).await.unwrap();
+                assert_eq!(hb.renewed.len(), 10);
+                let items: Vec<(Lease, Vec<u8>)> = leases.into_iter().map(|l| (l, b"r".to_vec())).collect();
+                assert!(s.complete_batch(&items).await.unwrap().iter().all(Result::is_ok));
+            }
+        };
+        round("warm").await;
+        let jobs: Vec<(JobKey, Vec<u8>)> = (0..20_000).map(|i| (key(&format!("bulk-{i}")), Vec::new())).collect();
+        for chunk in jobs.chunks(5_000) {
+            s.enqueue_many(&q, chunk).await.unwrap();
+        }
+        let before = rows_read(&s).await;
+        round("after").await;
+        let read = rows_read(&s).await - before;
+        assert!(read < 500, "one round over 10 keys read {read} rows of a 20,000-row table");
+    }
+
     /// Every row a batch claim touched carries the same transaction id: the claimed rows as
     /// their xmin (inserted or updated by it), the others as the locker in xmax. One statement
     /// in autocommit is one transaction, so the whole batch was one statement.

@@ -99,17 +99,34 @@ fn fenced(schema: &str, update: &str, returning: &str) -> String {
     )
 }
 
+/// The `cur` CTE of the batched statements: for each row of `u` (with `queue` and `key`
+/// columns), in (queue, key) order, the job row looked up by primary key and locked, with its
+/// newest `cur_epoch`, `cur_owner` and `cur_state` (NULL when there is no such job).
+///
+/// The lateral lookup (kept apart by `OFFSET 0`) leaves the planner nothing to choose but one
+/// primary-key probe per input row, whatever it believes the table's size to be. A join would be
+/// planned by size, and a plan cached while the table was nearly empty (a hash join over a
+/// sequential scan) would then read the whole table on every call.
+fn locked_by_key(s: &str) -> String {
+    format!(
+        "cur AS MATERIALIZED (SELECT u.*, t.epoch AS cur_epoch, t.owner AS cur_owner, t.state AS cur_state \
+         FROM (SELECT * FROM u ORDER BY queue, key) u \
+         LEFT JOIN LATERAL (SELECT t.epoch, t.owner, t.state FROM {s}.jobs t \
+             WHERE t.queue = u.queue AND t.key = u.key OFFSET 0 FOR UPDATE) t ON true)"
+    )
+}
+
 impl Statements {
     pub(crate) fn new(schema: &SchemaName, guards: Guards) -> Self {
         let s = schema.as_str();
         let inc = if guards.epoch_increment { "1" } else { "0" };
         let cas = if guards.commit_cas { CAS } else { NO_CAS };
         let hb_cas = if guards.heartbeat_cas {
-            "t.queue = u.queue AND t.key = u.key AND t.epoch = u.epoch AND t.owner = u.owner AND t.state = 'running'"
+            "c.cur_epoch = c.epoch AND c.cur_owner = c.owner AND c.cur_state = 'running'"
         } else {
-            "t.queue = u.queue AND t.key = u.key"
+            "true"
         };
-        let (hb_epoch, hb_owner) = if guards.heartbeat_cas { ("t.epoch", "t.owner") } else { ("u.epoch", "u.owner") };
+        let (hb_epoch, hb_owner) = if guards.heartbeat_cas { ("t.epoch", "t.owner") } else { ("c.epoch", "c.owner") };
         let ledger_where = if guards.ledger_check { "WHERE l.epoch <= EXCLUDED.epoch" } else { "" };
         let lease_end = "clock_timestamp() + $LEASE::bigint * interval '1 millisecond'";
         // The lease of a taken-over row is computed in the SET, i.e. after the row lock was
@@ -117,7 +134,8 @@ impl Statements {
         // and its lease starts after the previous one ended. The second branch reads the
         // statement's snapshot; a row that looks claimable there but was not claimed changed
         // under us (a concurrent claim), so it is left out and asked again in the next round
-        // rather than reported with stale owner/epoch.
+        // rather than reported with stale owner/epoch. It looks each key up by primary key through
+        // a lateral subquery, for the reason given at [`locked_by_key`].
         let claim = format!(
             "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
              claimed AS ( \
@@ -132,8 +150,9 @@ impl Statements {
              SELECT c.key, 'claimed'::text, c.epoch, c.owner, {lu}, {ttl}, c.attempts, {ra} FROM claimed c \
              UNION ALL \
              SELECT t.key, t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
-             FROM {s}.jobs t JOIN input i ON t.key = i.key \
-             WHERE t.queue = $1 AND NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = t.key) \
+             FROM input i CROSS JOIN LATERAL (SELECT t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, \
+                 t.run_at FROM {s}.jobs t WHERE t.queue = $1 AND t.key = i.key OFFSET 0) t \
+             WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = t.key) \
                AND NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
             lease = lease_end.replace("$LEASE", "$4"),
@@ -163,38 +182,33 @@ impl Statements {
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
-        // Rows are locked in (queue, key) order first, the order batch claims lock them in, so
-        // a heartbeat and a batch claim over the same keys cannot deadlock.
+        // Rows are locked in (queue, key) order, the order batch claims lock them in, so a
+        // heartbeat, a batch commit and a batch claim over the same keys cannot deadlock.
+        let cur = locked_by_key(s);
         let heartbeat = format!(
             "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) \
-                 AS u(queue, key, epoch, owner)), \
-             locked AS MATERIALIZED (SELECT t.queue, t.key FROM {s}.jobs t JOIN u ON {hb_cas} \
-                 ORDER BY t.queue, t.key FOR UPDATE OF t) \
+                 AS u(queue, key, epoch, owner)), {cur} \
              UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
-             FROM u WHERE {hb_cas} AND (t.queue, t.key) IN (SELECT queue, key FROM locked) \
+             FROM cur c WHERE t.queue = c.queue AND t.key = c.key AND {hb_cas} \
              RETURNING t.queue, t.key, {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
             lease = lease_end.replace("$LEASE", "$5"),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
         let batch_cas = if guards.commit_cas {
-            "t.queue = u.queue AND t.key = u.key AND t.owner = u.owner AND t.epoch = u.epoch AND t.state = 'running'"
+            "c.cur_owner = c.owner AND c.cur_epoch = c.epoch AND c.cur_state = 'running'"
         } else {
-            "t.queue = u.queue AND t.key = u.key"
+            "true"
         };
-        // Rows locked in (queue, key) order, like heartbeats and batch claims: no deadlocks.
+        // The verdict reports the epoch and owner of the row version this statement locked.
         let complete_batch = format!(
             "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
-                 AS u(queue, key, owner, epoch, result)), \
-             locked AS MATERIALIZED (SELECT t.queue, t.key FROM {s}.jobs t JOIN u ON {batch_cas} \
-                 ORDER BY t.queue, t.key FOR UPDATE OF t), \
-             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = u.result, lease_until = NULL, \
-                 updated_at = clock_timestamp() FROM u \
-                 WHERE {batch_cas} AND (t.queue, t.key) IN (SELECT queue, key FROM locked) \
-                 RETURNING t.queue, t.key) \
-             SELECT u.queue, u.key, EXISTS (SELECT 1 FROM upd WHERE upd.queue = u.queue AND upd.key = u.key), \
-                 j.epoch, j.owner \
-             FROM u LEFT JOIN {s}.jobs j ON j.queue = u.queue AND j.key = u.key"
+                 AS u(queue, key, owner, epoch, result)), {cur}, \
+             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = c.result, lease_until = NULL, \
+                 updated_at = clock_timestamp() FROM cur c \
+                 WHERE t.queue = c.queue AND t.key = c.key AND {batch_cas} RETURNING t.queue, t.key) \
+             SELECT c.queue, c.key, upd.key IS NOT NULL, c.cur_epoch, c.cur_owner \
+             FROM cur c LEFT JOIN upd ON upd.queue = c.queue AND upd.key = c.key"
         );
         let checkpoint = fenced(
             s,

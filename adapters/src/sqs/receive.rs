@@ -93,7 +93,7 @@ impl SqsSource {
     async fn receive_call(&self, max: usize, wait: Duration, visibility: i32) -> Result<Vec<SqsDelivery>, SqsError> {
         let n = i32::try_from(max.clamp(1, MAX_BATCH)).unwrap_or(10);
         let wait = i32::try_from(wait.as_secs().min(20)).unwrap_or(20);
-        let out = self
+        let mut call = self
             .inner
             .client
             .receive_message()
@@ -102,12 +102,16 @@ impl SqsSource {
             .wait_time_seconds(wait)
             .visibility_timeout(visibility)
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-            .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId)
-            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
-            .message_attribute_names("All")
-            .send()
-            .await
-            .map_err(|e| classify("ReceiveMessage", e))?;
+            // All message attributes: a key may come from one, and a dead-letter copy keeps them.
+            .message_attribute_names("All");
+        // Group and deduplication ids exist on FIFO queues only; asking for them elsewhere costs
+        // the endpoint work for nothing (measurably, on LocalStack).
+        if self.inner.config.fifo {
+            call = call
+                .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId)
+                .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId);
+        }
+        let out = call.send().await.map_err(|e| classify("ReceiveMessage", e))?;
         let mut deliveries = Vec::new();
         for m in out.messages.unwrap_or_default() {
             match self.inner.registry.register(m) {
