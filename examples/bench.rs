@@ -565,7 +565,7 @@ mod table {
         pub async fn connect(url: &str) -> Result<Self, String> {
             let schema = SchemaName::new(format!("bench_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
             let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e: sqlx::Error| e.to_string())?;
-            let pool = sqlx::postgres::PgPoolOptions::new()
+            let pool = PgFence::pool_options()
                 .max_connections(16)
                 .connect_with(options.application_name("brokerfence-bench"))
                 .await
