@@ -338,9 +338,8 @@ impl PgFence {
     }
 
     /// Connects a pool of up to 16 connections ([`pool_options`](Self::pool_options)) with options
-    /// you built: TLS (`ssl_mode`, root and
-    /// client certificates), credentials kept out of URLs, an `application_name` that shows in
-    /// `pg_stat_activity`.
+    /// you built: TLS (`ssl_mode`, root and client certificates), credentials kept out of URLs, an
+    /// `application_name` that shows in `pg_stat_activity`.
     ///
     /// TLS needs the `tls` feature (rustls on *ring*, the system's root certificates). A mode that
     /// insists on TLS (`Require`, `VerifyCa`, `VerifyFull`) fails with
