@@ -301,6 +301,19 @@ impl std::fmt::Debug for PgFence {
 }
 
 /// What every connection of a fence pool runs once, when it opens (see [`PgFence::pool_options`]).
+/// For a pool built some other way, run it on each new connection:
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .after_connect(|conn, _| Box::pin(async move {
+///         sqlx::Executor::execute(&mut *conn, fence::PG_SESSION_SETUP).await.map(drop)
+///     }))
+///     .connect("postgres://127.0.0.1/jobs")
+///     .await?;
+/// let fence = fence::PgFence::new(pool);
+/// # let _ = fence; Ok(()) }
+/// ```
 pub const PG_SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan";
 
 impl PgFence {
