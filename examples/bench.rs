@@ -963,6 +963,22 @@ trait PlainBroker: Send + Sync + 'static {
     fn ack(&self, handles: Vec<Self::Handle>) -> impl std::future::Future<Output = Result<usize, String>> + Send;
 }
 
+/// Latencies of `m` messages handled one at a time by a plain consumer: receive one, acknowledge it.
+#[cfg(any(feature = "sqs", feature = "redis"))]
+async fn plain_latencies<B: PlainBroker>(broker: &B, m: usize) -> Result<Vec<Duration>, String> {
+    let mut p = Vec::with_capacity(m);
+    while p.len() < m {
+        let t = Instant::now();
+        let handles = broker.receive(1).await?;
+        if handles.is_empty() {
+            continue;
+        }
+        broker.ack(handles).await?;
+        p.push(t.elapsed());
+    }
+    Ok(p)
+}
+
 #[cfg(any(feature = "sqs", feature = "redis"))]
 impl PlainLoop {
     async fn run<B: PlainBroker>(&self, broker: Arc<B>, total: usize) -> Result<Rate, String> {
@@ -1232,16 +1248,7 @@ mod sqs_bench {
         let url = queue(&client, 2 * m).await?;
         queues.push(url.clone());
         let plain_broker = PlainSqs { client: client.clone(), url: url.clone() };
-        let mut p = Vec::new();
-        while p.len() < m {
-            let t = Instant::now();
-            let handles = plain_broker.receive(1).await?;
-            if handles.is_empty() {
-                continue;
-            }
-            plain_broker.ack(handles).await?;
-            p.push(t.elapsed());
-        }
+        let mut p = plain_latencies(&plain_broker, m).await?;
         let store: Arc<dyn FenceStore> = Arc::new(pg.fence.clone());
         let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
         let retrofit = SqsRetrofit::new(store, source(&client, &url)?, SupervisorConfig::new(lease));
@@ -1416,16 +1423,7 @@ mod redis_bench {
             write: conn.clone(),
             stream: s.clone(),
         };
-        let mut p = Vec::new();
-        while p.len() < m {
-            let t = Instant::now();
-            let ids = seq.receive(1).await?;
-            if ids.is_empty() {
-                continue;
-            }
-            seq.ack(ids).await?;
-            p.push(t.elapsed());
-        }
+        let mut p = plain_latencies(&seq, m).await?;
         let store: Arc<dyn FenceStore> = Arc::new(pg.fence.clone());
         let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
         let fence =

@@ -220,11 +220,7 @@ async fn scenario(roles: &Roles) {
                 .await
         }
     });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while metrics.snapshot().completions < 52 {
-        assert!(tokio::time::Instant::now() < deadline, "consumer did not finish: {}", metrics.snapshot());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_for_completions(&metrics, 52, Duration::from_secs(20)).await;
     stop.cancel();
     run.await.expect("join").expect("consumer ran without errors");
     let m = metrics.snapshot();

@@ -393,6 +393,30 @@ async fn tls_modes_against_the_local_server() {
 // SQS (feature `sqs`): the AWS secret key
 // ------------------------------------------------------------------------------------------------
 
+/// A consumer (3 s lease) whose handler returns its payload, running until the token fires.
+#[cfg(any(feature = "sqs", feature = "redis"))]
+fn echo_consumer<S: brokerfence::adapters::Source>(
+    source: S,
+    store: Arc<dyn FenceStore>,
+) -> (
+    Arc<brokerfence::fence::Metrics>,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), brokerfence::adapters::SourceError>>,
+) {
+    let consumer = Consumer::new(
+        source,
+        store,
+        ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(3).expect("lease"))),
+    );
+    let metrics = consumer.metrics();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(|ctx: JobContext| async move { Ok(ctx.payload().to_vec()) }, stop).await }
+    });
+    (metrics, stop, run)
+}
+
 #[cfg(feature = "sqs")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aws_secret_key_never_appears_in_logs_or_debug() {
@@ -433,22 +457,8 @@ async fn aws_secret_key_never_appears_in_logs_or_debug() {
         SqsConfig::new(url.clone()).expect("config").key(KeyStrategy::MessageId).wait_time(Duration::from_secs(1));
     let source = SqsSource::new(client.clone(), config.clone());
     let debug = format!("{sdk:?} {client:?} {config:?} {source:?}");
-    let consumer = Consumer::new(
-        source,
-        Arc::clone(&store),
-        ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(3).expect("lease"))),
-    );
-    let metrics = consumer.metrics();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(|ctx: JobContext| async move { Ok(ctx.payload().to_vec()) }, stop).await }
-    });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while metrics.snapshot().completions < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "{}", metrics.snapshot());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (metrics, stop, run) = echo_consumer(source, Arc::clone(&store));
+    common::wait_for_completions(&metrics, 3, Duration::from_secs(30)).await;
     stop.cancel();
     run.await.expect("join").expect("run");
     let retrofit = SqsRetrofit::new(
@@ -519,22 +529,8 @@ async fn redis_password_never_appears_in_logs_debug_or_errors() {
         .key_from(KeyFrom::Field("key".into()))
         .block(Duration::from_millis(200));
     let mut debug = format!("{client:?} {conns:?} {source:?} {:?}", LeaseKeys::new(conns.commands(), "orders"));
-    let consumer = Consumer::new(
-        source,
-        Arc::clone(&store),
-        ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(3).expect("lease"))),
-    );
-    let metrics = consumer.metrics();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(|ctx: JobContext| async move { Ok(ctx.payload().to_vec()) }, stop).await }
-    });
-    let until = tokio::time::Instant::now() + Duration::from_secs(20);
-    while metrics.snapshot().completions < 3 {
-        assert!(tokio::time::Instant::now() < until, "{}", metrics.snapshot());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (metrics, stop, run) = echo_consumer(source, Arc::clone(&store));
+    common::wait_for_completions(&metrics, 3, Duration::from_secs(20)).await;
     // The server goes away mid-run: reconnect attempts log errors, none with the password.
     let _ = server.start_kill();
     let _ = server.wait().await;

@@ -16,6 +16,15 @@ use brokerfence::fence::{
 };
 use sqlx::{AssertSqlSafe, Connection};
 
+/// Waits until `metrics` count `n` completions; fails the test, with the counters, after `within`.
+pub async fn wait_for_completions(metrics: &fence::Metrics, n: u64, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while metrics.snapshot().completions < n {
+        assert!(tokio::time::Instant::now() < deadline, "{n} completions not reached: {}", metrics.snapshot());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The PostgreSQL URL, or a panic that says what to do.
 pub fn database_url() -> String {
     match brokerfence::services::var("DATABASE_URL") {
