@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod group;
 mod guards;
 mod key;
 pub mod ledger;
@@ -33,6 +34,7 @@ mod supervisor;
 pub mod wire;
 
 pub use error::{FenceError, Result};
+pub use group::Grouper;
 pub use guards::Guards;
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
 pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, PgLedger, SqliteLedger, Verdict};
@@ -45,4 +47,6 @@ pub use postgres::{PG_SESSION_SETUP, PgFence};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::SqliteFence;
 pub use store::FenceStore;
-pub use supervisor::{JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};
+pub use supervisor::{
+    DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
+};

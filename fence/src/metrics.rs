@@ -86,6 +86,11 @@ counters!(
     fenced_rejections => FencedRejections,
     /// Results committed.
     completions => Completions,
+    /// Group-commit statements sent (each carries one or more completions).
+    commit_statements => CommitStatements,
+    /// Group-claim statements the consumer runtime sent for broker deliveries (each claims one
+    /// or more; a table queue claims in its own receive and counts none).
+    claim_statements => ClaimStatements,
     /// Failed attempts recorded (retrying).
     failures => Failures,
     /// Jobs given up (dead) or deliveries dead-lettered.

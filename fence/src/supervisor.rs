@@ -20,6 +20,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tracing::Instrument;
 
 use crate::error::{FenceError, Result};
+use crate::group::Grouper;
 use crate::metrics::{Counter, Metrics};
 use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
 use crate::store::FenceStore;
@@ -33,19 +34,63 @@ use crate::{JobKey, Owner, QueueName};
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
 ///     .attempt_timeout(Duration::from_secs(120));
 /// assert_eq!(config.lease().heartbeat_interval(), Duration::from_secs(10));
+/// assert_eq!(config.commit_window_length(), fence::DEFAULT_COMMIT_WINDOW);
 /// ```
 #[derive(Debug, Clone)]
 pub struct SupervisorConfig {
     lease: LeaseDuration,
     retry: RetryPolicy,
     attempt_timeout: Option<Duration>,
+    commit_window: Duration,
     cancel_on_loss: bool,
 }
 
+/// The default [`SupervisorConfig::commit_window`]: 5 ms.
+pub const DEFAULT_COMMIT_WINDOW: Duration = Duration::from_millis(5);
+
 impl SupervisorConfig {
-    /// Leases of `lease`, renewed every lease/3; the default retry policy; no attempt timeout.
+    /// Leases of `lease`, renewed every lease/3; the default retry policy; no attempt timeout;
+    /// completions grouped by [`DEFAULT_COMMIT_WINDOW`].
     pub fn new(lease: LeaseDuration) -> Self {
-        Self { lease, retry: RetryPolicy::default(), attempt_timeout: None, cancel_on_loss: true }
+        Self {
+            lease,
+            retry: RetryPolicy::default(),
+            attempt_timeout: None,
+            commit_window: DEFAULT_COMMIT_WINDOW,
+            cancel_on_loss: true,
+        }
+    }
+
+    /// How long completions may gather into one commit statement while the committer is busy.
+    ///
+    /// A completion that finds the committer idle (no commit statement sent within the last
+    /// `window`) is committed at once, so a lone job waits for nothing. While statements keep
+    /// going out, the next one leaves `window` after the previous one, carrying every completion
+    /// that arrived meanwhile: under load the database sees about one commit statement per
+    /// `window` whatever the rate of jobs (each completion is still its own compare-and-set), at
+    /// the price of up to `window` more before each result is committed and acknowledged.
+    /// `Duration::ZERO` sends a statement whenever one of the committer's two slots is free.
+    ///
+    /// A statement costs the database far more than a row does (PostgreSQL 15 here: a claim and a
+    /// commit of one job took 0.8 ms of its CPU together, of ten jobs 0.63 ms, of fifty 1.7 ms).
+    /// In the SQS benchmark at ~2,500 jobs/s the default 5 ms window cut commit statements from
+    /// one per 3.7 jobs to one per 14.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
+    ///     .commit_window(Duration::from_millis(20)); // fewer, larger statements
+    /// assert_eq!(config.commit_window_length(), Duration::from_millis(20));
+    /// ```
+    pub fn commit_window(mut self, window: Duration) -> Self {
+        self.commit_window = window;
+        self
+    }
+
+    /// The [`commit_window`](Self::commit_window).
+    pub fn commit_window_length(&self) -> Duration {
+        self.commit_window
     }
 
     /// Retry policy for failed attempts.
@@ -313,24 +358,23 @@ const MAX_COMMIT_BATCH: usize = 256;
 /// the next group.
 const COMMITS_IN_FLIGHT: usize = 2;
 
-/// Group commit: takes every completion queued at the moment and commits them with one
-/// `complete_batch` statement (one round trip, one fsync), then answers each; up to
-/// [`COMMITS_IN_FLIGHT`] such statements run at once. Under light load a
-/// batch is a single completion, so nothing waits for a batch to fill; under heavy load batches
-/// grow while the previous statement is in flight. Each completion is still its own
-/// compare-and-set: a fenced one is refused alone.
-async fn commit_loop(store: Arc<dyn FenceStore>, mut rx: tokio::sync::mpsc::UnboundedReceiver<CommitRequest>) {
+/// Group commit: commits the queued completions with one `complete_batch` statement (one round
+/// trip, one fsync), then answers each; up to [`COMMITS_IN_FLIGHT`] such statements run at once,
+/// grouped by a [`Grouper`] with the [`SupervisorConfig::commit_window`]. Each completion is
+/// still its own compare-and-set: a fenced one is refused alone.
+async fn commit_loop(
+    store: Arc<dyn FenceStore>,
+    metrics: Arc<Metrics>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<CommitRequest>,
+    window: Duration,
+) {
     let in_flight = Arc::new(tokio::sync::Semaphore::new(COMMITS_IN_FLIGHT));
-    while let Some(first) = rx.recv().await {
+    let mut groups = Grouper::new(rx, MAX_COMMIT_BATCH, window);
+    loop {
         // While every commit slot is busy, completions keep piling up for the next statement.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
-        let mut batch = vec![first];
-        while batch.len() < MAX_COMMIT_BATCH {
-            match rx.try_recv() {
-                Ok(req) => batch.push(req),
-                Err(_) => break,
-            }
-        }
+        let Some(batch) = groups.next().await else { return };
+        metrics.incr(Counter::CommitStatements);
         let store = Arc::clone(&store);
         tokio::spawn(async move {
             commit_batch(&*store, batch).await;
@@ -407,7 +451,7 @@ impl Supervisor {
         metrics: Arc<Metrics>,
     ) -> Self {
         let (committer, commits) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(commit_loop(Arc::clone(&store), commits));
+        tokio::spawn(commit_loop(Arc::clone(&store), Arc::clone(&metrics), commits, config.commit_window));
         let inner = Arc::new(Inner {
             committer,
             store,
@@ -903,6 +947,85 @@ mod tests {
             other => panic!("{other:?}"),
         };
         (Supervisor::new(Arc::new(store), owner, SupervisorConfig::new(lease_len)), lease)
+    }
+
+    /// Claims `n` keys on a fresh in-memory store; a supervisor with `window` for its owner.
+    async fn claimed_many(n: usize, window: Duration) -> (Supervisor, Vec<Lease>) {
+        let store = SqliteFence::open("sqlite::memory:").await.expect("open");
+        store.migrate().await.expect("migrate");
+        let lease_len = LeaseDuration::from_secs(30).expect("lease");
+        let owner = Owner::unique("test");
+        let q = QueueName::new("q").expect("q");
+        let keys: Vec<JobKey> = (0..n).map(|i| JobKey::new(format!("k{i}")).expect("key")).collect();
+        let leases = store
+            .claim_batch(&q, &keys, &owner, lease_len)
+            .await
+            .expect("claim")
+            .into_iter()
+            .map(|c| match c {
+                Claim::Claimed(l) => l,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let config = SupervisorConfig::new(lease_len).commit_window(window);
+        (Supervisor::new(Arc::new(store), owner, config), leases)
+    }
+
+    /// Runs one attempt whose handler returns after `work`; the time from its return to the
+    /// committed outcome.
+    async fn commit_latency(sup: &Supervisor, lease: Lease, work: Duration) -> Duration {
+        let returned = Arc::new(Mutex::new(None));
+        let mark = Arc::clone(&returned);
+        let outcome = sup
+            .run(lease, Vec::new(), None, move |_ctx| async move {
+                tokio::time::sleep(work).await;
+                *mark.lock().expect("lock") = Some(std::time::Instant::now());
+                Ok(Vec::new())
+            })
+            .await;
+        assert!(outcome.is_completed(), "{outcome:?}");
+        let at = returned.lock().expect("lock").expect("handler returned");
+        at.elapsed()
+    }
+
+    /// Guard: the group-commit window. Forty completions spread over 40 ms must share a few
+    /// statements; without the window each found a free slot and went out alone (one statement
+    /// per completion on this fast store).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completions_arriving_close_together_share_commit_statements() {
+        let (sup, leases) = claimed_many(40, Duration::from_millis(100)).await;
+        let runs: Vec<_> = leases
+            .into_iter()
+            .enumerate()
+            .map(|(i, lease)| {
+                let sup = sup.clone();
+                let work = Duration::from_millis(u64::try_from(i).unwrap_or(0));
+                tokio::spawn(async move { commit_latency(&sup, lease, work).await })
+            })
+            .collect();
+        for run in runs {
+            run.await.expect("attempt task");
+        }
+        let m = sup.metrics().snapshot();
+        assert_eq!(m.completions, 40);
+        assert!(m.commit_statements <= 3, "40 completions within 40 ms took {} statements", m.commit_statements);
+    }
+
+    /// The window costs an idle worker nothing: a completion that finds no statement sent within
+    /// the window is committed at once; one right behind a statement waits the window out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_completion_waits_for_the_window_only_behind_another_statement() {
+        let window = Duration::from_millis(400);
+        let (sup, mut leases) = claimed_many(3, window).await;
+        let (third, second, first) = (leases.pop().expect("3"), leases.pop().expect("2"), leases.pop().expect("1"));
+        let alone = commit_latency(&sup, first, Duration::ZERO).await;
+        assert!(alone < Duration::from_millis(200), "a lone completion waited {alone:?}");
+        let behind = commit_latency(&sup, second, Duration::ZERO).await;
+        assert!(behind >= Duration::from_millis(300), "a completion right behind a statement waited only {behind:?}");
+        tokio::time::sleep(window).await;
+        let idle_again = commit_latency(&sup, third, Duration::ZERO).await;
+        assert!(idle_again < Duration::from_millis(200), "after an idle window a completion waited {idle_again:?}");
+        assert_eq!(sup.metrics().snapshot().commit_statements, 3);
     }
 
     #[tokio::test]
