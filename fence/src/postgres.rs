@@ -106,7 +106,7 @@ fn fenced(schema: &str, update: &str, returning: &str) -> String {
 /// The lateral lookup (kept apart by `OFFSET 0`) makes the plan one primary-key probe per input
 /// row, in key order, and yields the newest version of each row, locked. As a join, a plan made
 /// while the table was nearly empty was a hash join over a sequential scan (see
-/// [`PgFence::pool_options`] for why plans are made per call as well).
+/// [`PgFence::pool_options`] for how the plans are kept index lookups).
 fn locked_by_key(s: &str) -> String {
     format!(
         "cur AS MATERIALIZED (SELECT u.*, t.epoch AS cur_epoch, t.owner AS cur_owner, t.state AS cur_state \
@@ -134,8 +134,11 @@ impl Statements {
         // and its lease starts after the previous one ended. The second branch reads the
         // statement's snapshot; a row that looks claimable there but was not claimed changed
         // under us (a concurrent claim), so it is left out and asked again in the next round
-        // rather than reported with stale owner/epoch. It looks each key up by primary key through
-        // a lateral subquery, for the reason given at [`locked_by_key`].
+        // rather than reported with stale owner/epoch. A row that looked unclaimable there but
+        // was claimable once its lock was granted (a lease that ran out meanwhile) comes back
+        // from both branches, and the claimed row wins ([`claim_rounds`]): so the branches need
+        // no join of one to the other. It looks each key up by primary key through a lateral
+        // subquery, for the reason given at [`locked_by_key`].
         let claim = format!(
             "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
              claimed AS ( \
@@ -152,8 +155,7 @@ impl Statements {
              SELECT t.key, t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
              FROM input i CROSS JOIN LATERAL (SELECT t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, \
                  t.run_at FROM {s}.jobs t WHERE t.queue = $1 AND t.key = i.key OFFSET 0) t \
-             WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = t.key) \
-               AND NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
+             WHERE NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
             lease = lease_end.replace("$LEASE", "$4"),
             lu = ms!("c.lease_until"),
@@ -200,15 +202,17 @@ impl Statements {
         } else {
             "true"
         };
-        // The verdict reports the epoch and owner of the row version this statement locked.
+        // One row per item with the epoch and owner of the row version this statement locked
+        // (false), and one more per item committed (true): the verdicts are put together in
+        // [`PgFence::complete_batch`] rather than by joining the two here.
         let complete_batch = format!(
             "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
                  AS u(queue, key, owner, epoch, result)), {cur}, \
              upd AS (UPDATE {s}.jobs t SET state = 'completed', result = c.result, lease_until = NULL, \
                  updated_at = clock_timestamp() FROM cur c \
                  WHERE t.queue = c.queue AND t.key = c.key AND {batch_cas} RETURNING t.queue, t.key) \
-             SELECT c.queue, c.key, upd.key IS NOT NULL, c.cur_epoch, c.cur_owner \
-             FROM cur c LEFT JOIN upd ON upd.queue = c.queue AND upd.key = c.key"
+             SELECT c.queue, c.key, false, c.cur_epoch, c.cur_owner FROM cur c \
+             UNION ALL SELECT upd.queue, upd.key, true, NULL::bigint, NULL::text FROM upd"
         );
         let checkpoint = fenced(
             s,
@@ -300,8 +304,11 @@ impl std::fmt::Debug for PgFence {
     }
 }
 
-/// What every connection of a fence pool runs once, when it opens (see [`PgFence::pool_options`]).
-/// For a pool built some other way, run it on each new connection:
+/// What every connection of a fence pool runs once, when it opens (see [`PgFence::pool_options`]):
+/// the planner may use only index scans and nested loops on that connection, so that a plan the
+/// server keeps for a fence statement looks rows up by key whatever the jobs table looked like
+/// when it was made, and it keeps that one plan from the first call on. For a pool built some
+/// other way, run it on each new connection (four `SET`s, sent as one simple query):
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), sqlx::Error> {
@@ -314,21 +321,25 @@ impl std::fmt::Debug for PgFence {
 /// let fence = fence::PgFence::new(pool);
 /// # let _ = fence; Ok(()) }
 /// ```
-pub const PG_SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan";
+pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
 
 impl PgFence {
     /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
     /// up to 16 connections, 10 s to acquire one, and [`PG_SESSION_SETUP`] on each new connection.
     /// Build your own pool from them (then [`PgFence::new`]) to change the limits and keep the rest.
     ///
-    /// The setup makes the server plan each fence statement for the table as it is now. A
-    /// connection otherwise keeps a generic plan of a prepared statement after five runs; made
-    /// while the jobs table was small and freshly analyzed, that plan is a sequential scan, and
-    /// every later call reads the whole table until the next `ANALYZE` (up to a minute of
-    /// autovacuum's nap, while a burst grows the table): measured, one round of ten claims,
-    /// heartbeats and commits (and a single claim and commit) read 702,947 rows of a 20,000-row
-    /// table, against about 40 with the setup. Planning costs about 0.1–0.5 ms per statement,
-    /// spread over a batch.
+    /// Planning is the larger part of a fence statement's cost (a batch claim of ten keys: 0.27 ms
+    /// to plan, 0.18 ms to run), so the setup has each connection plan each statement once and
+    /// keep that generic plan. A generic plan is only as good as the table it was made for, though:
+    /// made while the jobs table was small and freshly analyzed, it is a sequential scan (or a hash
+    /// join over the whole table), and every later call reads the whole table until the next
+    /// `ANALYZE` (up to a minute of autovacuum's nap, while a burst grows the table). Measured: one
+    /// round of every fence statement read 1,006,059 rows of a 20,000-row table. The setup's other
+    /// three settings leave the planner index lookups in nested loops only, which is what each
+    /// fence statement wants (each looks rows up by key or reads an index in order): the same
+    /// round reads about 40 rows. The settings only price the other plans out; a query with no
+    /// index to use still runs. Queries of another kind (reports, large joins) belong on a pool of
+    /// their own.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), sqlx::Error> {
@@ -531,10 +542,19 @@ where
         if todo.is_empty() {
             break;
         }
+        let asked: std::collections::HashMap<&str, &JobKey> = todo.iter().map(|k| (k.as_str(), *k)).collect();
         let rows = round(todo.iter().map(|k| k.as_str().to_owned()).collect()).await?;
         for row in &rows {
-            if let Some(k) = todo.iter().find(|k| k.as_str() == row.0) {
-                outcomes.insert(k.as_str(), claim_outcome(queue, k, owner, row)?);
+            if let Some(&k) = asked.get(row.0.as_str()) {
+                let outcome = claim_outcome(queue, k, owner, row)?;
+                // A key this statement claimed may also come back as it was in the statement's
+                // snapshot (see the claim statement): the claim is what happened.
+                match outcomes.get(k.as_str()) {
+                    Some(Claim::Claimed(_)) => {}
+                    _ => {
+                        outcomes.insert(k.as_str(), outcome);
+                    }
+                }
             }
         }
         todo.retain(|k| !outcomes.contains_key(k.as_str()));
@@ -702,20 +722,29 @@ impl FenceStore for PgFence {
                 .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
                 .fetch_all(&self.pool)
                 .await?;
-        let verdicts: std::collections::HashMap<(&str, &str), &(String, String, bool, Option<i64>, Option<String>)> =
-            rows.iter().map(|r| ((r.0.as_str(), r.1.as_str()), r)).collect();
+        // Per item: whether it was committed, and the epoch and owner of the row it locked.
+        let mut verdicts: std::collections::HashMap<(&str, &str), (bool, Option<(Option<i64>, &Option<String>)>)> =
+            std::collections::HashMap::with_capacity(first.len());
+        for (queue, key, committed, epoch, owner) in &rows {
+            let v = verdicts.entry((queue.as_str(), key.as_str())).or_default();
+            if *committed {
+                v.0 = true;
+            } else {
+                v.1 = Some((*epoch, owner));
+            }
+        }
         let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         for &i in &first {
             let lease = &items[i].0;
             out[i] = Some(match verdicts.get(&(lease.queue.as_str(), lease.key.as_str())) {
-                Some((_, _, true, _, _)) => Ok(()),
-                Some((_, _, false, epoch, owner)) => Err(FenceError::Fenced {
+                Some((true, _)) => Ok(()),
+                Some((false, Some((epoch, owner)))) => Err(FenceError::Fenced {
                     key: lease.key.as_str().to_owned(),
                     epoch: lease.epoch,
                     current_epoch: epoch.unwrap_or(0),
-                    current_owner: owner.clone(),
+                    current_owner: (*owner).clone(),
                 }),
-                None => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
+                _ => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
             });
         }
         for &i in &repeats {
@@ -794,5 +823,33 @@ impl FenceStore for PgFence {
 
     fn backend(&self) -> &'static str {
         "postgres"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(key: &str, outcome: &str, epoch: i64) -> ClaimRow {
+        (key.to_owned(), outcome.to_owned(), epoch, Some("other".to_owned()), Some(0), Some(1_000), 1, Some(0))
+    }
+
+    /// A key the statement claimed can also come back as its snapshot showed it (running under
+    /// another owner whose lease ran out meanwhile): whichever row comes first, the claim stands,
+    /// or this worker would hold a lease it does not know of.
+    #[tokio::test]
+    async fn a_claimed_row_wins_over_the_snapshot_row_of_the_same_key() {
+        let (q, k, me) = (QueueName::new("q").unwrap(), JobKey::new("k").unwrap(), Owner::new("me").unwrap());
+        for rows in
+            [vec![row("k", "claimed", 2), row("k", "running", 1)], vec![row("k", "running", 1), row("k", "claimed", 2)]]
+        {
+            let out = claim_rounds(&q, std::slice::from_ref(&k), &me, |_| {
+                let rows = rows.clone();
+                async move { Ok(rows) }
+            })
+            .await
+            .unwrap();
+            assert!(matches!(&out[..], [Claim::Claimed(l)] if l.epoch == 2), "{out:?}");
+        }
     }
 }
