@@ -25,5 +25,5 @@ pub mod sqs;
 pub use disposition::Disposition;
 pub use handler::{Handler, HandlerFuture};
 pub use middleware::{Detail, Processed, Retrofit};
-pub use runtime::{Consumer, ConsumerConfig, ReceiveContext, shutdown_signal};
+pub use runtime::{Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, ReceiveContext, shutdown_signal};
 pub use source::{Incoming, Source, SourceError};

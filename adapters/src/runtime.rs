@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fence::{Claim, Counter, FenceStore, JobKey, Lease, LeaseHook, Metrics, Owner, Supervisor, SupervisorConfig};
+use fence::{
+    Claim, Counter, FenceStore, Grouper, JobKey, Lease, LeaseHook, Metrics, Owner, Supervisor, SupervisorConfig,
+};
 use std::sync::atomic::{AtomicU32, Ordering};
 use tokio::sync::mpsc;
 
@@ -33,19 +35,25 @@ pub struct ConsumerConfig {
     concurrency: usize,
     prefetch: Option<usize>,
     batch: usize,
+    claim_window: Duration,
     grace: Duration,
     ack_batch: usize,
     ack_linger: Duration,
 }
 
+/// The default [`ConsumerConfig::claim_window`]: 5 ms.
+pub const DEFAULT_CLAIM_WINDOW: Duration = Duration::from_millis(5);
+
 impl ConsumerConfig {
-    /// 16 jobs at once, batches of 10, 30 s shutdown grace, acks batched by 10 or 20 ms.
+    /// 16 jobs at once, batches of 10, claims grouped by [`DEFAULT_CLAIM_WINDOW`], 30 s shutdown
+    /// grace, acks batched by 10 or 20 ms.
     pub fn new(supervisor: SupervisorConfig) -> Self {
         Self {
             supervisor,
             concurrency: 16,
             prefetch: None,
             batch: 10,
+            claim_window: DEFAULT_CLAIM_WINDOW,
             grace: Duration::from_secs(30),
             ack_batch: 10,
             ack_linger: Duration::from_millis(20),
@@ -69,6 +77,31 @@ impl ConsumerConfig {
     pub fn batch(mut self, n: usize) -> Self {
         self.batch = n.max(1);
         self
+    }
+    /// How long received deliveries may gather into one claim statement while claims are busy:
+    /// the same rule as the supervisor's
+    /// [`commit_window`](fence::SupervisorConfig::commit_window). Deliveries that find the
+    /// claimer idle (no claim sent within the last `window`) are claimed at once; while claims
+    /// keep going out, the next one leaves `window` after the previous one with every delivery
+    /// received meanwhile, so a busy consumer sends about one claim statement per `window` (and
+    /// one commit statement per commit window) whatever its rate, and a job may start up to
+    /// `window` later. `Duration::ZERO` claims each receive as soon as a claim slot is free.
+    /// Sources that claim in their own receive (the table queue) are not affected.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+    ///     .claim_window(Duration::from_millis(10));
+    /// assert_eq!(config.claim_window_length(), Duration::from_millis(10));
+    /// ```
+    pub fn claim_window(mut self, window: Duration) -> Self {
+        self.claim_window = window;
+        self
+    }
+    /// The [`claim_window`](Self::claim_window).
+    pub fn claim_window_length(&self) -> Duration {
+        self.claim_window
     }
     /// How long shutdown waits for running jobs before releasing their leases.
     pub fn grace(mut self, grace: Duration) -> Self {
@@ -239,7 +272,7 @@ impl<S: Source> Consumer<S> {
             slots: self.config.prefetch.map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
             claims: Mutex::new(Some(claims_tx)),
         });
-        shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx));
+        shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx, self.config.claim_window));
         let permits = Arc::new(Semaphore::new(self.config.prefetch.unwrap_or(self.config.concurrency)));
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
         // No more batches to claim: the claimer finishes what is queued and stops.
@@ -350,8 +383,8 @@ type Held<D> = (D, OwnedSemaphorePermit);
 /// A received delivery waiting for the group claim.
 type Unclaimed<D> = (Held<D>, JobKey, Vec<u8>);
 
-/// Where received batches queue for the group claim.
-type ClaimQueue<D> = mpsc::UnboundedSender<Vec<Unclaimed<D>>>;
+/// Where received deliveries queue for the group claim.
+type ClaimQueue<D> = mpsc::UnboundedSender<Unclaimed<D>>;
 
 /// Most deliveries claimed by one statement.
 const MAX_CLAIM_BATCH: usize = 500;
@@ -371,7 +404,7 @@ struct Shared<S: Source, H> {
     stopping: CancellationToken,
     /// Handlers running at once, when prefetching (else the receive permits bound them).
     slots: Option<Arc<Semaphore>>,
-    /// Received batches waiting for the group claim; taken (closed) at shutdown.
+    /// Received deliveries waiting for the group claim; taken (closed) at shutdown.
     claims: Mutex<Option<ClaimQueue<S::Delivery>>>,
     /// Claim tasks and attempts until they are settled at the broker.
     tasks: TaskTracker,
@@ -406,7 +439,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
             return;
         }
         let queued = match self.claims.lock() {
-            Ok(claims) => claims.as_ref().map(|tx| tx.send(unclaimed)),
+            Ok(claims) => claims.as_ref().map(|tx| unclaimed.into_iter().try_for_each(|u| tx.send(u).map_err(drop))),
             Err(_) => None,
         };
         if !matches!(queued, Some(Ok(()))) {
@@ -414,20 +447,19 @@ impl<S: Source, H: Handler> Shared<S, H> {
         }
     }
 
-    /// Group claim: takes every received batch queued at the moment and claims them all with one
-    /// statement (one round trip, one commit), so that while a claim is in flight the next
-    /// receives pile up for the next one instead of each paying for its own.
-    async fn claim_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Vec<Unclaimed<S::Delivery>>>) {
+    /// Group claim: claims the deliveries queued at the moment with one statement (one round
+    /// trip, one commit), grouped by a [`Grouper`] with the
+    /// [`claim_window`](ConsumerConfig::claim_window): while claims are in flight or the window
+    /// is open, the next receives pile up for the next statement instead of each paying for its
+    /// own. Up to [`CLAIMS_IN_FLIGHT`] statements run at once.
+    async fn claim_loop(self: Arc<Self>, rx: mpsc::UnboundedReceiver<Unclaimed<S::Delivery>>, window: Duration) {
         let in_flight = Arc::new(Semaphore::new(CLAIMS_IN_FLIGHT));
-        while let Some(mut batch) = rx.recv().await {
-            // While every claim slot is busy, batches keep piling up for the next statement.
+        let mut groups = Grouper::new(rx, MAX_CLAIM_BATCH, window);
+        loop {
+            // While every claim slot is busy, deliveries keep piling up for the next statement.
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
-            while batch.len() < MAX_CLAIM_BATCH {
-                match rx.try_recv() {
-                    Ok(more) => batch.extend(more),
-                    Err(_) => break,
-                }
-            }
+            let Some(batch) = groups.next().await else { return };
+            self.supervisor.metrics().incr(Counter::ClaimStatements);
             let shared = Arc::clone(&self);
             self.tasks.spawn(async move {
                 shared.claim_and_start(batch).await;
@@ -685,4 +717,73 @@ pub fn shutdown_signal() -> CancellationToken {
         fire.cancel();
     });
     token
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fence::{LeaseDuration, MetricsSnapshot, QueueName, SqliteFence};
+
+    /// A source that hands out one delivery per receive, as its keys arrive.
+    struct Trickle {
+        queue: QueueName,
+        keys: tokio::sync::Mutex<mpsc::UnboundedReceiver<JobKey>>,
+    }
+
+    #[async_trait]
+    impl Source for Trickle {
+        type Delivery = ();
+
+        fn queue(&self) -> &QueueName {
+            &self.queue
+        }
+
+        async fn receive(&self, _max: usize, _ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
+            let mut keys = self.keys.lock().await;
+            Ok(match tokio::time::timeout(Duration::from_millis(50), keys.recv()).await {
+                Ok(Some(key)) => vec![Incoming::Unclaimed { delivery: (), key, payload: Vec::new() }],
+                _ => Vec::new(),
+            })
+        }
+    }
+
+    /// Forty deliveries, one per receive, one every millisecond, through a consumer with `window`.
+    async fn forty_trickled_deliveries(window: Duration) -> MetricsSnapshot {
+        let store = SqliteFence::open("sqlite::memory:").await.expect("open");
+        store.migrate().await.expect("migrate");
+        let (tx, rx) = mpsc::unbounded_channel();
+        let source = Trickle { queue: QueueName::new("trickle").expect("queue"), keys: tokio::sync::Mutex::new(rx) };
+        let lease = LeaseDuration::from_secs(30).expect("lease");
+        let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(64).claim_window(window);
+        let consumer = Arc::new(Consumer::new(source, Arc::new(store), config));
+        let stop = CancellationToken::new();
+        let run = {
+            let (consumer, stop) = (Arc::clone(&consumer), stop.clone());
+            tokio::spawn(
+                async move { consumer.run(|_ctx: fence::JobContext| async move { Ok(Vec::new()) }, stop).await },
+            )
+        };
+        for i in 0..40 {
+            tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let metrics = consumer.metrics();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while metrics.snapshot().completions < 40 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.cancel();
+        run.await.expect("consumer task").expect("consumer ran");
+        metrics.snapshot()
+    }
+
+    /// Guard: the group-claim window. Forty receives within about 40 ms must share a few claim
+    /// statements; without the window each claim slot took whatever single receive was queued
+    /// (one statement per delivery on this fast store).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn receives_arriving_close_together_share_claim_statements() {
+        let m = forty_trickled_deliveries(Duration::from_millis(100)).await;
+        assert_eq!((m.claims, m.completions), (40, 40), "{m}");
+        assert!(m.claim_statements <= 3, "40 receives within ~40 ms took {} claim statements", m.claim_statements);
+    }
 }
