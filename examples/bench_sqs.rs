@@ -12,15 +12,21 @@
 //! `--work-ms`, standing in for I/O), and delete in batches of ten (or after 20 ms). The fenced
 //! one claims up to `--prefetch` messages (default: `concurrency`) ahead of its handlers, under
 //! heartbeated leases. Keep `--batch 10` on LocalStack: concurrent ReceiveMessage calls slow
-//! each other there (one poller measured 2,000 msg/s, two 1,300). The fenced one adds one claim statement per received batch,
-//! the fenced commit per message (grouped by the supervisor), and the heartbeat per tick.
+//! each other there (one poller measured 2,000 msg/s, two 1,300). The fenced one adds the claim
+//! statements (receives grouped by `--claim-window-ms`), the commit statements (completions
+//! grouped by `--commit-window-ms`) and the heartbeat per tick.
 //!
 //! After a warm-up of both, `--rounds` rounds alternate which consumer goes first; the medians
 //! give the ratio. Also printed: database statements per message (counted by a wrapper around the
-//! store), mean claim and commit latencies, where a fenced message's time goes, and how busy the
-//! machine's CPUs were in each phase (LocalStack, PostgreSQL and the benchmark share them: a
-//! phase at 100 % measures the machine, not the consumer). AWS and PostgreSQL settings come from
-//! the standard environment, falling back to `localstack/.env`.
+//! store), mean claim and commit latencies, and where each phase's CPU went, per message:
+//! LocalStack, PostgreSQL and this process share the machine's cores, so CPU the fence spends
+//! (in PostgreSQL and in the consumer) is CPU LocalStack does not get. With `--stages`, also where
+//! a fenced message's time goes (claim answered → handler started, handler done → commit
+//! answered); off by default, since following every message costs the fenced side CPU. AWS and
+//! PostgreSQL settings come from the standard environment, falling back to `localstack/.env`.
+//! LocalStack's heap grows with every message it has served (here from 120 MB to 500 MB over a
+//! day of runs) and its CPU per message with it: compare runs on a freshly started LocalStack
+//! (`bash localstack/down && bash localstack/up`).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -43,10 +49,14 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 const USAGE: &str = "usage: bench_sqs [--messages N=3000] [--concurrency C=32] [--work-ms W=5] [--lease SECS=30]
-       [--rounds R=3] [--batch B=10] [--prefetch P=concurrency] [--read-ahead]";
+       [--rounds R=3] [--batch B=10] [--prefetch P=concurrency] [--claim-window-ms MS=5] [--commit-window-ms MS=5]
+       [--read-ahead] [--stages]";
 
 struct Args {
     read_ahead: bool,
+    stages: bool,
+    claim_window: Duration,
+    commit_window: Duration,
     prefetch: Option<usize>,
     batch: usize,
     rounds: usize,
@@ -59,6 +69,9 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         read_ahead: false,
+        stages: false,
+        claim_window: brokerfence::adapters::DEFAULT_CLAIM_WINDOW,
+        commit_window: fence::DEFAULT_COMMIT_WINDOW,
         prefetch: None,
         batch: 10,
         rounds: 3,
@@ -73,12 +86,18 @@ fn parse_args() -> Result<Args, String> {
             args.read_ahead = true;
             continue;
         }
+        if name == "--stages" {
+            args.stages = true;
+            continue;
+        }
         let value = it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"))?;
         let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{name} {v:?}: {e}"));
         match name.as_str() {
             "--messages" => args.messages = usize::try_from(num(&value)?).unwrap_or(1).max(1),
             "--concurrency" => args.concurrency = usize::try_from(num(&value)?).unwrap_or(1).max(1),
             "--work-ms" => args.work = Duration::from_millis(num(&value)?),
+            "--claim-window-ms" => args.claim_window = Duration::from_millis(num(&value)?),
+            "--commit-window-ms" => args.commit_window = Duration::from_millis(num(&value)?),
             "--lease" => args.lease = num(&value)?,
             "--prefetch" => args.prefetch = Some(usize::try_from(num(&value)?).unwrap_or(1).max(1)),
             "--batch" => args.batch = usize::try_from(num(&value)?).unwrap_or(10).max(1),
@@ -102,6 +121,10 @@ struct Counts {
     /// Microseconds spent waiting for claim and commit statements.
     claim_us: AtomicU64,
     commit_us: AtomicU64,
+    /// Whether to follow each message through the stages below (`--stages`). Off by default:
+    /// it takes a lock and two map updates per message on the fenced side only, which is CPU
+    /// the measurement would then charge to the fence.
+    track_stages: bool,
     /// Where a fenced message's time goes: claim answered → handler started, and handler
     /// finished → commit answered (microseconds, summed), by job key.
     stages: std::sync::Mutex<Stages>,
@@ -119,6 +142,9 @@ struct Stages {
 
 impl Counts {
     fn claimed(&self, keys: &[JobKey]) {
+        if !self.track_stages {
+            return;
+        }
         let now = Instant::now();
         if let Ok(mut s) = self.stages.lock() {
             for k in keys {
@@ -127,6 +153,9 @@ impl Counts {
         }
     }
     fn started(&self, key: &str) {
+        if !self.track_stages {
+            return;
+        }
         if let Ok(mut s) = self.stages.lock()
             && let Some(at) = s.claimed.remove(key)
         {
@@ -135,11 +164,17 @@ impl Counts {
         }
     }
     fn finished(&self, key: &str) {
+        if !self.track_stages {
+            return;
+        }
         if let Ok(mut s) = self.stages.lock() {
             s.finished.insert(key.to_owned(), Instant::now());
         }
     }
     fn committed(&self, items: &[(Lease, Vec<u8>)]) {
+        if !self.track_stages {
+            return;
+        }
         if let Ok(mut s) = self.stages.lock() {
             for (l, _) in items {
                 if let Some(at) = s.finished.remove(l.key.as_str()) {
@@ -289,7 +324,7 @@ async fn produce(client: &Client, url: &str, n: usize, tag: &str) -> Result<(), 
 // ---------------------------------------------------------------- plain consumer
 
 /// Receive, handle, delete: the same loop shape as the fenced runtime, without the fence.
-/// The time is taken when the n-th delete is confirmed.
+/// The time (and the CPU sample) is taken when the n-th delete is confirmed.
 async fn plain(
     client: &Client,
     url: &str,
@@ -298,7 +333,7 @@ async fn plain(
     batch: usize,
     work: Duration,
     lease: i32,
-) -> Result<Duration, Box<dyn std::error::Error>> {
+) -> Result<(Duration, CpuSample), Box<dyn std::error::Error>> {
     let started = Instant::now();
     let (tx, mut rx) = mpsc::unbounded_channel::<String>();
     let deleter = {
@@ -326,10 +361,10 @@ async fn plain(
                     Err(e) => eprintln!("plain: delete failed: {e}"),
                 }
                 if deleted >= n {
-                    return started.elapsed();
+                    return (started.elapsed(), CpuSample::now());
                 }
             }
-            started.elapsed()
+            (started.elapsed(), CpuSample::now())
         })
     };
     let mut tasks = JoinSet::new();
@@ -379,13 +414,15 @@ async fn fenced(
     counts: Arc<Counts>,
     n: usize,
     args: &Args,
-) -> Result<Duration, Box<dyn std::error::Error>> {
+) -> Result<(Duration, CpuSample), Box<dyn std::error::Error>> {
     let (concurrency, work, lease) = (args.concurrency, args.work, args.lease);
     let source = SqsSource::new(
         client.clone(),
         SqsConfig::new(url)?.wait_time(Duration::from_secs(1)).read_ahead(args.read_ahead),
     );
-    let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(lease)?))
+    let supervisor = SupervisorConfig::new(LeaseDuration::from_secs(lease)?).commit_window(args.commit_window);
+    let config = ConsumerConfig::new(supervisor)
+        .claim_window(args.claim_window)
         .concurrency(concurrency)
         // `concurrency` handlers, as in the plain consumer; claims happen ahead of them.
         .prefetch(args.prefetch.unwrap_or(concurrency))
@@ -421,7 +458,7 @@ async fn fenced(
             return Err("fenced consumer stopped early".into());
         }
     }
-    let elapsed = started.elapsed();
+    let (elapsed, cpu) = (started.elapsed(), CpuSample::now());
     stop.cancel();
     run.await??;
     consumer.source().release_unstarted(Duration::from_secs(5)).await;
@@ -429,26 +466,80 @@ async fn fenced(
     if m.duplicates > 0 || m.fenced_rejections > 0 || m.lease_losses > 0 {
         eprintln!("fenced: unexpected: {m}");
     }
-    Ok(elapsed)
+    Ok((elapsed, cpu))
 }
 
 // ---------------------------------------------------------------- CPU
 
-/// (busy, total) CPU ticks of the whole machine (Linux `/proc/stat`), to tell whether a phase was
-/// bound by CPU (LocalStack, PostgreSQL and this process share it).
-fn cpu_ticks() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let line = stat.lines().next()?;
-    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
-    let total: u64 = v.iter().sum();
-    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
-    Some((total - idle, total))
+/// CPU time (clock ticks) spent so far, by the processes that share this machine's cores in the
+/// benchmark: LocalStack (the broker), PostgreSQL (every backend, the WAL writer, ...) and this
+/// benchmark (both consumers), plus the machine's busy and total ticks (Linux `/proc`). The
+/// difference of two samples says where one phase's CPU went.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuSample {
+    localstack: u64,
+    postgres: u64,
+    consumer: u64,
+    busy: u64,
+    total: u64,
 }
 
-fn busy_since(start: Option<(u64, u64)>) -> f64 {
-    match (start, cpu_ticks()) {
-        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 * 100.0 / (t1 - t0) as f64,
-        _ => f64::NAN,
+/// utime + stime of one `/proc/<pid>/stat` (fields 14 and 15, after the parenthesised name).
+fn process_ticks(stat: &str) -> Option<u64> {
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+impl CpuSample {
+    fn now() -> Self {
+        let mut s = CpuSample::default();
+        if let Ok(stat) = std::fs::read_to_string("/proc/stat")
+            && let Some(line) = stat.lines().next()
+        {
+            let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+            s.total = v.iter().sum();
+            s.busy = s.total - v.get(3).copied().unwrap_or(0) - v.get(4).copied().unwrap_or(0);
+        }
+        s.consumer = std::fs::read_to_string("/proc/self/stat").ok().and_then(|t| process_ticks(&t)).unwrap_or(0);
+        let Ok(dir) = std::fs::read_dir("/proc") else { return s };
+        for entry in dir.flatten() {
+            if !entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            let slot = if comm.trim() == "postgres" {
+                &mut s.postgres
+            } else if std::fs::read(entry.path().join("cmdline"))
+                .is_ok_and(|c| c.windows(10).any(|w| w == b"localstack"))
+            {
+                &mut s.localstack
+            } else {
+                continue;
+            };
+            *slot +=
+                std::fs::read_to_string(entry.path().join("stat")).ok().and_then(|t| process_ticks(&t)).unwrap_or(0);
+        }
+        s
+    }
+
+    /// Where the CPU went from `start` to `end`, per message: microseconds of LocalStack,
+    /// PostgreSQL and this process, and how busy the machine was (percent of all cores).
+    fn per_message(start: CpuSample, end: CpuSample, messages: usize) -> String {
+        // SAFETY: sysconf has no preconditions.
+        let hz = match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+            n if n > 0 => n as f64,
+            _ => 100.0,
+        };
+        let us = |a: u64, b: u64| b.saturating_sub(a) as f64 * 1e6 / hz / messages.max(1) as f64;
+        let busy = (end.busy.saturating_sub(start.busy)) as f64 * 100.0
+            / (end.total.saturating_sub(start.total)).max(1) as f64;
+        format!(
+            "CPU µs/msg: LocalStack {:.0}, PostgreSQL {:.0}, consumer {:.0}; machine {busy:.0}% busy",
+            us(start.localstack, end.localstack),
+            us(start.postgres, end.postgres),
+            us(start.consumer, end.consumer),
+        )
     }
 }
 
@@ -463,12 +554,21 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let schema = SchemaName::new(format!("bench_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff))?;
     let pg = PgFence::connect(&database_url).await?.with_schema(schema.clone());
     pg.migrate().await?;
-    let counts = Arc::new(Counts::default());
+    let counts = Arc::new(Counts { track_stages: args.stages, ..Counts::default() });
     let store: Arc<dyn FenceStore> = Arc::new(Counting { inner: pg.clone(), counts: Arc::clone(&counts) });
     let lease_secs = i32::try_from(args.lease).unwrap_or(30);
     println!(
-        "bench_sqs: {} rounds of {} messages each way, concurrency {}, handler {:?}, lease {} s, fenced batch {}, read-ahead {}, queue {name}",
-        args.rounds, args.messages, args.concurrency, args.work, args.lease, args.batch, args.read_ahead
+        "bench_sqs: {} rounds of {} messages each way, concurrency {}, handler {:?}, lease {} s, fenced batch {}, \
+         claim window {:?}, commit window {:?}, read-ahead {}, queue {name}",
+        args.rounds,
+        args.messages,
+        args.concurrency,
+        args.work,
+        args.lease,
+        args.batch,
+        args.claim_window,
+        args.commit_window,
+        args.read_ahead
     );
 
     // Warm up both paths (connections, LocalStack's queue, PostgreSQL's caches).
@@ -480,44 +580,52 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     counts.reset();
 
     // Alternate which goes first, so neither profits from the other's warm-up or suffers from a
-    // noisy neighbour alone.
+    // noisy neighbour alone. The two phases of a round run back to back, so their ratio compares
+    // them under the same conditions: this machine's speed drifts by 20 % and more over seconds
+    // (LocalStack's, PostgreSQL's and this process's CPU per message rise and fall together), and
+    // the median of the rounds' ratios is steadier than the ratio of the two medians.
     let rate = |t: Duration| args.messages as f64 / t.as_secs_f64().max(1e-9);
-    let (mut plain_rates, mut fenced_rates) = (Vec::new(), Vec::new());
-    let (mut plain_busy, mut fenced_busy): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    let (mut plain_rates, mut fenced_rates, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut plain_cpu, mut fenced_cpu) = (String::new(), String::new());
     for round in 0..args.rounds {
         for fenced_turn in if round % 2 == 0 { [false, true] } else { [true, false] } {
             produce(&client, &url, args.messages, if fenced_turn { "fenced" } else { "plain" }).await?;
-            let cpu = cpu_ticks();
+            let cpu = CpuSample::now();
             if fenced_turn {
-                let t = fenced(&client, &url, Arc::clone(&store), Arc::clone(&counts), args.messages, &args).await?;
+                let (t, end) =
+                    fenced(&client, &url, Arc::clone(&store), Arc::clone(&counts), args.messages, &args).await?;
                 fenced_rates.push(rate(t));
-                fenced_busy.push(busy_since(cpu));
+                fenced_cpu = CpuSample::per_message(cpu, end, args.messages);
             } else {
-                let t =
+                let (t, end) =
                     plain(&client, &url, args.messages, args.concurrency, args.batch, args.work, lease_secs).await?;
                 plain_rates.push(rate(t));
-                plain_busy.push(busy_since(cpu));
+                plain_cpu = CpuSample::per_message(cpu, end, args.messages);
             }
         }
+        let (p, f) = (plain_rates.last().copied().unwrap_or(0.0), fenced_rates.last().copied().unwrap_or(0.0));
+        ratios.push(f / p.max(1e-9));
         println!(
-            "round {}: plain {:>6.0} msg/s (CPU {:.0}% busy), fenced {:>6.0} msg/s (CPU {:.0}% busy)",
+            "round {}: plain  {p:>6.0} msg/s ({plain_cpu})\n         fenced {f:>6.0} msg/s ({fenced_cpu}); ratio {:.3}",
             round + 1,
-            plain_rates.last().copied().unwrap_or(0.0),
-            plain_busy.last().copied().unwrap_or(f64::NAN),
-            fenced_rates.last().copied().unwrap_or(0.0),
-            fenced_busy.last().copied().unwrap_or(f64::NAN),
+            f / p.max(1e-9),
         );
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
-    let (p, f) = (median(&mut plain_rates), median(&mut fenced_rates));
-    let fenced_messages = (args.messages * args.rounds) as f64;
-    let statements = counts.total() as f64 / fenced_messages;
+    let (p, f, paired) = (median(&mut plain_rates), median(&mut fenced_rates), median(&mut ratios));
     println!("plain : {p:>8.0} msg/s (median of {})", args.rounds);
     println!("fenced: {f:>8.0} msg/s (median of {})", args.rounds);
-    println!("ratio fenced/plain: {:.3} (goal >= 0.9)", f / p);
+    println!(
+        "ratio fenced/plain: {paired:.3}, median of the rounds' ratios (goal >= 0.9); ratio of the medians {:.3}; rounds {:.3}..{:.3}",
+        f / p.max(1e-9),
+        ratios.first().copied().unwrap_or(0.0),
+        ratios.last().copied().unwrap_or(0.0),
+    );
+    let fenced_messages = (args.messages * args.rounds) as f64;
+    let statements = counts.total() as f64 / fenced_messages;
     println!(
         "database statements per message: {statements:.3} (claim batches {}, completes {}, complete batches {}, heartbeats {}, other {})",
         counts.claim_batch.load(Ordering::Relaxed),
@@ -534,7 +642,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         mean_ms(&counts.claim_us, &counts.claim_batch),
         mean_ms(&counts.commit_us, &counts.complete_batch),
     );
-    if let Ok(s) = counts.stages.lock() {
+    if args.stages
+        && let Ok(s) = counts.stages.lock()
+    {
         println!(
             "mean per fenced message: claim answered -> handler started {:.2} ms, handler done -> commit answered {:.2} ms",
             s.claim_to_start_us as f64 / 1000.0 / s.starts.max(1) as f64,
