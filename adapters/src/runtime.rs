@@ -85,8 +85,12 @@ impl ConsumerConfig {
     /// keep going out, the next one leaves `window` after the previous one with every delivery
     /// received meanwhile, so a busy consumer sends about one claim statement per `window` (and
     /// one commit statement per commit window) whatever its rate, and a job may start up to
-    /// `window` later. `Duration::ZERO` claims each receive as soon as a claim slot is free.
-    /// Sources that claim in their own receive (the table queue) are not affected.
+    /// `window` later. A delivery keeps its place (its concurrency slot, or its prefetch place
+    /// when prefetching) until its handler starts, so leave room for about rate × (receive time +
+    /// window + claim time) deliveries there, or the receive loop waits for places: measured on
+    /// SQS at 2,500 msg/s, with 32 prefetch places 14 % of the receives waited, with 64 none.
+    /// `Duration::ZERO` claims each receive as soon as a claim slot is free. Sources that claim
+    /// in their own receive (the table queue) are not affected.
     ///
     /// ```
     /// use std::time::Duration;
