@@ -64,12 +64,14 @@ impl SupervisorConfig {
     /// How long completions may gather into one commit statement while the committer is busy.
     ///
     /// A completion that finds the committer idle (no commit statement sent within the last
-    /// `window`) is committed at once, so a lone job waits for nothing. While statements keep
-    /// going out, the next one leaves `window` after the previous one, carrying every completion
-    /// that arrived meanwhile: under load the database sees about one commit statement per
-    /// `window` whatever the rate of jobs (each completion is still its own compare-and-set), at
-    /// the price of up to `window` more before each result is committed and acknowledged.
-    /// `Duration::ZERO` sends a statement whenever one of the committer's two slots is free.
+    /// `window`) is committed at once, and so is one while no other attempt runs (no other
+    /// completion could join it): a lone job, or jobs handled one after another, wait for
+    /// nothing. Otherwise the next statement leaves `window` after the previous one, carrying
+    /// every completion that arrived meanwhile: under load the database sees about one commit
+    /// statement per `window` whatever the rate of jobs (each completion is still its own
+    /// compare-and-set), at the price of up to `window` more before each result is committed and
+    /// acknowledged. `Duration::ZERO` sends a statement whenever one of the committer's two slots
+    /// is free. The rule is [`Grouper`](crate::Grouper)'s.
     ///
     /// A statement costs the database far more than a row does (PostgreSQL 15 here: a claim and a
     /// commit of one job took 0.8 ms of its CPU together, of ten jobs 0.63 ms, of fifty 1.7 ms).
@@ -360,16 +362,10 @@ const COMMITS_IN_FLIGHT: usize = 2;
 
 /// Group commit: commits the queued completions with one `complete_batch` statement (one round
 /// trip, one fsync), then answers each; up to [`COMMITS_IN_FLIGHT`] such statements run at once,
-/// grouped by a [`Grouper`] with the [`SupervisorConfig::commit_window`]. Each completion is
+/// in the groups `groups` hands out ([`SupervisorConfig::commit_window`]). Each completion is
 /// still its own compare-and-set: a fenced one is refused alone.
-async fn commit_loop(
-    store: Arc<dyn FenceStore>,
-    metrics: Arc<Metrics>,
-    rx: tokio::sync::mpsc::UnboundedReceiver<CommitRequest>,
-    window: Duration,
-) {
+async fn commit_loop(store: Arc<dyn FenceStore>, metrics: Arc<Metrics>, mut groups: Grouper<CommitRequest>) {
     let in_flight = Arc::new(tokio::sync::Semaphore::new(COMMITS_IN_FLIGHT));
-    let mut groups = Grouper::new(rx, MAX_COMMIT_BATCH, window);
     loop {
         // While every commit slot is busy, completions keep piling up for the next statement.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
@@ -451,7 +447,6 @@ impl Supervisor {
         metrics: Arc<Metrics>,
     ) -> Self {
         let (committer, commits) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(commit_loop(Arc::clone(&store), Arc::clone(&metrics), commits, config.commit_window));
         let inner = Arc::new(Inner {
             committer,
             store,
@@ -466,6 +461,12 @@ impl Supervisor {
             draining: CancellationToken::new(),
             idle: tokio::sync::Notify::new(),
         });
+        // A completion waits the window out only while other attempts run: only their
+        // completions can join it. Jobs handled one at a time wait for nothing.
+        let running = Arc::downgrade(&inner);
+        let groups = Grouper::new(commits, MAX_COMMIT_BATCH, inner.config.commit_window)
+            .busy(move || running.upgrade().is_some_and(|inner| inner.in_flight() > 0));
+        tokio::spawn(commit_loop(Arc::clone(&inner.store), Arc::clone(&inner.metrics), groups));
         let interval = inner.config.lease.heartbeat_interval();
         tokio::spawn(tick_loop(Arc::downgrade(&inner), inner.stop.clone(), interval));
         Self { inner }
@@ -500,7 +501,7 @@ impl Supervisor {
 
     /// Attempts running now.
     pub fn in_flight(&self) -> usize {
-        self.inner.inflight.lock().map(|m| m.len()).unwrap_or(0)
+        self.inner.in_flight()
     }
 
     /// True once [`shutdown`](Self::shutdown) began: take no more work.
@@ -697,6 +698,10 @@ impl Drop for Registered<'_> {
 }
 
 impl Inner {
+    fn in_flight(&self) -> usize {
+        self.inflight.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
     /// Logs a lost lease with both epochs: ours and, when the database answers quickly, the one
     /// that superseded it.
     async fn log_loss(&self, lease: &Lease, reason: LossReason) {
@@ -1011,21 +1016,26 @@ mod tests {
         assert!(m.commit_statements <= 3, "40 completions within 40 ms took {} statements", m.commit_statements);
     }
 
-    /// The window costs an idle worker nothing: a completion that finds no statement sent within
-    /// the window is committed at once; one right behind a statement waits the window out.
+    /// The window costs a worker handling one job at a time nothing: a completion that finds no
+    /// statement sent within the window, or no other attempt running, is committed at once; one
+    /// that arrives while another attempt still runs waits the window out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_completion_waits_for_the_window_only_behind_another_statement() {
+    async fn a_completion_waits_for_the_window_only_while_other_attempts_run() {
         let window = Duration::from_millis(400);
-        let (sup, mut leases) = claimed_many(3, window).await;
-        let (third, second, first) = (leases.pop().expect("3"), leases.pop().expect("2"), leases.pop().expect("1"));
-        let alone = commit_latency(&sup, first, Duration::ZERO).await;
+        let (sup, mut leases) = claimed_many(4, window).await;
+        let alone = commit_latency(&sup, leases.remove(0), Duration::ZERO).await;
         assert!(alone < Duration::from_millis(200), "a lone completion waited {alone:?}");
-        let behind = commit_latency(&sup, second, Duration::ZERO).await;
-        assert!(behind >= Duration::from_millis(300), "a completion right behind a statement waited only {behind:?}");
-        tokio::time::sleep(window).await;
-        let idle_again = commit_latency(&sup, third, Duration::ZERO).await;
-        assert!(idle_again < Duration::from_millis(200), "after an idle window a completion waited {idle_again:?}");
-        assert_eq!(sup.metrics().snapshot().commit_statements, 3);
+        let next = commit_latency(&sup, leases.remove(0), Duration::ZERO).await;
+        assert!(next < Duration::from_millis(200), "the next job of a one-at-a-time worker waited {next:?}");
+        let long = {
+            let (sup, lease) = (sup.clone(), leases.remove(0));
+            tokio::spawn(async move { commit_latency(&sup, lease, Duration::from_millis(600)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let beside = commit_latency(&sup, leases.remove(0), Duration::ZERO).await;
+        assert!(beside >= Duration::from_millis(300), "a completion beside a running attempt waited only {beside:?}");
+        long.await.expect("long attempt");
+        assert_eq!(sup.metrics().snapshot().commit_statements, 4);
     }
 
     #[tokio::test]
