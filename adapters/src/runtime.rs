@@ -81,14 +81,16 @@ impl ConsumerConfig {
     /// How long received deliveries may gather into one claim statement while claims are busy:
     /// the same rule as the supervisor's
     /// [`commit_window`](fence::SupervisorConfig::commit_window). Deliveries that find the
-    /// claimer idle (no claim sent within the last `window`) are claimed at once; while claims
-    /// keep going out, the next one leaves `window` after the previous one with every delivery
-    /// received meanwhile, so a busy consumer sends about one claim statement per `window` (and
-    /// one commit statement per commit window) whatever its rate, and a job may start up to
-    /// `window` later. A delivery keeps its place (its concurrency slot, or its prefetch place
-    /// when prefetching) until its handler starts, so leave room for about rate × (receive time +
-    /// window + claim time) deliveries there, or the receive loop waits for places: measured on
-    /// SQS at 2,500 msg/s, with 32 prefetch places 14 % of the receives waited, with 64 none.
+    /// claimer idle (no claim sent within the last `window`) are claimed at once, and so are
+    /// deliveries while no more can come: no attempt runs (deliveries that come one at a time), or
+    /// the receive loop has no free place to receive into. Otherwise the next claim leaves `window`
+    /// after the previous one with every delivery received meanwhile, so a busy consumer sends
+    /// about one claim statement per `window` (and one commit statement per commit window)
+    /// whatever its rate, and a job may start up to `window` later. A delivery keeps its place
+    /// (its concurrency slot, or its prefetch place when prefetching) until its handler starts,
+    /// so leave room for about rate × (receive time + window + claim time) deliveries there:
+    /// measured on SQS at 2,500 msg/s, with 32 prefetch places the receive loop waited for a place
+    /// before 14 % of its receives, with 64 before none.
     /// `Duration::ZERO` claims each receive as soon as a claim slot is free. Sources that claim
     /// in their own receive (the table queue) are not affected.
     ///
@@ -276,8 +278,8 @@ impl<S: Source> Consumer<S> {
             slots: self.config.prefetch.map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
             claims: Mutex::new(Some(claims_tx)),
         });
-        shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx, self.config.claim_window));
         let permits = Arc::new(Semaphore::new(self.config.prefetch.unwrap_or(self.config.concurrency)));
+        shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx, self.config.claim_window, Arc::clone(&permits)));
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
         // No more batches to claim: the claimer finishes what is queued and stops.
         if let Ok(mut claims) = shared.claims.lock() {
@@ -456,9 +458,20 @@ impl<S: Source, H: Handler> Shared<S, H> {
     /// [`claim_window`](ConsumerConfig::claim_window): while claims are in flight or the window
     /// is open, the next receives pile up for the next statement instead of each paying for its
     /// own. Up to [`CLAIMS_IN_FLIGHT`] statements run at once.
-    async fn claim_loop(self: Arc<Self>, rx: mpsc::UnboundedReceiver<Unclaimed<S::Delivery>>, window: Duration) {
+    async fn claim_loop(
+        self: Arc<Self>,
+        rx: mpsc::UnboundedReceiver<Unclaimed<S::Delivery>>,
+        window: Duration,
+        places: Arc<Semaphore>,
+    ) {
         let in_flight = Arc::new(Semaphore::new(CLAIMS_IN_FLIGHT));
-        let mut groups = Grouper::new(rx, MAX_CLAIM_BATCH, window);
+        // Deliveries wait the window out only while more can come: attempts run (a busy consumer
+        // keeps receiving) and the receive loop has free places to receive them into. So
+        // deliveries that come one at a time wait for nothing, and waiting never holds places
+        // the receive loop is short of.
+        let supervisor = self.supervisor.clone();
+        let mut groups = Grouper::new(rx, MAX_CLAIM_BATCH, window)
+            .busy(move || supervisor.in_flight() > 0 && places.available_permits() > 0);
         loop {
             // While every claim slot is busy, deliveries keep piling up for the next statement.
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
@@ -751,8 +764,13 @@ mod tests {
         }
     }
 
-    /// Forty deliveries, one per receive, one every millisecond, through a consumer with `window`.
-    async fn forty_trickled_deliveries(window: Duration) -> MetricsSnapshot {
+    /// A consumer with `window` over a [`Trickle`]; feeds it `feed`, waits for `n` completions
+    /// (10 s at most), stops it and returns its counters.
+    async fn trickled<F, Fut>(window: Duration, handler_ms: u64, n: u64, feed: F) -> MetricsSnapshot
+    where
+        F: FnOnce(mpsc::UnboundedSender<JobKey>, Arc<Metrics>) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
         let store = SqliteFence::open("sqlite::memory:").await.expect("open");
         store.migrate().await.expect("migrate");
         let (tx, rx) = mpsc::unbounded_channel();
@@ -761,19 +779,21 @@ mod tests {
         let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(64).claim_window(window);
         let consumer = Arc::new(Consumer::new(source, Arc::new(store), config));
         let stop = CancellationToken::new();
+        let work = Duration::from_millis(handler_ms);
         let run = {
             let (consumer, stop) = (Arc::clone(&consumer), stop.clone());
-            tokio::spawn(
-                async move { consumer.run(|_ctx: fence::JobContext| async move { Ok(Vec::new()) }, stop).await },
-            )
+            tokio::spawn(async move {
+                let handler = move |_ctx: fence::JobContext| async move {
+                    tokio::time::sleep(work).await;
+                    Ok(Vec::new())
+                };
+                consumer.run(handler, stop).await
+            })
         };
-        for i in 0..40 {
-            tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
         let metrics = consumer.metrics();
+        feed(tx, Arc::clone(&metrics)).await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while metrics.snapshot().completions < 40 && tokio::time::Instant::now() < deadline {
+        while metrics.snapshot().completions < n && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         stop.cancel();
@@ -781,13 +801,38 @@ mod tests {
         metrics.snapshot()
     }
 
-    /// Guard: the group-claim window. Forty receives within about 40 ms must share a few claim
-    /// statements; without the window each claim slot took whatever single receive was queued
-    /// (one statement per delivery on this fast store).
+    /// Guard: the group-claim window. Forty receives of one delivery, one every millisecond,
+    /// whose handlers take 50 ms, must share a few claim statements; without the window each
+    /// claim slot took whatever single receive was queued (one statement per delivery on this
+    /// fast store).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn receives_arriving_close_together_share_claim_statements() {
-        let m = forty_trickled_deliveries(Duration::from_millis(100)).await;
+        let m = trickled(Duration::from_millis(100), 50, 40, |tx, _| async move {
+            for i in 0..40 {
+                tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
         assert_eq!((m.claims, m.completions), (40, 40), "{m}");
         assert!(m.claim_statements <= 3, "40 receives within ~40 ms took {} claim statements", m.claim_statements);
+    }
+
+    /// Deliveries that come one at a time (each after the previous job is done) are claimed at
+    /// once: the window adds nothing to their latency, however large.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deliveries_one_at_a_time_do_not_wait_for_the_window() {
+        let m = trickled(Duration::from_secs(5), 0, 5, |tx, metrics| async move {
+            for i in 0..5u64 {
+                let sent = tokio::time::Instant::now();
+                tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
+                while metrics.snapshot().completions <= i {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                assert!(sent.elapsed() < Duration::from_secs(1), "job {i} took {:?}", sent.elapsed());
+            }
+        })
+        .await;
+        assert_eq!((m.claims, m.completions, m.claim_statements), (5, 5, 5), "{m}");
     }
 }
