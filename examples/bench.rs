@@ -16,7 +16,8 @@
 //!
 //! Options: `--sources table,sqs,redis`, `--jobs N` (throughput runs), `--memory-jobs N` (the
 //! long run, default 100000), `--work-ms W` (work per job, default 1), `--workers N`,
-//! `--concurrency C` (per worker), `--batch B`, `--quick`.
+//! `--concurrency C` (per worker), `--batch B`, `--claim-window-ms MS`, `--commit-window-ms MS`
+//! (default 5 each), `--quick`.
 //! PostgreSQL from `DATABASE_URL`, Redis from `REDIS_URL`, SQS from the AWS environment (all fall
 //! back to `localstack/.env`). A benchmark, not a test: it prints figures and asserts nothing.
 
@@ -218,6 +219,9 @@ struct Opts {
     broker_concurrency: usize,
     /// Throughput runs per figure (the best counts).
     rounds: usize,
+    /// The consumers' claim window and the supervisors' commit window.
+    claim_window: Duration,
+    commit_window: Duration,
     quick: bool,
 }
 
@@ -232,6 +236,8 @@ fn parse_opts() -> Result<Opts, String> {
         batch: 64,
         broker_concurrency: 32,
         rounds: 2,
+        claim_window: brokerfence::adapters::DEFAULT_CLAIM_WINDOW,
+        commit_window: brokerfence::fence::DEFAULT_COMMIT_WINDOW,
         quick: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -256,6 +262,8 @@ fn parse_opts() -> Result<Opts, String> {
             "--batch" => o.batch = num(value)?.max(1) as usize,
             "--broker-concurrency" => o.broker_concurrency = num(value)?.max(1) as usize,
             "--rounds" => o.rounds = num(value)?.max(1) as usize,
+            "--claim-window-ms" => o.claim_window = Duration::from_millis(num(value)?),
+            "--commit-window-ms" => o.commit_window = Duration::from_millis(num(value)?),
             other => return Err(format!("unknown option {other}")),
         }
     }
@@ -634,9 +642,10 @@ mod table {
 
     fn config(o: &Opts) -> Result<ConsumerConfig, String> {
         let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
-        Ok(ConsumerConfig::new(SupervisorConfig::new(lease))
+        Ok(ConsumerConfig::new(SupervisorConfig::new(lease).commit_window(o.commit_window))
             .concurrency(o.concurrency)
             .batch(o.batch)
+            .claim_window(o.claim_window)
             .grace(Duration::from_secs(5)))
     }
 
@@ -1051,7 +1060,10 @@ async fn fenced_run<S: Source>(
     counting.reset();
     let store: Arc<dyn FenceStore> = counting.clone();
     let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
-    let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(o.broker_concurrency).batch(batch);
+    let config = ConsumerConfig::new(SupervisorConfig::new(lease).commit_window(o.commit_window))
+        .concurrency(o.broker_concurrency)
+        .batch(batch)
+        .claim_window(o.claim_window);
     let consumer = Consumer::new(source, store, config);
     let metrics = consumer.metrics();
     let stop = CancellationToken::new();
