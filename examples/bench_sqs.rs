@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! bash localstack/up
-//! cargo run --release --features sqs --example bench_sqs -- --messages 3000 --concurrency 32 --work-ms 5
+//! cargo run --release --features sqs --example bench_sqs -- --messages 3000 --rounds 9 --concurrency 32 --work-ms 5
 //! ```
 //!
 //! Both consumers receive with one long-poll loop (batches of `--batch`, ten per ReceiveMessage
@@ -19,8 +19,9 @@
 //! statements (receives grouped by `--claim-window-ms`), the commit statements (completions
 //! grouped by `--commit-window-ms`) and the heartbeat per tick.
 //!
-//! After a warm-up of both, `--rounds` rounds alternate which consumer goes first; the medians
-//! give the ratio. Also printed: database statements per message (counted by a wrapper around the
+//! After a warm-up of both, `--rounds` rounds (default 9) alternate which consumer goes first; the
+//! ratio is the median of the rounds' ratios (each round runs both back to back, so the machine's
+//! drift between rounds cancels out), printed with the ratio of the two medians. Also printed: database statements per message (counted by a wrapper around the
 //! store), mean claim and commit latencies, and where each phase's CPU went, per message:
 //! LocalStack, PostgreSQL and this process share the machine's cores, so CPU the fence spends
 //! (in PostgreSQL and in the consumer) is CPU LocalStack does not get. With `--stages`, also where
@@ -52,7 +53,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 const USAGE: &str = "usage: bench_sqs [--messages N=3000] [--concurrency C=32] [--work-ms W=5] [--lease SECS=30]
-       [--rounds R=3] [--batch B=10] [--prefetch P=2*concurrency] [--claim-window-ms MS=5] [--commit-window-ms MS=5]
+       [--rounds R=9] [--batch B=10] [--prefetch P=2*concurrency] [--claim-window-ms MS=5] [--commit-window-ms MS=5]
        [--read-ahead] [--stages]";
 
 struct Args {
@@ -77,7 +78,7 @@ fn parse_args() -> Result<Args, String> {
         commit_window: fence::DEFAULT_COMMIT_WINDOW,
         prefetch: None,
         batch: 10,
-        rounds: 3,
+        rounds: 9,
         messages: 3000,
         concurrency: 32,
         work: Duration::from_millis(5),
