@@ -123,6 +123,8 @@ struct Worker {
     pid: i32,
     child: tokio::process::Child,
     lines: Arc<Mutex<Vec<(Instant, String)>>>,
+    /// The tasks reading stdout and stderr; they end at end-of-file.
+    readers: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Worker {
@@ -142,7 +144,7 @@ impl Worker {
         let stdout = child.stdout.take().expect("stdout");
         let stderr = child.stderr.take().expect("stderr");
         let out_lines = Arc::clone(&lines);
-        tokio::spawn(async move {
+        let out = tokio::spawn(async move {
             let mut reader = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = reader.next_line().await {
                 if let Some(event) = line.strip_prefix("EVENT ") {
@@ -151,13 +153,13 @@ impl Worker {
             }
         });
         let err_lines = Arc::clone(&lines);
-        tokio::spawn(async move {
+        let err = tokio::spawn(async move {
             let mut reader = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = reader.next_line().await {
                 err_lines.lock().expect("lines").push((Instant::now(), format!("stderr: {line}")));
             }
         });
-        Worker { pid, child, lines }
+        Worker { pid, child, lines, readers: vec![out, err] }
     }
 
     fn find(&self, prefix: &str) -> Option<(Instant, String)> {
@@ -189,6 +191,10 @@ impl Worker {
         match tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await {
             Ok(Ok(status)) => assert!(status.success(), "worker exited with {status}:\n{}", self.transcript()),
             other => panic!("worker did not exit: {other:?}\n{}", self.transcript()),
+        }
+        // Its last lines may still be in the pipes: read them to the end first.
+        for reader in self.readers.drain(..) {
+            assert!(tokio::time::timeout(Duration::from_secs(10), reader).await.is_ok(), "output not read to its end");
         }
         let line = self.last("stopped ").unwrap_or_else(|| panic!("no stopped line:\n{}", self.transcript()));
         line.split_whitespace()

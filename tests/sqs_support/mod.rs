@@ -687,6 +687,8 @@ pub struct Worker {
     pub name: String,
     events: Arc<Mutex<Vec<Event>>>,
     changed: Arc<Notify>,
+    /// The task reading stdout; it ends at end-of-file.
+    reader: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Worker {
@@ -706,7 +708,7 @@ impl Worker {
         let changed = Arc::new(Notify::new());
         let stdout = child.stdout.take().expect("stdout");
         let (ev, ch, tag) = (Arc::clone(&events), Arc::clone(&changed), name.to_owned());
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 eprintln!("[{tag}] {line}");
@@ -719,7 +721,7 @@ impl Worker {
             }
             ch.notify_waiters();
         });
-        Self { child, pid, name: name.to_owned(), events, changed }
+        Self { child, pid, name: name.to_owned(), events, changed, reader: Some(reader) }
     }
 
     pub fn events(&self) -> Vec<Event> {
@@ -759,13 +761,22 @@ impl Worker {
         assert_eq!(rc, 0, "kill({}, {sig}) failed", self.pid);
     }
 
-    /// Waits for the process to exit; returns its status.
+    /// Waits for the process to exit and its output to be read to the end; returns its status.
     pub async fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
-        match tokio::time::timeout(within, self.child.wait()).await {
+        let status = match tokio::time::timeout(within, self.child.wait()).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => panic!("wait for {}: {e}", self.name),
             Err(_) => panic!("worker {} did not exit within {within:?}", self.name),
+        };
+        // Its last lines (the final counters) may still be in the pipe.
+        if let Some(reader) = self.reader.take() {
+            assert!(
+                tokio::time::timeout(within, reader).await.is_ok(),
+                "worker {}: output not read to its end",
+                self.name
+            );
         }
+        status
     }
 }
 

@@ -292,6 +292,8 @@ pub struct Zombie {
     /// (arrival, line): stdout `EVENT …` lines without the prefix; stderr lines prefixed `stderr: `.
     lines: Arc<Mutex<Vec<(Instant, String)>>>,
     notify: Arc<Notify>,
+    /// The tasks reading stdout and stderr; they end at end-of-file.
+    readers: Vec<tokio::task::JoinHandle<()>>,
     pub started: Instant,
 }
 
@@ -343,12 +345,13 @@ impl Zombie {
         let notify = Arc::new(Notify::new());
         let stdout = child.stdout.take().expect("stdout");
         let stderr = child.stderr.take().expect("stderr");
+        let mut readers = Vec::new();
         for (stream, is_err) in
             [(Box::new(stdout) as Box<dyn tokio::io::AsyncRead + Unpin + Send>, false), (Box::new(stderr), true)]
         {
             let lines = Arc::clone(&lines);
             let notify = Arc::clone(&notify);
-            tokio::spawn(async move {
+            readers.push(tokio::spawn(async move {
                 let mut reader = BufReader::new(stream).lines();
                 while let Ok(Some(line)) = reader.next_line().await {
                     let at = Instant::now();
@@ -363,10 +366,10 @@ impl Zombie {
                     notify.notify_waiters();
                 }
                 notify.notify_waiters();
-            });
+            }));
         }
         let stdin = child.stdin.take();
-        Zombie { label: label.to_owned(), pid, child, stdin, lines, notify, started: Instant::now() }
+        Zombie { label: label.to_owned(), pid, child, stdin, lines, notify, readers, started: Instant::now() }
     }
 
     /// Every event so far (stderr lines excluded).
@@ -434,11 +437,19 @@ impl Zombie {
 
     /// Waits for the process to exit; returns its exit code.
     pub async fn finish(&mut self, timeout: Duration) -> i32 {
-        match tokio::time::timeout(timeout, self.child.wait()).await {
+        let code = match tokio::time::timeout(timeout, self.child.wait()).await {
             Ok(Ok(status)) => status.code().unwrap_or(-1),
             Ok(Err(e)) => panic!("[{}] wait: {e}", self.label),
             Err(_) => panic!("[{}] did not exit within {timeout:?}\n{}", self.label, self.transcript()),
+        };
+        // The process has exited, but its last lines may still be on their way through the
+        // pipes: read to the end, so what it printed last (its counters) is there for the test.
+        for reader in self.readers.drain(..) {
+            if tokio::time::timeout(timeout, reader).await.is_err() {
+                panic!("[{}] output not read to its end within {timeout:?}", self.label);
+            }
         }
+        code
     }
 
     /// The `outcome=…` event.
