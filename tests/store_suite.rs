@@ -206,7 +206,7 @@ async fn assert_migrated<S: TestStore>(s: &S) {
     for suffix in ["_migrations", "jobs", "ledger"] {
         assert_eq!(tables.iter().filter(|t| t.ends_with(suffix)).count(), 1, "{suffix} in {tables:?}");
     }
-    assert_eq!(s.migration_rows().await, 1, "one row per applied migration");
+    assert_eq!(s.migration_rows().await, S::MIGRATIONS, "one row per applied migration");
 }
 
 async fn migrate_is_idempotent<S: TestStore>() {
@@ -1432,6 +1432,70 @@ mod pg_only {
         for (statement, generic, custom) in &plans {
             assert!(*generic > 0, "planned on every call ({custom} custom plans): {statement}");
         }
+    }
+
+    /// The collation of each key column of the fence tables, by table and column.
+    async fn key_collations(s: &PgFence) -> Vec<(String, String, String)> {
+        sqlx::query_as(
+            "SELECT c.relname::text, a.attname::text, coalesce(l.collname::text, '') FROM pg_attribute a \
+             JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+             LEFT JOIN pg_collation l ON l.oid = a.attcollation \
+             WHERE n.nspname = $1 AND (c.relname, a.attname) IN (('jobs', 'queue'), ('jobs', 'key'), \
+                 ('ledger', 'scope'), ('ledger', 'job')) ORDER BY 1, 2",
+        )
+        .bind(s.schema().as_str().to_owned())
+        .fetch_all(s.pool())
+        .await
+        .unwrap()
+    }
+
+    /// Migration 2 on a schema made by migration 1 that holds jobs and ledger entries: the key
+    /// columns compare bytes ("C") afterwards, every row and lease is still there, and the fence
+    /// still fences. Guard: migration 2 itself (without it the columns keep the database's
+    /// collation and the first assertion fails).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn migration_2_gives_an_existing_schema_byte_order_keys_and_keeps_its_rows() {
+        let s = common::pg_unmigrated().await;
+        s.migrate().await.unwrap();
+        let sc = s.schema().as_str();
+        // Back to what migration 1 alone left: the database's default collation, one row.
+        for sql in [
+            format!(
+                "ALTER TABLE {sc}.jobs ALTER COLUMN queue TYPE text COLLATE \"default\", ALTER COLUMN key TYPE text COLLATE \"default\""
+            ),
+            format!(
+                "ALTER TABLE {sc}.ledger ALTER COLUMN scope TYPE text COLLATE \"default\", ALTER COLUMN job TYPE text COLLATE \"default\""
+            ),
+            format!("DELETE FROM {sc}._migrations WHERE version = 2"),
+        ] {
+            sqlx::query(AssertSqlSafe(sql)).execute(s.pool()).await.unwrap();
+        }
+        assert!(key_collations(&s).await.iter().all(|(_, _, c)| c != "C"));
+        let q = queue();
+        let (a, b) = (key("upgrade-é-a"), key("upgrade-B"));
+        assert!(s.enqueue(&q, &a, b"payload-a").await.unwrap());
+        let old = claimed(s.claim(&q, &b, &owner("before"), lease(30)).await.unwrap());
+        let ledger = s.ledger("upgrade");
+        assert_eq!(ledger.accept("job-1", 7).await.unwrap(), Verdict::Accepted { newest: 7 });
+
+        // A second process with its own pool runs the migration.
+        let upgraded = s.reopen().await;
+        upgraded.migrate().await.unwrap();
+        assert_eq!(upgraded.migration_rows().await, 2);
+        let collations = key_collations(&upgraded).await;
+        assert_eq!(collations.len(), 4, "{collations:?}");
+        assert!(collations.iter().all(|(_, _, c)| c == "C"), "{collations:?}");
+        // The rows came through: the pending job is claimable with its payload, the lease taken
+        // before the migration commits, and a superseded epoch is still fenced.
+        let got = upgraded.claim_next(&q, &owner("after"), lease(30), 10).await.unwrap();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!((got[0].lease.key.as_str(), got[0].payload.as_slice()), (a.as_str(), b"payload-a".as_slice()));
+        upgraded.complete(&old, b"done").await.unwrap();
+        assert!(upgraded.complete(&old, b"again").await.is_err_and(|e| e.is_fenced()));
+        assert_eq!(job(&upgraded, &q, &b).await.result.as_deref(), Some(b"done".as_slice()));
+        let ledger = upgraded.ledger("upgrade");
+        assert_eq!(ledger.accept("job-1", 6).await.unwrap(), Verdict::Stale { newest: 7 });
+        assert_eq!(ledger.accept("job-1", 7).await.unwrap(), Verdict::Accepted { newest: 7 });
     }
 
     /// Every row a batch claim touched carries the same transaction id: the claimed rows as

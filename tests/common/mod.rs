@@ -130,6 +130,8 @@ pub trait TestStore: FenceStore + Clone + Sized {
     fn reopen(&self) -> impl Future<Output = Self> + Send;
     /// The fence tables that exist, sorted.
     fn tables(&self) -> impl Future<Output = Vec<String>> + Send;
+    /// Migrations this backend's schema has (one row each once migrated).
+    const MIGRATIONS: i64;
     /// Rows in the migrations table.
     fn migration_rows(&self) -> impl Future<Output = i64> + Send;
     /// The receiver ledger of this store.
@@ -157,6 +159,8 @@ pub trait TestStore: FenceStore + Clone + Sized {
 }
 
 impl TestStore for PgFence {
+    const MIGRATIONS: i64 = 2;
+
     async fn unmigrated() -> Self {
         pg_unmigrated().await
     }
@@ -249,6 +253,8 @@ fn sqlite_file(fence: &SqliteFence) -> PathBuf {
 }
 
 impl TestStore for SqliteFence {
+    const MIGRATIONS: i64 = 1;
+
     async fn unmigrated() -> Self {
         sqlite_unmigrated().await
     }
