@@ -30,7 +30,10 @@
 //! PostgreSQL settings come from the standard environment, falling back to `localstack/.env`.
 //! LocalStack's heap grows with every message it has served (here from 120 MB to 500 MB over a
 //! day of runs) and its CPU per message with it: compare runs on a freshly started LocalStack
-//! (`bash localstack/down && bash localstack/up`).
+//! (`bash localstack/down && bash localstack/up`). `localstack/up` keeps a host LocalStack on one
+//! CPU, and the header says which CPUs it found LocalStack on: floating, its threads wait for the
+//! CPU the database work keeps busy, and both consumers (the fenced one more) measured 20-35 %
+//! slower (`localstack/README.md`).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -547,6 +550,18 @@ impl CpuSample {
     }
 }
 
+/// The CPUs the local LocalStack process may run on (its `Cpus_allowed_list`), if there is one.
+fn localstack_cpus() -> Option<String> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        if !cmdline.windows(23).any(|w| w == b"localstack.runtime.main") {
+            return None;
+        }
+        let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
+        status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_owned())
+    })
+}
+
 // ---------------------------------------------------------------- main
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -574,6 +589,10 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         args.commit_window,
         args.read_ahead
     );
+    // Whether the broker floats over the CPUs or keeps to some (`localstack/up` keeps a host
+    // LocalStack on one): a floating one was 20-30 % slower here, and slower still beside the
+    // fenced consumer's database work.
+    println!("LocalStack runs on CPUs: {}", localstack_cpus().unwrap_or_else(|| "? (not a local process)".into()));
 
     // Warm up both paths (connections, LocalStack's queue, PostgreSQL's caches).
     let warm = 200.min(args.messages);
