@@ -32,7 +32,7 @@
 //! day of runs) and its CPU per message with it: compare runs on a freshly started LocalStack
 //! (`bash localstack/down && bash localstack/up`). `localstack/up` keeps a host LocalStack on one
 //! CPU, and the header says which CPUs it found LocalStack on: floating, its threads wait for the
-//! CPU the database work keeps busy, and both consumers (the fenced one more) measured 20-35 %
+//! CPU the database work keeps busy, and both consumers (the fenced one more) measured 20-30 %
 //! slower (`localstack/README.md`).
 
 use std::process::ExitCode;
