@@ -517,9 +517,7 @@ impl CpuSample {
             let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
             let slot = if comm.trim() == "postgres" {
                 &mut s.postgres
-            } else if std::fs::read(entry.path().join("cmdline"))
-                .is_ok_and(|c| c.windows(10).any(|w| w == b"localstack"))
-            {
+            } else if is_localstack(&entry.path()) {
                 &mut s.localstack
             } else {
                 continue;
@@ -550,13 +548,16 @@ impl CpuSample {
     }
 }
 
+/// Whether `/proc/<pid>` is the LocalStack process (`python -m localstack.runtime.main`, as
+/// `localstack/up` starts it): not merely a command line that names the `localstack/` folder.
+fn is_localstack(proc_dir: &std::path::Path) -> bool {
+    const MAIN: &[u8] = b"localstack.runtime.main";
+    std::fs::read(proc_dir.join("cmdline")).is_ok_and(|c| c.windows(MAIN.len()).any(|w| w == MAIN))
+}
+
 /// The CPUs the local LocalStack process may run on (its `Cpus_allowed_list`), if there is one.
 fn localstack_cpus() -> Option<String> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
-        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-        if !cmdline.windows(23).any(|w| w == b"localstack.runtime.main") {
-            return None;
-        }
+    std::fs::read_dir("/proc").ok()?.flatten().find(|entry| is_localstack(&entry.path())).and_then(|entry| {
         let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
         status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_owned())
     })
