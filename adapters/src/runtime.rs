@@ -338,7 +338,8 @@ impl<S: Source> Consumer<S> {
             ack_tx,
             lease: self.config.supervisor.lease(),
             claim_failures: AtomicU32::new(0),
-            stopping: shutdown.clone(),
+            // Fires with `shutdown`, and also when the loop ends on a fatal source error.
+            stopping: shutdown.child_token(),
             tasks: TaskTracker::new(),
             slots: self.config.prefetch.map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
             claims: Mutex::new(Some(claims_tx)),
@@ -350,6 +351,8 @@ impl<S: Source> Consumer<S> {
             Arc::clone(&permits.places),
         ));
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
+        // However the loop ended, jobs not started yet are given back, not started.
+        shared.stopping.cancel();
         // No more batches to claim: the claimer gives back what is queued and stops.
         if let Ok(mut claims) = shared.claims.lock() {
             claims.take();
