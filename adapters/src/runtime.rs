@@ -288,7 +288,8 @@ impl<S: Source> Consumer<S> {
         &self.source
     }
 
-    /// Deliveries received and not yet settled at the broker, now: a gauge that never exceeds
+    /// Unsettled places taken now: deliveries received and not yet settled at the broker, plus
+    /// the places a receive in progress reserved. A gauge that never exceeds
     /// [`ConsumerConfig::unsettled_limit`].
     ///
     /// ```no_run
@@ -1077,5 +1078,57 @@ mod tests {
         })
         .await;
         assert_eq!((m.claims, m.completions, m.claim_statements), (5, 5, 5), "{m}");
+    }
+
+    /// Issue #12 §2 bullet 4 (the gauge and the bound). [`Consumer::unsettled`] counts
+    /// deliveries from their receive until the broker was told. With a bound of 5, five running
+    /// jobs hold every place: a sixth delivery waiting at the source is not received until they
+    /// are settled; once everything is acknowledged and the consumer stopped no place is taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_the_unsettled_gauge_follows_deliveries() {
+        let store = SqliteFence::open("sqlite::memory:").await.expect("open");
+        store.migrate().await.expect("migrate");
+        let (tx, rx) = mpsc::unbounded_channel();
+        let source = Trickle { queue: QueueName::new("gauge").expect("queue"), keys: tokio::sync::Mutex::new(rx) };
+        let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).expect("lease")))
+            .concurrency(8)
+            .max_unsettled(5);
+        let consumer = Arc::new(Consumer::new(source, Arc::new(store), config));
+        let gate = Arc::new(Semaphore::new(0));
+        let stop = CancellationToken::new();
+        let run = tokio::spawn({
+            let (consumer, stop, gate) = (Arc::clone(&consumer), stop.clone(), Arc::clone(&gate));
+            async move {
+                let handler = move |_ctx: fence::JobContext| {
+                    let gate = Arc::clone(&gate);
+                    async move {
+                        let _pass = gate.acquire().await;
+                        Ok(Vec::new())
+                    }
+                };
+                consumer.run(handler, stop).await
+            }
+        });
+        for i in 0..5 {
+            tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while consumer.supervisor().in_flight() < 5 {
+            assert!(tokio::time::Instant::now() < deadline, "five jobs running: {}", consumer.metrics().snapshot());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(consumer.unsettled(), 5);
+        tx.send(JobKey::new("k5").expect("key")).expect("source alive");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(consumer.supervisor().in_flight(), 5, "a sixth delivery was received beyond the bound");
+        assert_eq!(consumer.metrics().snapshot().claims, 5);
+        gate.add_permits(6);
+        while consumer.metrics().snapshot().acks < 6 {
+            assert!(tokio::time::Instant::now() < deadline, "all acknowledged: {}", consumer.metrics().snapshot());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.cancel();
+        run.await.expect("join").expect("run");
+        assert_eq!(consumer.unsettled(), 0);
     }
 }
