@@ -145,11 +145,13 @@ impl ConsumerConfig {
     }
     /// The bound on unsettled deliveries (see [`max_unsettled`](Self::max_unsettled)).
     pub fn unsettled_limit(&self) -> usize {
-        self.max_unsettled.unwrap_or_else(|| {
-            4usize
-                .saturating_mul(self.concurrency.saturating_add(self.prefetch.unwrap_or(0)))
-                .saturating_add(4usize.saturating_mul(self.ack_batch))
-        })
+        self.max_unsettled
+            .unwrap_or_else(|| {
+                4usize
+                    .saturating_mul(self.concurrency.saturating_add(self.prefetch.unwrap_or(0)))
+                    .saturating_add(4usize.saturating_mul(self.ack_batch))
+            })
+            .min(Semaphore::MAX_PERMITS)
     }
     /// Receive places: deliveries held ahead of the handlers (`prefetch`), else `concurrency`.
     fn places(&self) -> usize {
