@@ -315,8 +315,8 @@ impl<S: Source> Consumer<S> {
     /// the broker call that settles them returned: a broker that hangs stops the receiving.
     ///
     /// Shutdown is cancellation-safe: a receive in progress when `shutdown` fires is not dropped
-    /// (a source may have claimed or popped what it returns); it finishes, and what it returned is
-    /// given back (jobs claimed by the source released without spending an attempt, deliveries
+    /// (a source may have claimed or popped what it returns); it may finish within the grace
+    /// period, and what it returned is given back (jobs claimed by the source released without spending an attempt, deliveries
     /// abandoned). Jobs claimed but not started (waiting for their claim, or for a handler slot
     /// when prefetching) are released the same way.
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
@@ -340,6 +340,7 @@ impl<S: Source> Consumer<S> {
             handler,
             ack_tx,
             lease: self.config.supervisor.lease(),
+            grace: self.config.grace,
             claim_failures: AtomicU32::new(0),
             // Fires with `shutdown`, and also when the loop ends on a fatal source error.
             stopping: shutdown.child_token(),
@@ -569,6 +570,8 @@ struct Shared<S: Source, H> {
     /// Bounded: a sender waits while it is full.
     ack_tx: mpsc::Sender<PendingAck<S::Delivery>>,
     lease: fence::LeaseDuration,
+    /// How long shutdown waits for running jobs, and for a receive in progress.
+    grace: Duration,
     claim_failures: AtomicU32,
     stopping: CancellationToken,
     /// Handlers running at once, when prefetching (else the receive permits bound them).
@@ -621,15 +624,25 @@ impl<S: Source, H: Handler> Shared<S, H> {
         }
     }
 
-    /// A receive still in progress at shutdown: let it finish in a task of its own and give back
-    /// whatever it returns (release what the source claimed, abandon the rest).
+    /// A receive still in progress at shutdown: let it finish in a task of its own (within the
+    /// grace period: a long poll of a source that is cancellation-safe itself, SQS, may take
+    /// longer) and give back whatever it returns (release what the source claimed, abandon the
+    /// rest).
     fn give_back_receive(self: &Arc<Self>, receive: Receive<S::Delivery>, held: Vec<Places>) {
         let shared = Arc::clone(self);
         self.tasks.spawn(async move {
-            let incoming = match receive.await {
-                Ok(incoming) => incoming,
-                Err(e) => {
+            let incoming = match tokio::time::timeout(shared.grace, receive).await {
+                Ok(Ok(incoming)) => incoming,
+                Ok(Err(e)) => {
                     tracing::debug!(error = %e, "a receive in progress at shutdown failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        grace = ?shared.grace,
+                        "a receive in progress at shutdown did not finish within the grace period; dropped \
+                         (a source that claims in its receive leaves such claims to their lease)"
+                    );
                     return;
                 }
             };
