@@ -3,6 +3,8 @@
 //! when they moved (§3 bullet 4). Real PostgreSQL (and SQLite where the store does not matter).
 
 mod common;
+#[cfg(feature = "sqs")]
+mod sqs_support;
 
 mod edges {
     use std::collections::HashMap;
@@ -680,5 +682,185 @@ mod edges {
              {max_tasks} extra tasks; {m}",
             ack_hold()
         );
+    }
+
+    /// The same on a real broker: SQS (LocalStack), DeleteMessageBatch held.
+    #[cfg(feature = "sqs")]
+    mod sqs {
+        use std::collections::HashMap;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Mutex};
+        use std::time::Duration;
+
+        use async_trait::async_trait;
+        use brokerfence::adapters::sqs::aws_sdk_sqs::types::SendMessageBatchRequestEntry;
+        use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsDelivery, SqsSource};
+        use brokerfence::adapters::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Source, SourceError};
+        use brokerfence::fence::{JobContext, JobState, Lease, LeaseDuration, QueueName, SupervisorConfig};
+        use tokio_util::sync::CancellationToken;
+
+        use super::super::sqs_support::{TestQueue, depth, drop_schema, dyn_store, jobs, pg, sqs};
+        use super::ack_hold;
+
+        /// An SQS source whose DeleteMessageBatch waits while `held` is set, then goes out for
+        /// real. Counts the messages handed out and the ones deleted.
+        struct HeldDeletes {
+            inner: SqsSource,
+            held: tokio::sync::watch::Receiver<bool>,
+            received: AtomicUsize,
+            deleted: Mutex<HashMap<String, u32>>,
+            deleted_n: AtomicUsize,
+        }
+
+        #[async_trait]
+        impl Source for HeldDeletes {
+            type Delivery = SqsDelivery;
+
+            fn queue(&self) -> &QueueName {
+                self.inner.queue()
+            }
+            async fn receive(
+                &self,
+                max: usize,
+                ctx: &ReceiveContext,
+            ) -> Result<Vec<Incoming<SqsDelivery>>, SourceError> {
+                let got = self.inner.receive(max, ctx).await?;
+                self.received.fetch_add(got.len(), Ordering::SeqCst);
+                Ok(got)
+            }
+            async fn extend(&self, leases: &[(Lease, SqsDelivery)]) -> Result<(), SourceError> {
+                self.inner.extend(leases).await
+            }
+            async fn lost(&self, leases: &[(Lease, SqsDelivery)]) -> Result<(), SourceError> {
+                self.inner.lost(leases).await
+            }
+            async fn ack(&self, deliveries: Vec<SqsDelivery>) -> Result<(), SourceError> {
+                let mut held = self.held.clone();
+                let _ = held.wait_for(|h| !*h).await;
+                let ids: Vec<String> = deliveries.iter().map(|d| d.message_id().to_owned()).collect();
+                self.inner.ack(deliveries).await?;
+                let mut deleted = self.deleted.lock().expect("lock");
+                for id in ids {
+                    *deleted.entry(id).or_default() += 1;
+                    self.deleted_n.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(())
+            }
+            async fn retry_later(&self, delivery: SqsDelivery, delay: Duration) -> Result<(), SourceError> {
+                self.inner.retry_later(delivery, delay).await
+            }
+            async fn dead_letter(&self, delivery: SqsDelivery, reason: &str) -> Result<(), SourceError> {
+                self.inner.dead_letter(delivery, reason).await
+            }
+            async fn hold(&self, delivery: SqsDelivery, ttl: Duration) -> Result<(), SourceError> {
+                self.inner.hold(delivery, ttl).await
+            }
+            async fn abandon(&self, delivery: SqsDelivery) -> Result<(), SourceError> {
+                self.inner.abandon(delivery).await
+            }
+            async fn close(&self, grace: Duration) {
+                self.inner.close(grace).await
+            }
+        }
+
+        /// Issue #12 §2 bullet 4, on SQS (LocalStack). Guard: while DeleteMessageBatch hangs,
+        /// the messages received and not deleted stay within the consumer's unsettled bound
+        /// (before: every finished job freed its slot and queued its delete, so the worker kept
+        /// receiving the whole queue into memory); once the deletes go out, every message is
+        /// deleted exactly once and every job completed once. The lease (30 s, the messages'
+        /// visibility) outlasts the hold (`EDGES_ACK_HOLD_SECS`, at most 20 s here), so no message
+        /// comes back meanwhile.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn edges_a_hung_delete_message_batch_keeps_queued_work_bounded() {
+            const MESSAGES: usize = 200;
+            // concurrency 4, deletes of up to 10: 4 × 4 + 4 × 10.
+            const BOUND: usize = 4 * 4 + 4 * 10;
+            let client = sqs().await;
+            let fence = pg().await;
+            let q = TestQueue::new(&client, "hung-delete", 30).await;
+            for chunk in 0..MESSAGES / 10 {
+                let entries = (0..10)
+                    .map(|i| {
+                        let n = chunk * 10 + i;
+                        SendMessageBatchRequestEntry::builder()
+                            .id(format!("m{i}"))
+                            .message_body(format!("message {n}"))
+                            .build()
+                            .expect("entry")
+                    })
+                    .collect::<Vec<_>>();
+                let out = client
+                    .send_message_batch()
+                    .queue_url(&q.url)
+                    .set_entries(Some(entries))
+                    .send()
+                    .await
+                    .expect("send batch");
+                assert!(out.failed().is_empty(), "send failed: {:?}", out.failed());
+            }
+            let (release, held) = tokio::sync::watch::channel(true);
+            let config = SqsConfig::new(&q.url).expect("url").key(KeyStrategy::Auto).wait_time(Duration::from_secs(1));
+            let source = HeldDeletes {
+                inner: SqsSource::new(client.clone(), config),
+                held,
+                received: AtomicUsize::new(0),
+                deleted: Mutex::default(),
+                deleted_n: AtomicUsize::new(0),
+            };
+            let lease = LeaseDuration::from_secs(30).expect("lease");
+            let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(4).grace(Duration::from_secs(3));
+            let consumer = Arc::new(Consumer::new(source, dyn_store(&fence), config));
+            assert_eq!(consumer.unsettled(), 0);
+            let stop = CancellationToken::new();
+            let run = tokio::spawn({
+                let (consumer, stop) = (Arc::clone(&consumer), stop.clone());
+                async move { consumer.run(|ctx: JobContext| async move { Ok(ctx.payload().to_vec()) }, stop).await }
+            });
+            let source = Arc::clone(consumer.source());
+            let hold = ack_hold().min(Duration::from_secs(20));
+            let hold_until = tokio::time::Instant::now() + hold;
+            let (mut max_received, mut max_unsettled) = (0, 0);
+            while tokio::time::Instant::now() < hold_until {
+                max_received = max_received.max(source.received.load(Ordering::SeqCst));
+                max_unsettled = max_unsettled.max(consumer.unsettled());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(
+                max_received <= BOUND,
+                "{max_received} of {MESSAGES} messages received while DeleteMessageBatch hung (bound {BOUND}): {}",
+                consumer.metrics().snapshot()
+            );
+            assert!(max_received >= 4, "the consumer never got going: {}", consumer.metrics().snapshot());
+            assert!(max_unsettled <= BOUND, "gauge {max_unsettled} above the bound {BOUND}");
+            assert_eq!(source.deleted_n.load(Ordering::SeqCst), 0, "a delete went out while held");
+            release.send(false).expect("release the deletes");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while source.deleted_n.load(Ordering::SeqCst) < MESSAGES {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "only {} of {MESSAGES} deleted 60 s after the broker came back: {}",
+                    source.deleted_n.load(Ordering::SeqCst),
+                    consumer.metrics().snapshot()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            stop.cancel();
+            tokio::time::timeout(Duration::from_secs(20), run).await.expect("stopped").expect("join").expect("run");
+            let m = consumer.metrics().snapshot();
+            let deleted = source.deleted.lock().expect("lock").clone();
+            assert_eq!(deleted.len(), MESSAGES, "every message deleted: {m}");
+            assert!(deleted.values().all(|n| *n == 1), "a message was deleted twice: {m}");
+            assert_eq!(m.completions, MESSAGES as u64, "{m}");
+            let rows = jobs(&fence).await;
+            assert_eq!(rows.len(), MESSAGES);
+            assert!(rows.iter().all(|r| r.1 == JobState::Completed.as_str() && r.2 == 1), "{rows:?}");
+            assert_eq!(depth(&client, &q.url).await, 0, "messages left in the queue");
+            eprintln!(
+                "SQS DeleteMessageBatch held {hold:?}: at most {max_received} of {MESSAGES} received (bound {BOUND}), \
+                 gauge at most {max_unsettled}; {m}"
+            );
+            q.delete(&client).await;
+            drop_schema(&fence).await;
+        }
     }
 }
