@@ -45,4 +45,31 @@ impl Disposition {
             Outcome::LeaseLost { .. } | Outcome::Fenced(_) | Outcome::StoreError(_) => Disposition::Leave,
         }
     }
+
+    /// What becomes of a delivery when the broker call that carries this disposition fails,
+    /// for logs: each says what happens next and what, if anything, to check.
+    pub(crate) fn when_broker_call_fails(&self) -> &'static str {
+        match self {
+            Disposition::Ack => {
+                "the result is committed: the delivery will come back, the fence answers that the job is done, \
+                 and it is acknowledged then (check the worker's permission to delete messages)"
+            }
+            Disposition::RetryLater(_) => {
+                "the failure is recorded: the delivery will come back when its broker visibility ends, and the \
+                 fence holds it until the rest of its backoff has passed"
+            }
+            Disposition::DeadLetter(_) => {
+                "the job is dead in the database: the delivery will come back and be dead-lettered again; give \
+                 the source a dead-letter destination it can write to (SQS: `SqsConfig::dead_letter` or the \
+                 queue's RedrivePolicy; Redis: `dead_letter_stream`)"
+            }
+            Disposition::Hold(_) => {
+                "another worker holds the job: the delivery may come back early, and the fence holds it again"
+            }
+            Disposition::Abandon => {
+                "the job is released in the database: the delivery comes back when its broker visibility ends"
+            }
+            Disposition::Leave => "nothing was to be told",
+        }
+    }
 }

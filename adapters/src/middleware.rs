@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use fence::{
-    Claim, Counter, FenceError, FenceStore, JobKey, Metrics, Outcome, Owner, QueueName, Supervisor, SupervisorConfig,
+    Claim, Counter, FenceError, FenceStore, JobKey, Lease, Metrics, Outcome, Owner, QueueName, Supervisor,
+    SupervisorConfig,
 };
 
 use crate::disposition::Disposition;
@@ -86,14 +87,15 @@ impl Retrofit {
 
     /// Claims `key`, runs `handler` under the lease, commits through the fence, and says what to
     /// tell the broker.
+    ///
+    /// Cancellation-safe: when the caller drops the returned future (a `select!` on shutdown, a
+    /// timeout), nothing stays claimed. A claim the database already made is released (the job
+    /// is pending again, no attempt spent) whether it was still on its way back or its handler
+    /// was running; the handler is dropped with the future. The delivery stays with the caller,
+    /// who still has to give it back to the broker (or let it come back).
     pub async fn process<H: Handler>(&self, key: &JobKey, payload: Vec<u8>, handler: H) -> Processed {
         let claim_sent = std::time::Instant::now();
-        let claim = self
-            .supervisor
-            .store()
-            .claim(&self.queue, key, self.supervisor.owner(), self.supervisor.config().lease())
-            .await;
-        let claim = match claim {
+        let claim = match self.claim_detached(key).await {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(%key, error = %e, "claim failed; leaving the delivery to the broker");
@@ -103,10 +105,17 @@ impl Retrofit {
         match claim {
             Claim::Claimed(lease) => {
                 self.metrics().incr(Counter::Claims);
+                // Dropped with this future before the attempt is over: release the lease.
+                let mut guard = ReleaseOnDrop {
+                    store: Arc::clone(self.supervisor.store()),
+                    metrics: Arc::clone(self.metrics()),
+                    lease: Some(lease.clone()),
+                };
                 let outcome = self
                     .supervisor
                     .run_claimed_at(lease, claim_sent, payload, None, move |ctx| handler.call(ctx))
                     .await;
+                guard.lease = None;
                 Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }
             }
             other => {
@@ -119,5 +128,58 @@ impl Retrofit {
                 Processed { disposition, detail: Detail::NotClaimed(other) }
             }
         }
+    }
+
+    /// The claim, in a task of its own: if the caller stops waiting while the statement is on its
+    /// way, the task still gets the answer and releases a lease nobody will run.
+    async fn claim_detached(&self, key: &JobKey) -> Result<Claim, FenceError> {
+        let store = Arc::clone(self.supervisor.store());
+        let metrics = Arc::clone(self.metrics());
+        let (queue, key, owner) = (self.queue.clone(), key.clone(), self.supervisor.owner().clone());
+        let lease = self.supervisor.config().lease();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let claim = store.claim(&queue, &key, &owner, lease).await;
+            if let Err(Ok(Claim::Claimed(lease))) = tx.send(claim) {
+                release(&*store, &metrics, &lease, "claimed for a caller that stopped waiting").await;
+            }
+        });
+        rx.await.unwrap_or_else(|_| Err(FenceError::Corrupt("the claim task ended without an answer".into())))
+    }
+}
+
+/// Releases a lease whose attempt was dropped by its caller (see [`Retrofit::process`]).
+struct ReleaseOnDrop {
+    store: Arc<dyn FenceStore>,
+    metrics: Arc<Metrics>,
+    lease: Option<Lease>,
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(key = %lease.key, "attempt dropped outside a runtime; its lease runs out on its own");
+            return;
+        };
+        let (store, metrics) = (Arc::clone(&self.store), Arc::clone(&self.metrics));
+        runtime.spawn(async move { release(&*store, &metrics, &lease, "attempt dropped by its caller").await });
+    }
+}
+
+/// Gives the job back without spending an attempt; a lease already superseded or finished is
+/// left alone (the compare-and-set refuses it).
+async fn release(store: &dyn FenceStore, metrics: &Metrics, lease: &Lease, why: &'static str) {
+    match store.release(lease).await {
+        Ok(()) => {
+            metrics.incr(Counter::Releases);
+            tracing::info!(key = %lease.key, epoch = lease.epoch, "{why}: lease released");
+        }
+        Err(e) if e.is_fenced() => tracing::debug!(key = %lease.key, "{why}: lease already gone"),
+        Err(e) => tracing::warn!(
+            key = %lease.key,
+            error = %e,
+            "{why}: could not release the lease; the job is claimable again when it ends"
+        ),
     }
 }

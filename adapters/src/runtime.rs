@@ -39,6 +39,7 @@ pub struct ConsumerConfig {
     grace: Duration,
     ack_batch: usize,
     ack_linger: Duration,
+    max_unsettled: Option<usize>,
 }
 
 /// The default [`ConsumerConfig::claim_window`]: 5 ms.
@@ -57,6 +58,7 @@ impl ConsumerConfig {
             grace: Duration::from_secs(30),
             ack_batch: 10,
             ack_linger: Duration::from_millis(20),
+            max_unsettled: None,
         }
     }
     /// Jobs running at once.
@@ -119,6 +121,41 @@ impl ConsumerConfig {
         self.ack_batch = max.max(1);
         self.ack_linger = linger;
         self
+    }
+    /// At most `n` deliveries unsettled at once: received and not yet settled at the broker
+    /// (acknowledged, dead-lettered, hidden, given back, or left). A delivery holds its unsettled
+    /// place from its receive until the broker call that settles it returned, so a broker that
+    /// hangs (a DeleteMessageBatch that never answers) stops the receive loop after `n`
+    /// deliveries instead of letting finished jobs pile up in memory: backpressure, never a
+    /// dropped acknowledgement. The default is 4 × (`concurrency` + `prefetch`) + 4 ×
+    /// [`ack_batching`](Self::ack_batching)'s `max`: room for commits and acks to overlap the
+    /// next jobs. A bound below the receive places (`prefetch`, else `concurrency`) holds fewer
+    /// deliveries ahead; at least 1.
+    ///
+    /// ```
+    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+    ///     .concurrency(8);
+    /// assert_eq!(config.unsettled_limit(), 4 * 8 + 4 * 10);
+    /// assert_eq!(config.max_unsettled(100).unsettled_limit(), 100);
+    /// ```
+    pub fn max_unsettled(mut self, n: usize) -> Self {
+        self.max_unsettled = Some(n.max(1));
+        self
+    }
+    /// The bound on unsettled deliveries (see [`max_unsettled`](Self::max_unsettled)).
+    pub fn unsettled_limit(&self) -> usize {
+        self.max_unsettled
+            .unwrap_or_else(|| {
+                4usize
+                    .saturating_mul(self.concurrency.saturating_add(self.prefetch.unwrap_or(0)))
+                    .saturating_add(4usize.saturating_mul(self.ack_batch))
+            })
+            .min(Semaphore::MAX_PERMITS)
+    }
+    /// Receive places: deliveries held ahead of the handlers (`prefetch`), else `concurrency`.
+    fn places(&self) -> usize {
+        self.prefetch.unwrap_or(self.concurrency)
     }
     /// The concurrency limit.
     pub fn concurrency_limit(&self) -> usize {
@@ -209,11 +246,16 @@ pub struct Consumer<S: Source> {
     supervisor: Supervisor,
     config: ConsumerConfig,
     tracked: Arc<Tracked<S::Delivery>>,
+    unsettled: Arc<Semaphore>,
 }
 
 impl<S: Source> std::fmt::Debug for Consumer<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer").field("supervisor", &self.supervisor).field("config", &self.config).finish()
+        f.debug_struct("Consumer")
+            .field("supervisor", &self.supervisor)
+            .field("config", &self.config)
+            .field("unsettled", &self.unsettled())
+            .finish()
     }
 }
 
@@ -229,7 +271,8 @@ impl<S: Source> Consumer<S> {
         let supervisor = Supervisor::new(store, owner, config.supervisor.clone());
         let tracked = Arc::new(Tracked(Mutex::new(HashMap::new())));
         supervisor.add_hook(Arc::new(SourceHook { source: Arc::clone(&source), tracked: Arc::clone(&tracked) }));
-        Self { source, supervisor, config, tracked }
+        let unsettled = Arc::new(Semaphore::new(config.unsettled_limit()));
+        Self { source, supervisor, config, tracked, unsettled }
     }
 
     /// The supervisor (owner, metrics, in-flight count).
@@ -247,6 +290,19 @@ impl<S: Source> Consumer<S> {
         &self.source
     }
 
+    /// Unsettled places taken now: deliveries received and not yet settled at the broker, plus
+    /// the places a receive in progress reserved. A gauge that never exceeds
+    /// [`ConsumerConfig::unsettled_limit`].
+    ///
+    /// ```no_run
+    /// # fn demo(consumer: &adapters::Consumer<adapters::postgres::TableQueue>) {
+    /// println!("{} deliveries unsettled", consumer.unsettled());
+    /// # }
+    /// ```
+    pub fn unsettled(&self) -> usize {
+        self.config.unsettled_limit().saturating_sub(self.unsettled.available_permits())
+    }
+
     /// Runs until `shutdown` fires or the source fails fatally; then stops receiving, lets
     /// running jobs finish within the grace period, releases the leases of the rest, and returns.
     /// Transient source and database errors are retried with backoff and never end the loop.
@@ -254,9 +310,21 @@ impl<S: Source> Consumer<S> {
     /// Claims are grouped and run in tasks of their own, so the next receive overlaps them. At
     /// most `concurrency` deliveries are held from receive until their handler returns (plus
     /// `prefetch` more ahead of the handlers, if set); a slot frees the moment its handler
-    /// returns, so commits and acks overlap the next jobs.
+    /// returns, so commits and acks overlap the next jobs. At most
+    /// [`unsettled_limit`](ConsumerConfig::unsettled_limit) deliveries are held from receive until
+    /// the broker call that settles them returned: a broker that hangs stops the receiving.
+    ///
+    /// Shutdown is cancellation-safe: a receive in progress when `shutdown` fires is not dropped
+    /// (a source may have claimed or popped what it returns); it may finish within the grace
+    /// period, and what it returned is given back (jobs claimed by the source released without spending an attempt, deliveries
+    /// abandoned). Jobs claimed but not started (waiting for their claim, or for a handler slot
+    /// when prefetching) are released the same way.
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
-        let (ack_tx, ack_rx) = mpsc::unbounded_channel();
+        let places = self.config.places();
+        // Every queued acknowledgement holds an unsettled place, so the channel never fills
+        // before the receive loop stops; a sender waits when it does (an ack is never dropped).
+        let (ack_tx, ack_rx) = mpsc::channel(self.config.unsettled_limit().max(1));
+        // Every queued delivery holds a receive place: at most `places` wait for a claim.
         let (claims_tx, claims_rx) = mpsc::unbounded_channel();
         let acker = tokio::spawn(ack_loop(
             Arc::clone(&self.source),
@@ -272,25 +340,37 @@ impl<S: Source> Consumer<S> {
             handler,
             ack_tx,
             lease: self.config.supervisor.lease(),
+            grace: self.config.grace,
             claim_failures: AtomicU32::new(0),
-            stopping: shutdown.clone(),
+            // Fires with `shutdown`, and also when the loop ends on a fatal source error.
+            stopping: shutdown.child_token(),
             tasks: TaskTracker::new(),
             slots: self.config.prefetch.map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
             claims: Mutex::new(Some(claims_tx)),
         });
-        let permits = Arc::new(Semaphore::new(self.config.prefetch.unwrap_or(self.config.concurrency)));
-        shared.tasks.spawn(Arc::clone(&shared).claim_loop(claims_rx, self.config.claim_window, Arc::clone(&permits)));
+        let permits = Budget { places: Arc::new(Semaphore::new(places)), unsettled: Arc::clone(&self.unsettled) };
+        shared.tasks.spawn(Arc::clone(&shared).claim_loop(
+            claims_rx,
+            self.config.claim_window,
+            Arc::clone(&permits.places),
+        ));
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
-        // No more batches to claim: the claimer finishes what is queued and stops.
+        // However the loop ended, jobs not started yet are given back, not started.
+        shared.stopping.cancel();
+        // No more batches to claim: the claimer gives back what is queued and stops.
         if let Ok(mut claims) = shared.claims.lock() {
             claims.take();
         }
         tracing::info!(in_flight = self.supervisor.in_flight(), "consumer stopping");
         self.supervisor.shutdown(self.config.grace).await;
-        // Claims in flight release what they get; attempts settle at the broker: wait for both.
+        // Receives and claims in flight release what they get; attempts settle at the broker:
+        // wait for all of them.
         shared.tasks.close();
         if tokio::time::timeout(Duration::from_secs(30), shared.tasks.wait()).await.is_err() {
-            tracing::error!("deliveries still unsettled 30 s after shutdown; returning anyway");
+            tracing::error!(
+                unsettled = self.unsettled(),
+                "deliveries still unsettled 30 s after shutdown; returning anyway"
+            );
         }
         self.source.close(self.config.grace).await;
         drop(shared);
@@ -304,7 +384,7 @@ impl<S: Source> Consumer<S> {
     async fn receive_loop<H: Handler>(
         &self,
         shared: &Arc<Shared<S, H>>,
-        permits: &Arc<Semaphore>,
+        permits: &Budget,
         shutdown: &CancellationToken,
     ) -> Result<(), SourceError> {
         let ctx = ReceiveContext { owner: self.supervisor.owner().clone(), lease: self.config.supervisor.lease() };
@@ -319,12 +399,13 @@ impl<S: Source> Consumer<S> {
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
-            // One permit per delivery asked for: wait for the first, take what else is free.
+            // One receive place and one unsettled place per delivery asked for: wait for the
+            // first, take what else is free.
             let first = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
-                p = Arc::clone(permits).acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => return Ok(()),
+                p = permits.acquire() => match p {
+                    Some(p) => p,
+                    None => return Ok(()),
                 },
             };
             // Fill the batch: what is free now, then whatever frees up within a short linger, so
@@ -332,22 +413,33 @@ impl<S: Source> Consumer<S> {
             let mut held = vec![first];
             let fill_until = tokio::time::Instant::now() + BATCH_FILL_LINGER;
             while held.len() < self.config.batch {
-                if let Ok(p) = Arc::clone(permits).try_acquire_owned() {
+                if let Some(p) = permits.try_acquire() {
                     held.push(p);
                     continue;
                 }
                 tokio::select! {
-                    p = Arc::clone(permits).acquire_owned() => match p {
-                        Ok(p) => held.push(p),
-                        Err(_) => break,
+                    p = permits.acquire() => match p {
+                        Some(p) => held.push(p),
+                        None => break,
                     },
                     _ = tokio::time::sleep_until(fill_until) => break,
                 }
             }
             let asked_at = std::time::Instant::now();
+            // Cancellation-safe: at shutdown the receive is not dropped (a source may already
+            // have claimed or popped what it is about to return); it finishes in a task of its
+            // own, which gives back whatever it returns.
+            let mut receive: Receive<S::Delivery> = {
+                let (source, ctx, n) = (Arc::clone(&self.source), ctx.clone(), held.len());
+                Box::pin(async move { source.receive(n, &ctx).await })
+            };
             let received = tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                r = self.source.receive(held.len(), &ctx) => r,
+                r = &mut receive => Some(r),
+                _ = shutdown.cancelled() => None,
+            };
+            let Some(received) = received else {
+                shared.give_back_receive(receive, held);
+                return Ok(());
             };
             let incoming = match received {
                 Ok(v) => {
@@ -367,11 +459,19 @@ impl<S: Source> Consumer<S> {
                     }
                 }
             };
-            // A source that returns more than asked still gets one permit each (waiting for them).
+            // A source that returns more than asked still gets places for each (waiting for
+            // them; at shutdown the rest is given back).
             while held.len() < incoming.len() {
-                match Arc::clone(permits).acquire_owned().await {
-                    Ok(p) => held.push(p),
-                    Err(_) => return Ok(()),
+                let more = tokio::select! {
+                    p = permits.acquire() => p,
+                    _ = shutdown.cancelled() => None,
+                };
+                match more {
+                    Some(p) => held.push(p),
+                    None => {
+                        shared.give_back_receive(Box::pin(async move { Ok(incoming) }), held);
+                        return Ok(());
+                    }
                 }
             }
             held.truncate(incoming.len());
@@ -380,17 +480,56 @@ impl<S: Source> Consumer<S> {
     }
 }
 
+/// A receive, boxed so that shutdown can hand it to a task of its own instead of dropping it.
+type Receive<D> = futures::future::BoxFuture<'static, Result<Vec<Incoming<D>>, SourceError>>;
+
+/// The two budgets a delivery draws on.
+struct Budget {
+    /// Receive places: held until the handler starts (prefetching) or returns.
+    places: Arc<Semaphore>,
+    /// Unsettled places: held until the broker call that settles the delivery returned.
+    unsettled: Arc<Semaphore>,
+}
+
+impl Budget {
+    /// Waits for one place of each kind (cancellation-safe: dropping it returns what it took).
+    async fn acquire(&self) -> Option<Places> {
+        let unsettled = Arc::clone(&self.unsettled).acquire_owned().await.ok()?;
+        let place = Arc::clone(&self.places).acquire_owned().await.ok()?;
+        Some(Places { place, unsettled })
+    }
+
+    /// One place of each kind, if both are free now.
+    fn try_acquire(&self) -> Option<Places> {
+        let unsettled = Arc::clone(&self.unsettled).try_acquire_owned().ok()?;
+        let place = Arc::clone(&self.places).try_acquire_owned().ok()?;
+        Some(Places { place, unsettled })
+    }
+}
+
+/// What one received delivery holds.
+struct Places {
+    /// Its receive place (a handler slot, or a prefetch place).
+    place: OwnedSemaphorePermit,
+    /// Its unsettled place, returned once the broker was told.
+    unsettled: OwnedSemaphorePermit,
+}
+
 /// How long the receive loop waits for more free slots to fill a batch once it has one.
 const BATCH_FILL_LINGER: Duration = Duration::from_millis(2);
 
-/// A delivery that holds one of the consumer's prefetch places until its handler starts.
-type Held<D> = (D, OwnedSemaphorePermit);
+/// A received delivery with the places it holds.
+type Held<D> = (D, Places);
 
 /// A received delivery waiting for the group claim.
 type Unclaimed<D> = (Held<D>, JobKey, Vec<u8>);
 
-/// Where received deliveries queue for the group claim.
+/// Where received deliveries queue for the group claim. Unbounded as a channel, bounded by the
+/// receive places: every queued delivery holds one.
 type ClaimQueue<D> = mpsc::UnboundedSender<Unclaimed<D>>;
+
+/// An acknowledgement waiting for its batch, with the unsettled place it frees once sent.
+type PendingAck<D> = (D, Option<OwnedSemaphorePermit>);
 
 /// Most deliveries claimed by one statement.
 const MAX_CLAIM_BATCH: usize = 500;
@@ -398,21 +537,49 @@ const MAX_CLAIM_BATCH: usize = 500;
 /// Claim statements in flight at once: the database flushes concurrent commits together.
 const CLAIMS_IN_FLIGHT: usize = 4;
 
+/// What to tell the broker about one delivery.
+#[derive(Debug)]
+enum Tell {
+    /// What the fence decided for a delivery with a job key.
+    Fence(Disposition),
+    /// A delivery that maps to no job (undecodable, no key): dead-letter it with the reason.
+    Malformed(String),
+}
+
+impl Tell {
+    /// What becomes of the delivery when the broker call fails, for the log.
+    fn when_the_call_fails(&self) -> &'static str {
+        match self {
+            Tell::Fence(d) => d.when_broker_call_fails(),
+            Tell::Malformed(_) => {
+                "the malformed delivery maps to no job, so the fence cannot deduplicate it: it will come back \
+                 and be dead-lettered again, every time, until a move succeeds; give the source a dead-letter \
+                 destination it can write to (SQS: `SqsConfig::dead_letter` or the queue's RedrivePolicy; \
+                 Redis: `dead_letter_stream`)"
+            }
+        }
+    }
+}
+
 /// What the receive loop, the claim tasks and the job tasks share.
 struct Shared<S: Source, H> {
     source: Arc<S>,
     supervisor: Supervisor,
     tracked: Arc<Tracked<S::Delivery>>,
     handler: H,
-    ack_tx: mpsc::UnboundedSender<S::Delivery>,
+    /// Bounded: a sender waits while it is full.
+    ack_tx: mpsc::Sender<PendingAck<S::Delivery>>,
     lease: fence::LeaseDuration,
+    /// How long shutdown waits for running jobs, and for a receive in progress.
+    grace: Duration,
     claim_failures: AtomicU32,
     stopping: CancellationToken,
     /// Handlers running at once, when prefetching (else the receive permits bound them).
     slots: Option<Arc<Semaphore>>,
     /// Received deliveries waiting for the group claim; taken (closed) at shutdown.
     claims: Mutex<Option<ClaimQueue<S::Delivery>>>,
-    /// Claim tasks and attempts until they are settled at the broker.
+    /// Receives abandoned at shutdown, claim tasks and attempts until they are settled at the
+    /// broker.
     tasks: TaskTracker,
 }
 
@@ -422,35 +589,79 @@ impl<S: Source, H: Handler> Shared<S, H> {
     async fn dispatch(
         self: &Arc<Self>,
         incoming: Vec<Incoming<S::Delivery>>,
-        held: Vec<OwnedSemaphorePermit>,
+        held: Vec<Places>,
         asked_at: std::time::Instant,
     ) {
-        let metrics = self.supervisor.metrics();
         let mut unclaimed = Vec::new();
-        for (item, permit) in incoming.into_iter().zip(held) {
+        for (item, places) in incoming.into_iter().zip(held) {
             match item {
                 Incoming::Malformed { delivery, reason } => {
                     tracing::warn!(%reason, "malformed delivery: dead-lettering it");
-                    metrics.incr(Counter::DeadLetters);
-                    self.settle(delivery, Disposition::DeadLetter(reason)).await;
+                    let Places { place, unsettled } = places;
+                    drop(place);
+                    self.settle_later(delivery, Tell::Malformed(reason), Some(unsettled));
                 }
                 Incoming::Claimed { delivery, job } => {
-                    metrics.incr(Counter::Claims);
-                    self.start(job.lease, asked_at, job.payload, job.progress, (delivery, permit));
+                    self.supervisor.metrics().incr(Counter::Claims);
+                    self.start(job.lease, asked_at, job.payload, job.progress, (delivery, places));
                 }
-                Incoming::Unclaimed { delivery, key, payload } => unclaimed.push(((delivery, permit), key, payload)),
+                Incoming::Unclaimed { delivery, key, payload } => unclaimed.push(((delivery, places), key, payload)),
             }
         }
         if unclaimed.is_empty() {
             return;
         }
-        let queued = match self.claims.lock() {
-            Ok(claims) => claims.as_ref().map(|tx| unclaimed.into_iter().try_for_each(|u| tx.send(u).map_err(drop))),
-            Err(_) => None,
-        };
-        if !matches!(queued, Some(Ok(()))) {
-            tracing::warn!("consumer stopping: received deliveries left to the broker");
+        let queue = self.claims.lock().ok().and_then(|claims| claims.clone());
+        for u in unclaimed {
+            let refused = match &queue {
+                Some(tx) => tx.send(u).err().map(|e| e.0),
+                None => Some(u),
+            };
+            if let Some(((delivery, places), _, _)) = refused {
+                tracing::debug!("consumer stopping: giving a received delivery back");
+                self.settle_later(delivery, Tell::Fence(Disposition::Abandon), Some(places.unsettled));
+            }
         }
+    }
+
+    /// A receive still in progress at shutdown: let it finish in a task of its own (within the
+    /// grace period: a long poll of a source that is cancellation-safe itself, SQS, may take
+    /// longer) and give back whatever it returns (release what the source claimed, abandon the
+    /// rest).
+    fn give_back_receive(self: &Arc<Self>, receive: Receive<S::Delivery>, held: Vec<Places>) {
+        let shared = Arc::clone(self);
+        self.tasks.spawn(async move {
+            let incoming = match tokio::time::timeout(shared.grace, receive).await {
+                Ok(Ok(incoming)) => incoming,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "a receive in progress at shutdown failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        grace = ?shared.grace,
+                        "a receive in progress at shutdown did not finish within the grace period; dropped \
+                         (a source that claims in its receive leaves such claims to their lease)"
+                    );
+                    return;
+                }
+            };
+            if !incoming.is_empty() {
+                tracing::info!(
+                    n = incoming.len(),
+                    "a receive in progress at shutdown returned deliveries: giving them back"
+                );
+            }
+            for item in incoming {
+                match item {
+                    Incoming::Claimed { delivery, job } => shared.release_unstarted(&job.lease, delivery, None).await,
+                    Incoming::Unclaimed { delivery, .. } | Incoming::Malformed { delivery, .. } => {
+                        shared.settle(delivery, Tell::Fence(Disposition::Abandon), None).await;
+                    }
+                }
+            }
+            drop(held);
+        });
     }
 
     /// Group claim: claims the deliveries queued at the moment with one statement (one round
@@ -476,7 +687,6 @@ impl<S: Source, H: Handler> Shared<S, H> {
             // While every claim slot is busy, deliveries keep piling up for the next statement.
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
             let Some(batch) = groups.next().await else { return };
-            self.supervisor.metrics().incr(Counter::ClaimStatements);
             let shared = Arc::clone(&self);
             self.tasks.spawn(async move {
                 shared.claim_and_start(batch).await;
@@ -485,9 +695,19 @@ impl<S: Source, H: Handler> Shared<S, H> {
         }
     }
 
-    /// One statement claims the whole batch; each delivery then starts or is settled.
+    /// One statement claims the whole batch; each delivery then starts or is settled. Once
+    /// shutdown began nothing more is claimed: the deliveries are given back. A claim that
+    /// answers after shutdown began is not lost either: its leases are released (in
+    /// [`start`](Self::start)).
     async fn claim_and_start(self: Arc<Self>, unclaimed: Vec<Unclaimed<S::Delivery>>) {
+        if self.stopping.is_cancelled() {
+            for ((delivery, places), _, _) in unclaimed {
+                self.settle(delivery, Tell::Fence(Disposition::Abandon), Some(places.unsettled)).await;
+            }
+            return;
+        }
         let metrics = self.supervisor.metrics();
+        metrics.incr(Counter::ClaimStatements);
         let keys: Vec<JobKey> = unclaimed.iter().map(|(_, k, _)| k.clone()).collect();
         let claim_sent = std::time::Instant::now();
         let claims = match self
@@ -513,19 +733,16 @@ impl<S: Source, H: Handler> Shared<S, H> {
                 None if started.insert(key.clone()) => {
                     if let Claim::Claimed(lease) = claim {
                         metrics.incr(Counter::Claims);
-                        if self.stopping.is_cancelled() {
-                            // Claimed while shutting down: give it straight back.
-                            self.release_unstarted(&lease, held.0).await;
-                        } else {
-                            self.start(lease, claim_sent, payload, None, held);
-                        }
+                        self.start(lease, claim_sent, payload, None, held);
                     }
                 }
                 None => {
                     // The same key twice in one batch: the first runs; this one waits its turn.
                     let hold = claim.lease().map(|l| l.ttl).unwrap_or_default();
                     metrics.incr(Counter::Busy);
-                    self.settle_later(held.0, Disposition::Hold(hold));
+                    let (delivery, Places { place, unsettled }) = held;
+                    drop(place);
+                    self.settle_later(delivery, Tell::Fence(Disposition::Hold(hold)), Some(unsettled));
                 }
                 Some(d) => {
                     match &d {
@@ -534,71 +751,136 @@ impl<S: Source, H: Handler> Shared<S, H> {
                         _ => {}
                     }
                     tracing::debug!(%key, disposition = ?d, "delivery not claimed");
-                    self.settle_later(held.0, d);
+                    let (delivery, Places { place, unsettled }) = held;
+                    drop(place);
+                    self.settle_later(delivery, Tell::Fence(d), Some(unsettled));
                 }
             }
         }
     }
 
-    async fn release_unstarted(&self, lease: &Lease, delivery: S::Delivery) {
+    /// Gives back a job claimed but never started: the lease is released (pending again, no
+    /// attempt spent) and the delivery abandoned at the broker.
+    async fn release_unstarted(&self, lease: &Lease, delivery: S::Delivery, unsettled: Option<OwnedSemaphorePermit>) {
         match self.supervisor.store().release(lease).await {
             Ok(()) => {
                 self.supervisor.metrics().incr(Counter::Releases);
-                self.settle(delivery, Disposition::Abandon).await;
+                tracing::info!(key = %lease.key, epoch = lease.epoch, "released a job claimed but never started");
+                self.settle(delivery, Tell::Fence(Disposition::Abandon), unsettled).await;
             }
-            Err(e) => tracing::warn!(error = %e, key = %lease.key, "could not release a lease claimed at shutdown"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                key = %lease.key,
+                "could not release a job claimed but never started; it is claimable again when its lease ends"
+            ),
         }
     }
 
-    /// Runs one attempt in its own task; the permit returns when the delivery is settled.
+    /// Runs one attempt in its own task; the places return as the delivery moves on (the
+    /// receive place when the handler starts or returns, the unsettled place once settled).
+    /// A job that has not started when shutdown begins (claimed after it, or waiting for a
+    /// handler slot) is released instead.
     fn start(
         self: &Arc<Self>,
         lease: Lease,
         claimed_at: std::time::Instant,
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
-        (delivery, permit): Held<S::Delivery>,
+        (delivery, places): Held<S::Delivery>,
     ) {
         let shared = Arc::clone(self);
-        shared.tracked.insert(&lease, delivery.clone());
-        let tasks = self.tasks.clone();
-        tasks.spawn(async move {
+        self.tasks.spawn(async move {
+            let Places { place, unsettled } = places;
+            if shared.stopping.is_cancelled() {
+                // Claimed while shutting down: give it straight back.
+                drop(place);
+                shared.release_unstarted(&lease, delivery, Some(unsettled)).await;
+                return;
+            }
+            shared.tracked.insert(&lease, delivery.clone());
             let untrack = Untrack { tracked: &shared.tracked, lease: &lease };
             let handler = shared.handler.clone();
             // The concurrency slot is the handler's: it frees the moment the handler returns (or
             // is cancelled), so the commit and the broker call overlap the next job.
             let slots = shared.slots.clone();
+            let stopping = shared.stopping.clone();
+            let (gave_up, not_started) = tokio::sync::oneshot::channel::<()>();
             let run = move |ctx| async move {
                 // Prefetching: wait for a handler slot under the lease (the supervisor already
                 // heartbeats it), then give the prefetch place back. Otherwise the receive permit
-                // is the slot. Either frees the moment the handler returns.
+                // is the slot. Either frees the moment the handler returns. Shutdown before the
+                // slot came: the job never starts (the attempt is dropped and released below).
                 let slot = match slots {
                     Some(slots) => {
-                        let slot = slots.acquire_owned().await.ok();
-                        drop(permit);
+                        let slot = tokio::select! {
+                            biased;
+                            _ = stopping.cancelled() => {
+                                let _ = gave_up.send(());
+                                return std::future::pending().await;
+                            }
+                            slot = slots.acquire_owned() => slot.ok(),
+                        };
+                        drop(place);
                         (slot, None)
                     }
-                    None => (None, Some(permit)),
+                    None => (None, Some(place)),
                 };
                 let result = handler.call(ctx).await;
                 drop(slot);
                 result
             };
             // The deadline counts from before the claim was asked for, not from when it started.
-            let outcome = shared.supervisor.run_claimed_at(lease.clone(), claimed_at, payload, progress, run).await;
+            let attempt = shared.supervisor.run_claimed_at(lease.clone(), claimed_at, payload, progress, run);
+            let outcome = tokio::select! {
+                outcome = attempt => Some(outcome),
+                Ok(()) = not_started => None,
+            };
             drop(untrack);
-            shared.settle(delivery, Disposition::after_run(&outcome)).await;
+            match outcome {
+                Some(outcome) => {
+                    shared.settle(delivery, Tell::Fence(Disposition::after_run(&outcome)), Some(unsettled)).await;
+                }
+                None => shared.release_unstarted(&lease, delivery, Some(unsettled)).await,
+            }
         });
     }
 
-    /// Settles in a task of its own, so the claimer does not wait on the broker.
-    fn settle_later(self: &Arc<Self>, delivery: S::Delivery, d: Disposition) {
+    /// Settles in a task of its own, so the caller does not wait on the broker. The task holds
+    /// the delivery's unsettled place, so these tasks are bounded too.
+    fn settle_later(self: &Arc<Self>, delivery: S::Delivery, tell: Tell, unsettled: Option<OwnedSemaphorePermit>) {
         let shared = Arc::clone(self);
-        self.tasks.spawn(async move { shared.settle(delivery, d).await });
+        self.tasks.spawn(async move { shared.settle(delivery, tell, unsettled).await });
     }
 
-    async fn settle(&self, delivery: S::Delivery, d: Disposition) {
-        settle(&*self.source, delivery, d, &self.ack_tx, self.supervisor.metrics()).await;
+    /// Tells the broker; the unsettled place frees once it is told (for an acknowledgement: once
+    /// its batch was sent). A full ack queue is waited on: an acknowledgement is never dropped.
+    async fn settle(&self, delivery: S::Delivery, tell: Tell, unsettled: Option<OwnedSemaphorePermit>) {
+        let metrics = self.supervisor.metrics();
+        let result = match &tell {
+            Tell::Fence(Disposition::Ack) => match self.ack_tx.send((delivery, unsettled)).await {
+                Ok(()) => return,
+                Err(mpsc::error::SendError((delivery, _unsettled))) => {
+                    // The ack task is gone: acknowledge directly.
+                    self.source.ack(vec![delivery]).await.map(|()| metrics.incr(Counter::Acks))
+                }
+            },
+            Tell::Fence(Disposition::RetryLater(delay)) => self.source.retry_later(delivery, *delay).await,
+            Tell::Fence(Disposition::DeadLetter(reason)) => self.source.dead_letter(delivery, reason).await,
+            Tell::Fence(Disposition::Hold(ttl)) => self.source.hold(delivery, *ttl).await,
+            Tell::Fence(Disposition::Abandon) => self.source.abandon(delivery).await,
+            Tell::Fence(Disposition::Leave) => Ok(()),
+            Tell::Malformed(reason) => {
+                // Counted once it moved: a failed move is no dead letter.
+                self.source.dead_letter(delivery, reason).await.map(|()| metrics.incr(Counter::DeadLetters))
+            }
+        };
+        if let Err(e) = result {
+            let what = match &tell {
+                Tell::Fence(d) => format!("{d:?}"),
+                Tell::Malformed(reason) => format!("dead-letter malformed delivery ({reason})"),
+            };
+            tracing::warn!(error = %e, broker_call = %what, "broker call failed; {}", tell.when_the_call_fails());
+        }
     }
 }
 
@@ -614,36 +896,11 @@ impl<D: Clone> Drop for Untrack<'_, D> {
     }
 }
 
-async fn settle<S: Source>(
-    source: &S,
-    delivery: S::Delivery,
-    d: Disposition,
-    ack_tx: &mpsc::UnboundedSender<S::Delivery>,
-    metrics: &Metrics,
-) {
-    let result = match d {
-        Disposition::Ack => {
-            if ack_tx.send(delivery.clone()).is_err() {
-                // The ack task is gone (shutdown): acknowledge directly.
-                source.ack(vec![delivery]).await.map(|()| metrics.incr(Counter::Acks))
-            } else {
-                Ok(())
-            }
-        }
-        Disposition::RetryLater(delay) => source.retry_later(delivery, delay).await,
-        Disposition::DeadLetter(reason) => source.dead_letter(delivery, &reason).await,
-        Disposition::Hold(ttl) => source.hold(delivery, ttl).await,
-        Disposition::Abandon => source.abandon(delivery).await,
-        Disposition::Leave => Ok(()),
-    };
-    if let Err(e) = result {
-        tracing::warn!(error = %e, "broker call failed; the delivery will come back and be deduplicated by the fence");
-    }
-}
-
+/// Sends acknowledgements in batches of up to `max`, waiting up to `linger` to fill one. Each
+/// delivery's unsettled place frees once its batch was sent (or given up on).
 async fn ack_loop<S: Source>(
     source: Arc<S>,
-    mut rx: mpsc::UnboundedReceiver<S::Delivery>,
+    mut rx: mpsc::Receiver<PendingAck<S::Delivery>>,
     max: usize,
     linger: Duration,
     metrics: Arc<Metrics>,
@@ -660,12 +917,13 @@ async fn ack_loop<S: Source>(
                 _ = tokio::time::sleep_until(until) => break,
             }
         }
-        let n = batch.len() as u64;
+        let (deliveries, places): (Vec<S::Delivery>, Vec<Option<OwnedSemaphorePermit>>) = batch.into_iter().unzip();
+        let n = deliveries.len() as u64;
         let mut backoff = Backoff::default();
         let mut tries = 0;
         loop {
             tries += 1;
-            match source.ack(batch.clone()).await {
+            match source.ack(deliveries.clone()).await {
                 Ok(()) => {
                     metrics.add(Counter::Acks, n);
                     break;
@@ -676,11 +934,12 @@ async fn ack_loop<S: Source>(
                 }
                 Err(e) => {
                     // The results are committed; a redelivery is claimed as Done and acked then.
-                    tracing::error!(error = %e, n, "ack failed for good; redeliveries will be acked as duplicates");
+                    tracing::error!(error = %e, n, "ack failed for good; {}", Disposition::Ack.when_broker_call_fails());
                     break;
                 }
             }
         }
+        drop(places);
     }
 }
 
@@ -834,5 +1093,57 @@ mod tests {
         })
         .await;
         assert_eq!((m.claims, m.completions, m.claim_statements), (5, 5, 5), "{m}");
+    }
+
+    /// Issue #12 §2 bullet 4 (the gauge and the bound). [`Consumer::unsettled`] counts
+    /// deliveries from their receive until the broker was told. With a bound of 5, five running
+    /// jobs hold every place: a sixth delivery waiting at the source is not received until they
+    /// are settled; once everything is acknowledged and the consumer stopped no place is taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_the_unsettled_gauge_follows_deliveries() {
+        let store = SqliteFence::open("sqlite::memory:").await.expect("open");
+        store.migrate().await.expect("migrate");
+        let (tx, rx) = mpsc::unbounded_channel();
+        let source = Trickle { queue: QueueName::new("gauge").expect("queue"), keys: tokio::sync::Mutex::new(rx) };
+        let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).expect("lease")))
+            .concurrency(8)
+            .max_unsettled(5);
+        let consumer = Arc::new(Consumer::new(source, Arc::new(store), config));
+        let gate = Arc::new(Semaphore::new(0));
+        let stop = CancellationToken::new();
+        let run = tokio::spawn({
+            let (consumer, stop, gate) = (Arc::clone(&consumer), stop.clone(), Arc::clone(&gate));
+            async move {
+                let handler = move |_ctx: fence::JobContext| {
+                    let gate = Arc::clone(&gate);
+                    async move {
+                        let _pass = gate.acquire().await;
+                        Ok(Vec::new())
+                    }
+                };
+                consumer.run(handler, stop).await
+            }
+        });
+        for i in 0..5 {
+            tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while consumer.supervisor().in_flight() < 5 {
+            assert!(tokio::time::Instant::now() < deadline, "five jobs running: {}", consumer.metrics().snapshot());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(consumer.unsettled(), 5);
+        tx.send(JobKey::new("k5").expect("key")).expect("source alive");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(consumer.supervisor().in_flight(), 5, "a sixth delivery was received beyond the bound");
+        assert_eq!(consumer.metrics().snapshot().claims, 5);
+        gate.add_permits(6);
+        while consumer.metrics().snapshot().acks < 6 {
+            assert!(tokio::time::Instant::now() < deadline, "all acknowledged: {}", consumer.metrics().snapshot());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.cancel();
+        run.await.expect("join").expect("run");
+        assert_eq!(consumer.unsettled(), 0);
     }
 }
