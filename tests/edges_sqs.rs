@@ -297,10 +297,14 @@ mod edges {
     }
 
     /// §4 bullet 1: FIFO group order with the head Busy. Another owner holds the head's job
-    /// lease in the database (a paused holder: it never heartbeats nor commits), so the head is
-    /// hidden for the holder's time left, longer than the followers' own visibility. Guard: no
-    /// follower of the group starts (or commits) before the head has committed, and the group
-    /// commits in sequence order.
+    /// lease in the database (a paused holder: it never heartbeats nor commits), so the worker
+    /// hides the head for the holder's time left. Then the broker hands out later messages of
+    /// the group while the head is in flight, as the chaos run's LocalStack did: the test makes
+    /// the followers visible again with the receipt handles a proxy between the worker and
+    /// LocalStack saw (this LocalStack does hand out a group's later messages once they are
+    /// visible, though an earlier one is in flight). Guard: no follower starts (or commits)
+    /// before the head has committed, and the group commits in sequence order, whatever the
+    /// broker hands out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_fifo_followers_wait_for_a_busy_head() {
         init_tracing();
@@ -321,7 +325,12 @@ mod edges {
                     .expect("entry")
             })
             .collect::<Vec<_>>();
-        client.send_message_batch().queue_url(&q.url).set_entries(Some(entries)).send().await.expect("send");
+        let sent = client.send_message_batch().queue_url(&q.url).set_entries(Some(entries)).send().await.expect("send");
+        let id_of = |entry: &str| {
+            sent.successful().iter().find(|e| e.id() == entry).map(|e| e.message_id().to_owned()).expect("sent")
+        };
+        let head_id = id_of("e0");
+        let follower_ids: Vec<String> = (1..4).map(|i| id_of(&format!("e{i}"))).collect();
         // The paused holder of the head: 8 s, well beyond the followers' 3 s visibility.
         let head = JobKey::new("g-0").expect("key");
         let _ = claim(&fence, &q.name, &head, "paused-holder", 8).await;
@@ -338,8 +347,9 @@ mod edges {
             }
         };
         let config = SqsConfig::new(&q.url).expect("url").wait_time(Duration::from_secs(1));
+        let proxy = SqsProxy::start("W", ProxyLog::default()).await;
         let consumer = Arc::new(Consumer::with_owner(
-            SqsSource::new(client.clone(), config),
+            SqsSource::new(proxy.client().await, config),
             dyn_store(&fence),
             Owner::new("fifo-worker").expect("owner"),
             ConsumerConfig::new(SupervisorConfig::new(secs(3))).concurrency(4).grace(Duration::from_secs(2)),
@@ -347,6 +357,45 @@ mod edges {
         let stop = CancellationToken::new();
         let (c, s) = (Arc::clone(&consumer), stop.clone());
         let task = tokio::spawn(async move { c.run(handler, s).await });
+        // The worker hides the busy head (a visibility change with the head's handle) ...
+        let handles_of = |log: &[ProxyEvent], id: &str| -> Vec<String> {
+            log.iter()
+                .filter_map(|e| match e {
+                    ProxyEvent::Received { message_id, handle, .. } if message_id == id => Some(handle.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        eventually(Duration::from_secs(15), "the busy head hidden", || {
+            let log = proxy.log();
+            let head_handles = handles_of(&log, &head_id);
+            let hidden = log.iter().any(|e| {
+                matches!(e, ProxyEvent::Used { op, handles, .. }
+                    if op.starts_with("ChangeMessageVisibility") && handles.iter().any(|h| head_handles.contains(h)))
+            });
+            async move { hidden }
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // ... and the broker hands out its followers while it is in flight.
+        let seen = proxy.log();
+        let mut given_back = 0;
+        for id in &follower_ids {
+            for h in handles_of(&seen, id) {
+                if client
+                    .change_message_visibility()
+                    .queue_url(&q.url)
+                    .receipt_handle(h)
+                    .visibility_timeout(0)
+                    .send()
+                    .await
+                    .is_ok()
+                {
+                    given_back += 1;
+                }
+            }
+        }
+        assert!(given_back >= 1, "the followers were received with the head: {seen:?}");
         let m = consumer.metrics();
         eventually(Duration::from_secs(40), "4 completed and acked", || {
             let s = m.snapshot();
