@@ -150,11 +150,16 @@ impl SqsSource {
                         tracing::warn!(error = %e, "RedrivePolicy maxReceiveCount too low for the retry policy");
                         Ok(())
                     }
-                    Err(e @ SqsError::MaxReceiveCountTooLow { .. }) => {
+                    // Warn mode never stops a consumer: a queue policy it may not read (no
+                    // sqs:GetQueueAttributes) or a broker hiccup only costs the check.
+                    Err(e) if mode == ReceiveCountCheck::Warn => {
+                        tracing::warn!(error = %e, "could not read the queue's RedrivePolicy; maxReceiveCount not checked");
+                        Ok(())
+                    }
+                    Err(e) => {
                         tracing::error!(error = %e, "refusing to consume");
                         Err(e)
                     }
-                    Err(e) => Err(e),
                 }
             })
             .await

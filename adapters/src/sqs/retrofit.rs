@@ -179,6 +179,11 @@ impl SqsRetrofit {
     /// confirmed heartbeat), commits through the fence, then tells SQS: delete on a committed
     /// result or a duplicate, re-hide on a failure or a busy job, dead-letter a malformed or dead
     /// message, and touch nothing when the lease was lost or the commit fenced.
+    ///
+    /// The heartbeat extends the visibility of *this* message, under *this* attempt's lease
+    /// (another message carrying the same key is never extended for it). A message your loop
+    /// received has a visibility the adapter does not know until its first extension: receive
+    /// with a visibility timeout of at least the lease.
     pub async fn process<H: Handler>(&self, message: &Message, handler: H) -> SqsProcessed {
         let span = tracing::info_span!(
             "sqs_process",
