@@ -172,7 +172,7 @@ mod edges {
                 SqsConfig::new(url)
                     .expect("url")
                     .wait_time(Duration::from_secs(1))
-                    .check_receive_count(policy.clone(), ReceiveCountCheck::Refuse),
+                    .check_receive_count(policy, ReceiveCountCheck::Refuse),
             )
         };
         let e = source(&low.url).check_max_receive_count(&policy).await.expect_err("2 < 5 + 3");
@@ -192,7 +192,7 @@ mod edges {
         let consumer = Consumer::new(
             source(&low.url),
             dyn_store(&fence),
-            ConsumerConfig::new(SupervisorConfig::new(secs(3)).retry(policy.clone())),
+            ConsumerConfig::new(SupervisorConfig::new(secs(3)).retry(policy)),
         );
         let r = tokio::time::timeout(
             Duration::from_secs(15),
@@ -208,7 +208,7 @@ mod edges {
         // Warn (the default) runs on.
         let warn = SqsSource::new(
             client.clone(),
-            SqsConfig::new(&low.url).expect("url").check_receive_count(policy.clone(), ReceiveCountCheck::Warn),
+            SqsConfig::new(&low.url).expect("url").check_receive_count(policy, ReceiveCountCheck::Warn),
         );
         let got = receive_one(&warn, secs(3), Duration::from_secs(10)).await;
         assert!(matches!(got, Incoming::Unclaimed { .. }));
