@@ -73,8 +73,9 @@ mod edges {
 
     /// §1 bullet 2 (SQS): the visibility extension that follows a confirmed heartbeat is bounded
     /// by a third of the lease time left, even on a client that sets no timeout at all (a user's
-    /// own client). Guard: a broker that stops answering (a stalled proxy in front of LocalStack)
-    /// costs a typed timeout error within lease/3, never a hung heartbeat hook.
+    /// own client); deletes by the source's call timeout, receives by their wait plus that.
+    /// Guard: a broker that stops answering (a stalled proxy in front of LocalStack) costs a
+    /// typed timeout error within lease/3, never a hung heartbeat hook or settle task.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_extend_is_bounded_by_a_third_of_the_lease() {
         init_tracing();
@@ -100,6 +101,31 @@ mod edges {
         assert!(matches!(e, SqsError::Timeout { after: Some(_), .. }), "typed timeout expected: {e:?}");
         assert!(e.is_transient(), "{e}");
         assert!(took <= lease.ttl / 3 + Duration::from_millis(500), "took {took:?}, lease ttl {:?}", lease.ttl);
+        // The other calls the source makes are bounded by its call timeout; a receive by its wait
+        // time plus that.
+        let config = SqsConfig::new(&q.url)
+            .expect("url")
+            .wait_time(Duration::from_secs(1))
+            .call_timeout(Duration::from_secs(1))
+            // (the RedrivePolicy read of the first receive would be one more bounded call)
+            .check_receive_count(RetryPolicy::default(), ReceiveCountCheck::Off);
+        let bounded = SqsSource::new(proxy.client().await, config);
+        let d2 = bounded.delivery(d.message().clone()).expect("delivery");
+        let started = Instant::now();
+        let e = tokio::time::timeout(Duration::from_secs(10), bounded.delete(std::slice::from_ref(&d2)))
+            .await
+            .expect("delete hung")
+            .expect_err("stalled");
+        assert!(matches!(e, SqsError::Timeout { .. }), "{e:?}");
+        assert!(started.elapsed() < Duration::from_millis(1800), "took {:?}", started.elapsed());
+        let ctx = ReceiveContext { owner: Owner::new("bound").expect("owner"), lease: secs(3) };
+        let started = Instant::now();
+        let e = tokio::time::timeout(Duration::from_secs(10), bounded.receive(1, &ctx))
+            .await
+            .expect("receive hung")
+            .expect_err("stalled");
+        assert!(matches!(e, SourceError::Transient(_)), "{e:?}");
+        assert!(started.elapsed() < Duration::from_millis(2800), "took {:?}", started.elapsed());
         proxy.stall(false);
         q.delete(&client).await;
         drop_schema(&fence).await;
