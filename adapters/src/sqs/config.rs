@@ -270,7 +270,10 @@ impl SqsConfig {
     }
 
     /// Visibility timeout asked for at receive. Default: the lease length, so the broker's hint
-    /// starts out equal to the database lease.
+    /// starts out equal to the database lease. Keep it no shorter than the lease: a receipt handle
+    /// is used only while the visibility set with it lasts (after that another receiver may hold
+    /// a newer one), so with a shorter one a message may be neither extended nor deleted through
+    /// this receive (its redelivery is settled instead).
     pub fn visibility_timeout(mut self, visibility: Duration) -> Self {
         self.visibility = Some(visibility.min(MAX_VISIBILITY));
         self

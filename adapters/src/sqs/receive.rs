@@ -15,6 +15,9 @@ use super::source::SqsSource;
 use crate::runtime::ReceiveContext;
 use crate::source::Incoming;
 
+/// How long before a receive's answer arrived its messages' visibility may have started.
+const RECEIVE_SLACK: Duration = Duration::from_secs(1);
+
 /// While FIFO messages wait behind their group, how long one idle wait for more lasts.
 const PARKED_POLL: Duration = Duration::from_millis(500);
 
@@ -109,9 +112,13 @@ impl SqsSource {
         let out =
             bounded("ReceiveMessage", limit, async { call.send().await.map_err(|e| classify("ReceiveMessage", e)) })
                 .await?;
+        // SQS starts a message's visibility timeout when it hands the message out: during a long
+        // poll, any time between the call and its answer, in practice just before the answer.
+        // Count from the answer less a slack for its way back (never before the call was sent).
+        let started = tokio::time::Instant::now().checked_sub(RECEIVE_SLACK).map_or(sent, |t| t.max(sent));
         let mut deliveries = Vec::new();
         for m in out.messages.unwrap_or_default() {
-            match self.inner.registry.register(m, Some((sent, visibility))) {
+            match self.inner.registry.register(m, Some((started, visibility))) {
                 Ok(d) => deliveries.push(d),
                 Err(e) => tracing::error!(error = %e, "SQS returned an unusable message; skipped"),
             }
