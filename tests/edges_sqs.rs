@@ -496,6 +496,28 @@ mod edges {
         drop_schema(&fence).await;
     }
 
+    /// §4 bullet 2, the other side of the stale-handle guard: a message handed out late in a long
+    /// poll starts its visibility when SQS hands it out, not when the poll was sent, so its handle
+    /// is still ours right after the receive. Guard: the stale-handle check does not skip the
+    /// delete (or extension) of a message received mid-poll.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_handle_of_a_long_poll_is_ours() {
+        init_tracing();
+        let client = sqs().await;
+        let q = TestQueue::new(&client, "longpoll", 30).await;
+        let config = SqsConfig::new(&q.url).expect("url").wait_time(Duration::from_secs(8));
+        let source = SqsSource::new(client.clone(), config);
+        let s = source.clone();
+        let poll = tokio::spawn(async move { receive_one(&s, secs(3), Duration::from_secs(20)).await });
+        // 4 s into the poll: later than the 3 s visibility counted from its start.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        send(&client, &q.url, "late").await;
+        let (d, _) = unclaimed(poll.await.expect("poll"));
+        source.delete(std::slice::from_ref(&d)).await.expect("delete");
+        assert_eq!(depth(&client, &q.url).await, 0, "the delete went out with the fresh handle");
+        q.delete(&client).await;
+    }
+
     /// §4 bullet 3: `SqsRetrofit`'s heartbeat hook extends the message of the lease it
     /// confirmed. Two messages carry one attribute key; while the first runs, the second's claim
     /// is slow (a trigger in this test's schema delays it), so both are in the retrofit at once.
