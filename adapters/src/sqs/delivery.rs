@@ -483,4 +483,60 @@ mod tests {
         drop(out);
         assert_eq!(reg.live_messages(), 0);
     }
+
+    fn fifo_msg(id: &str, seq: u128) -> Message {
+        Message::builder()
+            .message_id(id)
+            .receipt_handle(format!("h-{id}"))
+            .body("b")
+            .attributes(MessageSystemAttributeName::MessageGroupId, "g")
+            .attributes(MessageSystemAttributeName::SequenceNumber, seq.to_string())
+            .build()
+    }
+
+    /// §4 bullet 1: a head kept in the queue blocks its group in this worker; a later message
+    /// of the group received meanwhile is handed back to be hidden (at least as long as the
+    /// head), never handed out; the head itself (or an earlier message) clears the block.
+    #[tokio::test]
+    async fn edges_kept_head_blocks_its_group() {
+        let reg = Arc::new(Registry::default());
+        reg.set_lease(Duration::from_secs(3));
+        // Out of order in one receive: ordered by SequenceNumber.
+        let batch = vec![
+            reg.register(fifo_msg("b", 20), None).unwrap(),
+            reg.register(fifo_msg("a", 10), None).unwrap(),
+            reg.register(fifo_msg("c", 30), None).unwrap(),
+        ];
+        let (out, blocked) = reg.admit(batch);
+        assert!(blocked.is_empty());
+        assert_eq!(out.iter().map(|d| d.message_id()).collect::<Vec<_>>(), ["a"]);
+        let head = out.into_iter().next().unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        let followers = reg.keep_head(&head, until);
+        assert_eq!(followers.iter().map(|(d, _)| d.message_id()).collect::<Vec<_>>(), ["b", "c"]);
+        assert!(followers.iter().all(|(_, s)| *s >= 6), "followers hidden longer than the head: {followers:?}");
+        head.mark(Settled::Kept);
+        drop((head, followers));
+        // The broker hands out a follower while the head is hidden: blocked, not handed out.
+        let (out, blocked) = reg.admit(vec![reg.register(fifo_msg("b", 20), None).unwrap()]);
+        assert!(out.is_empty());
+        assert_eq!(blocked.len(), 1);
+        assert!(blocked[0].1 >= 6, "{:?}", blocked[0].1);
+        drop(blocked);
+        // The head comes back: handed out, the block is gone, followers park behind it.
+        let (out, blocked) = reg.admit(vec![
+            reg.register(fifo_msg("b", 20), None).unwrap(),
+            reg.register(fifo_msg("a", 10), None).unwrap(),
+        ]);
+        assert!(blocked.is_empty());
+        assert_eq!(out.iter().map(|d| d.message_id()).collect::<Vec<_>>(), ["a"]);
+        assert!(reg.has_parked());
+        // The head's lease is lost (dropped untouched): the group stays blocked here for a lease.
+        drop(out);
+        assert!(!reg.has_parked());
+        let (out, blocked) = reg.admit(vec![reg.register(fifo_msg("c", 30), None).unwrap()]);
+        assert!(out.is_empty() && blocked.len() == 1);
+        drop(blocked);
+        assert_eq!(reg.live_messages(), 0);
+    }
 }

@@ -32,7 +32,9 @@ use crate::source::{Incoming, Source, SourceError};
 ///   while the visibility set with it has not run out (after that another receiver may hold a
 ///   newer one: the call is not made, and the message's redelivery is settled instead).
 /// * ack: `DeleteMessageBatch`, ≤ 10 per call, distinct ids, failed entries retried or reported.
-/// * retry later / hold: `ChangeMessageVisibility` (clamped to 12 h); abandon: visibility 0.
+/// * retry later / hold: `ChangeMessageVisibilityBatch` (clamped to 12 h; on FIFO the messages
+///   parked behind a kept head are hidden a little longer, and its group is blocked in this
+///   worker until then); abandon: visibility 0.
 /// * dead letter: `SendMessage` to the dead-letter queue with the reason as the
 ///   `Fence-Dead-Letter-Reason` attribute, then `DeleteMessage`.
 ///
