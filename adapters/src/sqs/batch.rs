@@ -39,14 +39,30 @@ impl Op {
     }
 }
 
-/// Deletes the messages (one entry per message id; later entries of the same id win).
-pub(crate) async fn delete(client: &Client, queue_url: &str, entries: Vec<Entry>) -> Result<(), SqsError> {
-    run(client, queue_url, Op::Delete, entries).await
+/// Deletes the messages (one entry per message id; later entries of the same id win). Returns the
+/// message ids SQS refused for good (the caller's fault: an expired handle, a message gone).
+pub(crate) async fn delete(
+    client: &Client,
+    queue_url: &str,
+    entries: Vec<Entry>,
+    resolve: Resolve<'_>,
+) -> Result<Vec<String>, SqsError> {
+    run(client, queue_url, Op::Delete, entries, resolve).await
 }
 
+/// Before each retry of an entry: the handle to use now (the newest, still ours), or `None` to
+/// drop the entry (its handle may be stale).
+pub(crate) type Resolve<'a> = &'a (dyn Fn(&str) -> Option<String> + Sync);
+
 /// Sets the visibility timeout of each message (one entry per message id; later entries win).
-pub(crate) async fn change_visibility(client: &Client, queue_url: &str, entries: Vec<Entry>) -> Result<(), SqsError> {
-    run(client, queue_url, Op::ChangeVisibility, entries).await
+/// Returns the message ids SQS refused for good.
+pub(crate) async fn change_visibility(
+    client: &Client,
+    queue_url: &str,
+    entries: Vec<Entry>,
+    resolve: Resolve<'_>,
+) -> Result<Vec<String>, SqsError> {
+    run(client, queue_url, Op::ChangeVisibility, entries, resolve).await
 }
 
 fn distinct(entries: Vec<Entry>) -> Vec<Entry> {
@@ -60,20 +76,28 @@ fn distinct(entries: Vec<Entry>) -> Vec<Entry> {
     out
 }
 
-async fn run(client: &Client, queue_url: &str, op: Op, entries: Vec<Entry>) -> Result<(), SqsError> {
+async fn run(
+    client: &Client,
+    queue_url: &str,
+    op: Op,
+    entries: Vec<Entry>,
+    resolve: Resolve<'_>,
+) -> Result<Vec<String>, SqsError> {
     let entries = distinct(entries);
     if entries.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let chunks: Vec<Vec<Entry>> = entries.chunks(MAX_BATCH).map(<[Entry]>::to_vec).collect();
-    let results = futures::future::join_all(chunks.into_iter().map(|c| chunk(client, queue_url, op, c))).await;
+    let results = futures::future::join_all(chunks.into_iter().map(|c| chunk(client, queue_url, op, c, resolve))).await;
     let mut reported = Vec::new();
+    let mut refused = Vec::new();
     let mut transient = false;
     let mut first_call_error = None;
     for r in results {
         match r {
             Ok(failed) => {
-                for f in failed {
+                for (message_id, f) in failed {
+                    refused.push(message_id);
                     transient |= !f.sender_fault() || is_transient_code(f.code());
                     reported.push(format!("{} {}", f.code(), f.message().unwrap_or("")));
                 }
@@ -87,7 +111,7 @@ async fn run(client: &Client, queue_url: &str, op: Op, entries: Vec<Entry>) -> R
         return Err(e);
     }
     if reported.is_empty() {
-        return Ok(());
+        return Ok(refused);
     }
     let summary = reported.join("; ");
     if transient {
@@ -96,18 +120,19 @@ async fn run(client: &Client, queue_url: &str, op: Op, entries: Vec<Entry>) -> R
         // The caller's fault (a receipt handle that expired, a message already gone): retrying
         // cannot help. The fence keeps the truth; a redelivery is settled again.
         tracing::warn!(operation = op.name(), failed = reported.len(), %summary, "batch entries refused by SQS");
-        Ok(())
+        Ok(refused)
     }
 }
 
 /// One call for up to ten entries, then retries of the entries SQS failed on its side. Returns the
-/// entries that still failed.
+/// entries that still failed, with their message ids.
 async fn chunk(
     client: &Client,
     queue_url: &str,
     op: Op,
     entries: Vec<Entry>,
-) -> Result<Vec<BatchResultErrorEntry>, SqsError> {
+    resolve: Resolve<'_>,
+) -> Result<Vec<(String, BatchResultErrorEntry)>, SqsError> {
     let mut pending: Vec<(String, Entry)> =
         entries.into_iter().enumerate().map(|(i, e)| (format!("e{i}"), e)).collect();
     let mut attempt = 0;
@@ -118,7 +143,14 @@ async fn chunk(
         if retry.is_empty() || attempt >= ENTRY_RETRIES {
             let mut out = fatal;
             out.extend(retry);
-            return Ok(out);
+            let ids = out
+                .into_iter()
+                .map(|f| {
+                    let mid = pending.iter().find(|(id, _)| id == f.id()).map(|(_, e)| e.message_id.clone());
+                    (mid.unwrap_or_default(), f)
+                })
+                .collect();
+            return Ok(ids);
         }
         for f in &fatal {
             tracing::debug!(operation = op.name(), code = f.code(), "batch entry refused");
@@ -126,6 +158,17 @@ async fn chunk(
         attempt += 1;
         tokio::time::sleep(Duration::from_millis(100u64 << attempt)).await;
         pending.retain(|(id, _)| retry.iter().any(|f| f.id() == id));
+        // The newest handle of each message, and only while it is still ours.
+        pending = pending
+            .into_iter()
+            .filter_map(|(id, mut e)| {
+                e.handle = resolve(&e.message_id)?;
+                Some((id, e))
+            })
+            .collect();
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
         tracing::debug!(operation = op.name(), retrying = pending.len(), attempt, "retrying failed batch entries");
     }
 }

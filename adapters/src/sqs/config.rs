@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
+use aws_sdk_sqs::config::timeout::TimeoutConfig;
 use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
-use fence::QueueName;
+use fence::{QueueName, RetryPolicy};
 
 use super::error::SqsError;
 use super::key::KeyStrategy;
@@ -30,17 +31,106 @@ pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
     aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https()
 }
 
+/// Timeouts of the SDK client: connecting, one attempt of an operation, and a whole operation
+/// (all its retries). Without them a hung connection hangs the call for good.
+///
+/// The defaults fit SQS's longest long poll (20 s): connect 3 s, one attempt 25 s, an operation
+/// 60 s. The calls the source makes on behalf of a live lease (visibility changes, deletes) are
+/// bounded more tightly by the source itself ([`SqsConfig::call_timeout`], and a third of the
+/// lease for the visibility extensions that follow a heartbeat), whatever the client allows.
+///
+/// **Bringing your own client?** Set an operation timeout and an operation attempt timeout on it
+/// (`TimeoutConfig::builder().operation_timeout(..).operation_attempt_timeout(..)`, as
+/// [`SqsTimeouts::timeout_config`] builds them): the attempt timeout above your receive wait time,
+/// the operation timeout a small multiple of it. The source bounds its own calls either way.
+///
+/// ```
+/// use std::time::Duration;
+/// let t = adapters::sqs::SqsTimeouts::default().attempt(Duration::from_secs(22));
+/// let c = t.timeout_config();
+/// assert_eq!(c.operation_attempt_timeout(), Some(Duration::from_secs(22)));
+/// assert_eq!(c.operation_timeout(), Some(Duration::from_secs(60)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SqsTimeouts {
+    connect: Duration,
+    attempt: Duration,
+    operation: Duration,
+}
+
+impl Default for SqsTimeouts {
+    fn default() -> Self {
+        Self { connect: Duration::from_secs(3), attempt: Duration::from_secs(25), operation: Duration::from_secs(60) }
+    }
+}
+
+impl SqsTimeouts {
+    /// Connect timeout.
+    pub fn connect(mut self, d: Duration) -> Self {
+        self.connect = d;
+        self
+    }
+
+    /// Timeout of one attempt of an operation (keep it above the receive wait time).
+    pub fn attempt(mut self, d: Duration) -> Self {
+        self.attempt = d;
+        self
+    }
+
+    /// Timeout of a whole operation, retries included.
+    pub fn operation(mut self, d: Duration) -> Self {
+        self.operation = d;
+        self
+    }
+
+    /// The SDK's timeout configuration for these values.
+    pub fn timeout_config(&self) -> TimeoutConfig {
+        TimeoutConfig::builder()
+            .connect_timeout(self.connect)
+            .operation_attempt_timeout(self.attempt)
+            .operation_timeout(self.operation)
+            .build()
+    }
+}
+
 /// An SQS client configured from the standard AWS environment: `AWS_ENDPOINT_URL_SQS` /
 /// `AWS_ENDPOINT_URL`, `AWS_REGION`, credentials (environment, profile, web identity, container,
-/// instance metadata), on [`http_client`].
+/// instance metadata), on [`http_client`], with the default [`SqsTimeouts`].
 ///
 /// ```no_run
 /// # async fn demo() {
 /// let client = adapters::sqs::client_from_env().await;
-/// # let _ = client; }
+/// assert!(client.config().timeout_config().and_then(|t| t.operation_timeout()).is_some());
+/// # }
 /// ```
 pub async fn client_from_env() -> Client {
-    let sdk = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client()).load().await;
+    client_from_env_with(SqsTimeouts::default()).await
+}
+
+/// [`client_from_env`] with timeouts of your choice.
+///
+/// ```no_run
+/// # async fn demo() {
+/// use std::time::Duration;
+/// let timeouts = adapters::sqs::SqsTimeouts::default().operation(Duration::from_secs(30));
+/// let client = adapters::sqs::client_from_env_with(timeouts).await;
+/// # let _ = client; }
+/// ```
+pub async fn client_from_env_with(timeouts: SqsTimeouts) -> Client {
+    client_from_loader(aws_config::defaults(aws_config::BehaviorVersion::latest()), timeouts).await
+}
+
+/// A client from an AWS configuration loader you prepared (endpoint, region, credentials), on
+/// [`http_client`] and with `timeouts`.
+///
+/// ```no_run
+/// # async fn demo() {
+/// let loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).endpoint_url("http://127.0.0.1:4566");
+/// let client = adapters::sqs::client_from_loader(loader, adapters::sqs::SqsTimeouts::default()).await;
+/// # let _ = client; }
+/// ```
+pub async fn client_from_loader(loader: aws_config::ConfigLoader, timeouts: SqsTimeouts) -> Client {
+    let sdk = loader.http_client(http_client()).timeout_config(timeouts.timeout_config()).load().await;
     Client::new(&sdk)
 }
 
@@ -82,8 +172,24 @@ pub enum DeadLetterTarget {
     Discover,
     /// This queue URL.
     Queue(String),
-    /// None: such messages are left to the broker (and logged).
+    /// None: such messages stay in the queue, hidden for a while (see
+    /// [`SqsError::NoDeadLetterQueue`](super::SqsError::NoDeadLetterQueue)), and are logged.
     None,
+}
+
+/// What the source does when the queue's RedrivePolicy `maxReceiveCount` is lower than the retry
+/// policy needs (see [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ReceiveCountCheck {
+    /// No check.
+    Off,
+    /// Log a warning naming the numbers and the fix, then run.
+    #[default]
+    Warn,
+    /// Refuse to receive: the first receive fails with
+    /// [`SqsError::MaxReceiveCountTooLow`](super::SqsError::MaxReceiveCountTooLow) and the
+    /// consumer stops.
+    Refuse,
 }
 
 /// How an [`SqsSource`](super::SqsSource) reads its queue.
@@ -108,7 +214,17 @@ pub struct SqsConfig {
     pub(crate) dead_letter: DeadLetterTarget,
     pub(crate) fifo: bool,
     pub(crate) read_ahead: bool,
+    pub(crate) call_timeout: Duration,
+    pub(crate) receive_check: ReceiveCountCheck,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) receive_headroom: u32,
 }
+
+/// Default [`SqsConfig::call_timeout`].
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`SqsConfig::receive_headroom`]: receives a job may take beyond its attempts (holds
+/// while another worker has it, takeovers).
+pub const DEFAULT_RECEIVE_HEADROOM: u32 = 3;
 
 impl SqsConfig {
     /// A source for `queue_url`: jobs fenced under the queue's name, keys by
@@ -127,6 +243,10 @@ impl SqsConfig {
             dead_letter: DeadLetterTarget::Discover,
             fifo,
             read_ahead: false,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            receive_check: ReceiveCountCheck::Warn,
+            retry: RetryPolicy::default(),
+            receive_headroom: DEFAULT_RECEIVE_HEADROOM,
         })
     }
 
@@ -150,13 +270,26 @@ impl SqsConfig {
     }
 
     /// Visibility timeout asked for at receive. Default: the lease length, so the broker's hint
-    /// starts out equal to the database lease.
+    /// starts out equal to the database lease. Keep it no shorter than the lease: a receipt handle
+    /// is used only while the visibility set with it lasts (after that another receiver may hold
+    /// a newer one), so with a shorter one a message may be neither extended nor deleted through
+    /// this receive (its redelivery is settled instead).
     pub fn visibility_timeout(mut self, visibility: Duration) -> Self {
         self.visibility = Some(visibility.min(MAX_VISIBILITY));
         self
     }
 
-    /// Where dead-lettered messages go.
+    /// Where dead-lettered messages go (default: the queue's RedrivePolicy target). A queue with
+    /// neither cannot dead-letter a message without a job key: name one here, e.g.
+    /// `SqsConfig::dead_letter(DeadLetterTarget::Queue(url))` (`sqs_worker --dead-letter-queue URL`).
+    ///
+    /// ```
+    /// use adapters::sqs::{DeadLetterTarget, SqsConfig};
+    /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
+    ///     .unwrap()
+    ///     .dead_letter(DeadLetterTarget::Queue("http://127.0.0.1:4566/000000000000/orders-dlq".into()));
+    /// # let _ = config;
+    /// ```
     pub fn dead_letter(mut self, target: DeadLetterTarget) -> Self {
         self.dead_letter = target;
         self
@@ -177,6 +310,43 @@ impl SqsConfig {
     /// ```
     pub fn read_ahead(mut self, on: bool) -> Self {
         self.read_ahead = on;
+        self
+    }
+
+    /// The longest the source waits for one SQS call it makes on behalf of a lease (delete,
+    /// visibility change, dead-letter move; a receive gets its wait time on top). Default
+    /// [`DEFAULT_CALL_TIMEOUT`]. The visibility extensions that follow a heartbeat are bounded by
+    /// the smaller of this and a third of the lease time left. A call that runs out fails with
+    /// [`SqsError::Timeout`](super::SqsError::Timeout) (transient: the message comes back and
+    /// the fence deduplicates it).
+    pub fn call_timeout(mut self, d: Duration) -> Self {
+        self.call_timeout = d.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How the queue's RedrivePolicy `maxReceiveCount` is checked at the first receive, against
+    /// `retry` (the retry policy of the consumer's
+    /// [`SupervisorConfig`](fence::SupervisorConfig): pass the same one). Default: warn, against
+    /// [`RetryPolicy::default`]. The rule is in
+    /// [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count).
+    ///
+    /// ```
+    /// use adapters::sqs::{ReceiveCountCheck, SqsConfig};
+    /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
+    ///     .unwrap()
+    ///     .check_receive_count(fence::RetryPolicy::default(), ReceiveCountCheck::Refuse);
+    /// # let _ = config;
+    /// ```
+    pub fn check_receive_count(mut self, retry: RetryPolicy, mode: ReceiveCountCheck) -> Self {
+        self.retry = retry;
+        self.receive_check = mode;
+        self
+    }
+
+    /// Receives a job may take beyond one per attempt, for holds (another worker has the job)
+    /// and takeovers. Default [`DEFAULT_RECEIVE_HEADROOM`].
+    pub fn receive_headroom(mut self, n: u32) -> Self {
+        self.receive_headroom = n;
         self
     }
 

@@ -3,8 +3,11 @@
 
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 
+use fence::RetryPolicy;
+
+use super::config::ReceiveCountCheck;
 use super::delivery::{Settled, SqsDelivery};
-use super::error::{SqsError, classify};
+use super::error::{SqsError, bounded, classify};
 use super::source::SqsSource;
 
 /// Message attribute carrying the reason on a message moved to the dead-letter queue.
@@ -15,6 +18,40 @@ pub const SOURCE_MESSAGE_ID_ATTRIBUTE: &str = "Fence-Source-Message-Id";
 const MAX_REASON_BYTES: usize = 1024;
 /// SQS allows at most ten message attributes per message.
 const MAX_ATTRIBUTES: usize = 10;
+
+/// The queue's RedrivePolicy, as read once.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Redrive {
+    pub(crate) dead_letter_arn: Option<String>,
+    pub(crate) max_receive_count: Option<u32>,
+}
+
+/// Receives the retry policy needs: one per attempt, plus one more for each 12 h a backoff lasts
+/// beyond the first (a retry's visibility is clamped to 12 h, so SQS hands the message out again,
+/// counting a receive, before the backoff ends). Returns (receives for the attempts, with
+/// `headroom` added).
+///
+/// ```
+/// use std::time::Duration;
+/// let policy = fence::RetryPolicy { max_attempts: 5, base_backoff: Duration::from_secs(1), max_backoff: Duration::from_secs(300) };
+/// assert_eq!(adapters::sqs::receives_needed(&policy, 3), (5, 8));
+/// let long = fence::RetryPolicy { max_attempts: 2, base_backoff: Duration::from_secs(30 * 3600), max_backoff: Duration::from_secs(30 * 3600) };
+/// assert_eq!(adapters::sqs::receives_needed(&long, 0), (4, 4)); // 2 attempts + 2 more for a 30 h wait
+/// ```
+pub fn receives_needed(retry: &RetryPolicy, headroom: u32) -> (u32, u32) {
+    let attempts = retry.max_attempts.clamp(1, i64::from(u32::MAX / 2));
+    let max_visibility = super::config::MAX_VISIBILITY.as_secs();
+    let mut receives: u64 = 0;
+    for a in 1..=attempts {
+        receives += 1;
+        if a < attempts {
+            let wait = retry.backoff(a).as_secs();
+            receives += wait.div_ceil(max_visibility).saturating_sub(1);
+        }
+    }
+    let receives = u32::try_from(receives).unwrap_or(u32::MAX);
+    (receives, receives.saturating_add(headroom))
+}
 
 impl SqsSource {
     /// The dead-letter queue URL: configured, or read once from the queue's RedrivePolicy.
@@ -28,24 +65,109 @@ impl SqsSource {
         self.inner.dead_letter_url.get_or_try_init(|| self.discover_dead_letter_queue()).await.cloned()
     }
 
-    async fn discover_dead_letter_queue(&self) -> Result<Option<String>, SqsError> {
-        let attrs = self
-            .inner
-            .client
-            .get_queue_attributes()
-            .queue_url(&self.inner.config.queue_url)
-            .attribute_names(QueueAttributeName::RedrivePolicy)
-            .send()
-            .await
-            .map_err(|e| classify("GetQueueAttributes", e))?;
-        let Some(policy) = attrs.attributes().and_then(|a| a.get(&QueueAttributeName::RedrivePolicy)) else {
-            return Ok(None);
+    /// The queue's RedrivePolicy, read once.
+    pub(crate) async fn redrive(&self) -> Result<Redrive, SqsError> {
+        self.inner.redrive.get_or_try_init(|| self.read_redrive()).await.cloned()
+    }
+
+    async fn read_redrive(&self) -> Result<Redrive, SqsError> {
+        let call = async {
+            self.inner
+                .client
+                .get_queue_attributes()
+                .queue_url(&self.inner.config.queue_url)
+                .attribute_names(QueueAttributeName::RedrivePolicy)
+                .send()
+                .await
+                .map_err(|e| classify("GetQueueAttributes", e))
         };
-        let arn = serde_json::from_str::<serde_json::Value>(policy)
-            .ok()
-            .and_then(|v| v.get("deadLetterTargetArn").and_then(|a| a.as_str()).map(str::to_owned));
-        let Some(arn) = arn else {
-            tracing::warn!(%policy, "RedrivePolicy names no deadLetterTargetArn");
+        let attrs = bounded("GetQueueAttributes", self.inner.config.call_timeout, call).await?;
+        let Some(policy) = attrs.attributes().and_then(|a| a.get(&QueueAttributeName::RedrivePolicy)) else {
+            return Ok(Redrive::default());
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(policy) else {
+            tracing::warn!(%policy, "cannot read the queue's RedrivePolicy");
+            return Ok(Redrive::default());
+        };
+        let dead_letter_arn = v.get("deadLetterTargetArn").and_then(|a| a.as_str()).map(str::to_owned);
+        // SQS writes it as a number; LocalStack and some tools as a string.
+        let max_receive_count = v.get("maxReceiveCount").and_then(|m| {
+            m.as_u64().and_then(|n| u32::try_from(n).ok()).or_else(|| m.as_str().and_then(|s| s.trim().parse().ok()))
+        });
+        Ok(Redrive { dead_letter_arn, max_receive_count })
+    }
+
+    /// Checks the queue's RedrivePolicy `maxReceiveCount` against what `retry` needs.
+    ///
+    /// SQS counts *every* receive of a message, and moves it to the dead-letter queue after
+    /// `maxReceiveCount` of them, whatever the database says. Besides one receive per attempt,
+    /// a job costs a receive for every `Hold` (it was received while another worker held it),
+    /// every takeover (a holder stalled and its visibility ran out), and every 12 h of a retry
+    /// backoff beyond the first (see [`receives_needed`]). So the rule is
+    ///
+    /// `maxReceiveCount ≥ receives for max_attempts (with backoffs) + headroom`
+    ///
+    /// with the headroom from [`SqsConfig::receive_headroom`](super::SqsConfig::receive_headroom)
+    /// (default 3). Below it, SQS dead-letters jobs the database still retries. Returns the
+    /// queue's `maxReceiveCount` (`None`: no RedrivePolicy, nothing to check), or
+    /// [`SqsError::MaxReceiveCountTooLow`] naming the numbers and the fix.
+    ///
+    /// ```no_run
+    /// # async fn demo(source: adapters::sqs::SqsSource) -> Result<(), adapters::sqs::SqsError> {
+    /// source.check_max_receive_count(&fence::RetryPolicy::default()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn check_max_receive_count(&self, retry: &RetryPolicy) -> Result<Option<u32>, SqsError> {
+        let Some(max_receive_count) = self.redrive().await?.max_receive_count else { return Ok(None) };
+        let headroom = self.inner.config.receive_headroom;
+        let (attempts, needed) = receives_needed(retry, headroom);
+        if max_receive_count < needed {
+            return Err(SqsError::MaxReceiveCountTooLow {
+                queue: self.inner.config.queue_url.clone(),
+                max_receive_count,
+                needed,
+                attempts,
+                max_attempts: retry.max_attempts,
+                headroom,
+            });
+        }
+        Ok(Some(max_receive_count))
+    }
+
+    /// The check of [`SqsConfig::check_receive_count`](super::SqsConfig::check_receive_count), once,
+    /// at the first receive.
+    pub(crate) async fn receive_count_checked(&self) -> Result<(), SqsError> {
+        let mode = self.inner.config.receive_check;
+        if mode == ReceiveCountCheck::Off {
+            return Ok(());
+        }
+        self.inner
+            .receive_checked
+            .get_or_try_init(|| async {
+                match self.check_max_receive_count(&self.inner.config.retry).await {
+                    Ok(_) => Ok(()),
+                    Err(e @ SqsError::MaxReceiveCountTooLow { .. }) if mode == ReceiveCountCheck::Warn => {
+                        tracing::warn!(error = %e, "RedrivePolicy maxReceiveCount too low for the retry policy");
+                        Ok(())
+                    }
+                    // Warn mode never stops a consumer: a queue policy it may not read (no
+                    // sqs:GetQueueAttributes) or a broker hiccup only costs the check.
+                    Err(e) if mode == ReceiveCountCheck::Warn => {
+                        tracing::warn!(error = %e, "could not read the queue's RedrivePolicy; maxReceiveCount not checked");
+                        Ok(())
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "refusing to consume");
+                        Err(e)
+                    }
+                }
+            })
+            .await
+            .copied()
+    }
+
+    async fn discover_dead_letter_queue(&self) -> Result<Option<String>, SqsError> {
+        let Some(arn) = self.redrive().await?.dead_letter_arn else {
             return Ok(None);
         };
         // arn:aws:sqs:<region>:<account>:<name>
@@ -54,15 +176,17 @@ impl SqsSource {
             tracing::warn!(%arn, "cannot read the dead-letter queue ARN");
             return Ok(None);
         };
-        let url = self
-            .inner
-            .client
-            .get_queue_url()
-            .queue_name(*name)
-            .queue_owner_aws_account_id(*account)
-            .send()
-            .await
-            .map_err(|e| classify("GetQueueUrl", e))?;
+        let call = async {
+            self.inner
+                .client
+                .get_queue_url()
+                .queue_name(*name)
+                .queue_owner_aws_account_id(*account)
+                .send()
+                .await
+                .map_err(|e| classify("GetQueueUrl", e))
+        };
+        let url = bounded("GetQueueUrl", self.inner.config.call_timeout, call).await?;
         Ok(url.queue_url().map(str::to_owned))
     }
 
@@ -77,8 +201,24 @@ impl SqsSource {
     pub async fn move_to_dead_letter(&self, d: &SqsDelivery, reason: &str) -> Result<(), SqsError> {
         let Some(dlq) = self.dead_letter_queue_url().await? else {
             d.mark(Settled::Kept);
-            return Err(SqsError::NoDeadLetterQueue { queue: self.inner.config.queue_url.clone() });
+            // It stays in the queue: hide it for a while rather than see it every visibility
+            // timeout (longer each time it comes back).
+            let hidden_secs = no_dead_letter_hide_secs(d.receive_count());
+            if let Err(e) = self.set_visibility(d, hidden_secs).await {
+                tracing::debug!(error = %e, "could not hide a message that cannot be dead-lettered");
+            }
+            return Err(SqsError::NoDeadLetterQueue {
+                queue: self.inner.config.queue_url.clone(),
+                message_id: d.0.message_id.clone(),
+                reason: truncate(reason, 200),
+                hidden_secs,
+            });
         };
+        // The handle must still be ours before anything is copied: otherwise the copy could be
+        // sent and the delete refused, or go to the message another receiver now holds.
+        if self.inner.registry.usable_handle(&d.0.message_id).is_none() {
+            return Err(SqsError::HandleNotOurs { operation: "SendMessage", message_id: d.0.message_id.clone() });
+        }
         let m = d.message();
         let ours = [
             (REASON_ATTRIBUTE, truncate(reason, MAX_REASON_BYTES)),
@@ -117,19 +257,21 @@ impl SqsSource {
                 .unwrap_or_else(|| d.0.message_id.clone());
             send = send.message_group_id(group).message_deduplication_id(dedup);
         }
-        send.send().await.map_err(|e| classify("SendMessage", e))?;
+        let limit = self.inner.config.call_timeout;
+        bounded("SendMessage", limit, async { send.send().await.map_err(|e| classify("SendMessage", e)) }).await?;
         d.mark(Settled::Removed);
-        self.inner
-            .client
-            .delete_message()
-            .queue_url(&self.inner.config.queue_url)
-            .receipt_handle(self.inner.registry.newest_handle(d))
-            .send()
-            .await
-            .map_err(|e| classify("DeleteMessage", e))?;
+        self.delete_one(d).await?;
         tracing::info!(message_id = %d.0.message_id, %reason, dead_letter_queue = %dlq, "message dead-lettered");
         Ok(())
     }
+}
+
+/// How long a message that cannot be dead-lettered (no dead-letter queue) is hidden: a minute,
+/// doubling with each receive, at most 12 h.
+fn no_dead_letter_hide_secs(receive_count: u32) -> i32 {
+    let doublings = receive_count.saturating_sub(1).min(10);
+    let secs = 60u64 << doublings;
+    i32::try_from(secs.min(super::config::MAX_VISIBILITY.as_secs())).unwrap_or(43_200)
 }
 
 fn truncate(s: &str, max: usize) -> String {

@@ -5,19 +5,30 @@
 //! use the newest handle of the message this process holds. A delivery deregisters itself when the
 //! runtime drops its last clone, so nothing leaks whatever path the delivery took.
 //!
+//! A handle is also used only while it is sure to be the newest anywhere: while the visibility this
+//! process last set with it (at receive, or by a visibility change whose answer came back) has not
+//! run out. Once it has, another receiver may hold a newer handle of the message, and this one is
+//! never used again (to delete, extend, re-hide or dead-letter): the message comes back, and its
+//! redelivery is settled by what the database says.
+//!
 //! On a FIFO queue one receive may return several messages of one group, which must be handled in
-//! order. The registry hands out one message per group at a time and parks the rest; a parked
-//! message's visibility is extended together with its group's running head, and the next one is
-//! handed out once the head is deleted (acked or dead-lettered). If the head ends any other way
-//! (retry later, lease lost), the parked messages are forgotten and left to SQS, which redelivers
-//! the group in order.
+//! order, whatever the broker does (LocalStack hands out later messages of a group while an earlier
+//! one is in flight). The registry orders each receive by `SequenceNumber`, hands out one message
+//! per group at a time and parks the rest; a parked message's visibility is extended together with
+//! its group's running head, and the next one is handed out once the head is deleted (acked or
+//! dead-lettered). If the head is kept in the queue (busy elsewhere, retry later), the messages
+//! parked behind it are hidden at least as long as it is, and the group is *blocked* in this
+//! worker until then: a later message of the group received meanwhile is hidden again instead of
+//! being started. If the head's lease is lost, the group is blocked for one lease.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::error::SqsError;
 
@@ -63,6 +74,11 @@ impl SqsDelivery {
         self.0.receive_count
     }
 
+    /// The FIFO `SequenceNumber`, if SQS sent one.
+    pub fn sequence_number(&self) -> Option<u128> {
+        self.0.sequence_number
+    }
+
     /// The message as received.
     pub fn message(&self) -> &Message {
         &self.0.message
@@ -93,6 +109,7 @@ pub(crate) struct Received {
     pub(crate) receipt_handle: String,
     pub(crate) group: Option<String>,
     pub(crate) receive_count: u32,
+    pub(crate) sequence_number: Option<u128>,
     seq: u64,
     settled: AtomicU8,
     registry: Weak<Registry>,
@@ -110,7 +127,26 @@ struct HandleEntry {
     seq: u64,
     handle: String,
     refs: usize,
+    /// Until when the message stays hidden under `handle` (what this process last set, counted
+    /// from before the call was sent); `None` when unknown (a message received by your own loop).
+    valid_until: Option<Instant>,
 }
+
+/// A group's head kept in the queue: later messages of the group wait until it is done.
+#[derive(Debug, Clone)]
+struct Blocker {
+    message_id: String,
+    sequence_number: Option<u128>,
+    /// The head is hidden until then.
+    until: Instant,
+    /// After this the block is forgotten (the head went elsewhere).
+    expires: Instant,
+}
+
+/// How long a handle must still be good for when a call is sent with it.
+const HANDLE_MARGIN: Duration = Duration::from_millis(250);
+/// Followers come back this much after their group's head.
+const FOLLOWER_LAG: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 struct Group {
@@ -124,6 +160,7 @@ struct Group {
 struct State {
     handles: HashMap<String, HandleEntry>,
     groups: HashMap<String, Group>,
+    blocked: HashMap<String, Blocker>,
 }
 
 /// The newest receipt handle per message, and FIFO group state, of one source.
@@ -133,11 +170,23 @@ pub(crate) struct Registry {
     next_seq: AtomicU64,
     /// Fires when a parked message becomes ready.
     pub(crate) ready: Notify,
+    /// The lease length (milliseconds) the runtime last said, 0 before the first receive.
+    lease_ms: AtomicU64,
+}
+
+/// Whole seconds from now until `until`, rounded up, at least 1.
+pub(crate) fn secs_until(until: Instant, now: Instant) -> i32 {
+    super::config::visibility_secs(until.saturating_duration_since(now)).max(1)
 }
 
 impl Registry {
     /// Wraps a received message, registering its receipt handle as the newest of the message.
-    pub(crate) fn register(self: &Arc<Self>, message: Message) -> Result<SqsDelivery, SqsError> {
+    /// `hidden` is when the receive was sent and the visibility it asked for, when known.
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        message: Message,
+        hidden: Option<(Instant, i32)>,
+    ) -> Result<SqsDelivery, SqsError> {
         let message_id = message.message_id().ok_or(SqsError::Incomplete { what: "MessageId" })?.to_owned();
         let receipt_handle = message.receipt_handle().ok_or(SqsError::Incomplete { what: "ReceiptHandle" })?.to_owned();
         let attrs = message.attributes();
@@ -146,17 +195,22 @@ impl Registry {
             .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
             .and_then(|c| c.parse().ok())
             .unwrap_or(0);
+        let sequence_number =
+            attrs.and_then(|a| a.get(&MessageSystemAttributeName::SequenceNumber)).and_then(|n| n.parse().ok());
+        let valid_until = hidden.map(|(sent, secs)| sent + Duration::from_secs(u64::try_from(secs).unwrap_or(0)));
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut state) = self.state.lock() {
             let entry = state.handles.entry(message_id.clone()).or_insert_with(|| HandleEntry {
                 seq,
                 handle: receipt_handle.clone(),
                 refs: 0,
+                valid_until,
             });
             entry.refs += 1;
             if entry.seq <= seq {
                 entry.seq = seq;
                 entry.handle.clone_from(&receipt_handle);
+                entry.valid_until = valid_until;
             }
         }
         Ok(SqsDelivery(Arc::new(Received {
@@ -165,31 +219,79 @@ impl Registry {
             receipt_handle,
             group,
             receive_count,
+            sequence_number,
             seq,
             settled: AtomicU8::new(Settled::Untouched as u8),
             registry: Arc::downgrade(self),
         })))
     }
 
-    /// The newest receipt handle this process holds for the delivery's message.
-    pub(crate) fn newest_handle(&self, d: &SqsDelivery) -> String {
-        self.state
-            .lock()
-            .ok()
-            .and_then(|s| s.handles.get(&d.0.message_id).map(|e| e.handle.clone()))
-            .unwrap_or_else(|| d.0.receipt_handle.clone())
+    /// The newest receipt handle this process holds for the message, when it is still ours: the
+    /// visibility last set with it has at least [`HANDLE_MARGIN`] to run (or is unknown). `None`
+    /// when it ran out: another receiver may hold a newer handle, so this one must not be used.
+    pub(crate) fn usable_handle(&self, message_id: &str) -> Option<String> {
+        let state = self.state.lock().ok()?;
+        let e = state.handles.get(message_id)?;
+        match e.valid_until {
+            Some(until) if Instant::now() + HANDLE_MARGIN >= until => {
+                tracing::debug!(%message_id, "receipt handle no longer ours (visibility ran out); not used");
+                None
+            }
+            _ => Some(e.handle.clone()),
+        }
     }
 
-    /// FIFO: of freshly received deliveries, hands out the first of each idle group and parks the
-    /// rest behind their group's running or parked messages.
-    pub(crate) fn admit(&self, deliveries: Vec<SqsDelivery>) -> Vec<SqsDelivery> {
-        let Ok(mut state) = self.state.lock() else { return deliveries };
+    /// A visibility change to `secs`, sent at `sent` with `handle`, succeeded: the handle is good
+    /// until then (if it is still the newest).
+    pub(crate) fn hidden(&self, message_id: &str, handle: &str, sent: Instant, secs: i32) {
+        if let Ok(mut state) = self.state.lock()
+            && let Some(e) = state.handles.get_mut(message_id)
+            && e.handle == handle
+        {
+            e.valid_until = Some(sent + Duration::from_secs(u64::try_from(secs).unwrap_or(0)));
+        }
+    }
+
+    /// The lease length the runtime uses (for how long a group stays blocked after a lost lease).
+    pub(crate) fn set_lease(&self, lease: Duration) {
+        self.lease_ms.store(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    fn lease(&self) -> Duration {
+        match self.lease_ms.load(Ordering::Relaxed) {
+            0 => Duration::from_secs(30),
+            ms => Duration::from_millis(ms),
+        }
+    }
+
+    /// FIFO: of freshly received deliveries (ordered by `SequenceNumber`), hands out the first of
+    /// each idle group and parks the rest behind their group's running or parked messages. Those
+    /// of a group blocked behind a head kept in the queue come back second, each with the seconds
+    /// to hide it: they must not start before that head.
+    pub(crate) fn admit(&self, mut deliveries: Vec<SqsDelivery>) -> (Vec<SqsDelivery>, Vec<(SqsDelivery, i32)>) {
+        deliveries.sort_by_key(|d| d.0.sequence_number);
+        let Ok(mut state) = self.state.lock() else { return (deliveries, Vec::new()) };
+        let now = Instant::now();
+        state.blocked.retain(|_, b| b.expires > now);
         let mut out = Vec::with_capacity(deliveries.len());
+        let mut blocked = Vec::new();
         for d in deliveries {
             let Some(group) = d.0.group.clone() else {
                 out.push(d);
                 continue;
             };
+            if let Some(b) = state.blocked.get(&group) {
+                let is_head_or_earlier = b.message_id == d.0.message_id
+                    || matches!((d.0.sequence_number, b.sequence_number), (Some(mine), Some(head)) if mine <= head);
+                if is_head_or_earlier {
+                    state.blocked.remove(&group);
+                } else {
+                    let until = b.until.max(now) + FOLLOWER_LAG;
+                    tracing::debug!(%group, message_id = %d.0.message_id, "a later message of a blocked group: hidden again");
+                    blocked.push((d, secs_until(until, now)));
+                    continue;
+                }
+            }
             let g = state.groups.entry(group).or_default();
             if g.active.is_none() && g.parked.is_empty() {
                 g.active = Some(d.0.seq);
@@ -198,7 +300,31 @@ impl Registry {
                 g.parked.push_back(d);
             }
         }
-        out
+        (out, blocked)
+    }
+
+    /// FIFO: `d`, its group's running head, stays in the queue hidden until `until` (busy
+    /// elsewhere, retry later): blocks its group in this worker until then, and takes out the
+    /// messages parked behind it, to be hidden at least as long (returned with their seconds).
+    pub(crate) fn keep_head(&self, d: &SqsDelivery, until: Instant) -> Vec<(SqsDelivery, i32)> {
+        let Some(group) = &d.0.group else { return Vec::new() };
+        let Ok(mut state) = self.state.lock() else { return Vec::new() };
+        let now = Instant::now();
+        let followers: Vec<SqsDelivery> = match state.groups.get_mut(group) {
+            Some(g) if g.active == Some(d.0.seq) => g.parked.drain(..).collect(),
+            _ => Vec::new(),
+        };
+        state.blocked.insert(
+            group.clone(),
+            Blocker {
+                message_id: d.0.message_id.clone(),
+                sequence_number: d.0.sequence_number,
+                until,
+                expires: until + self.lease(),
+            },
+        );
+        let secs = secs_until(until + FOLLOWER_LAG, now);
+        followers.into_iter().map(|f| (f, secs)).collect()
     }
 
     /// FIFO: up to `max` parked messages whose group has nothing running, one per group.
@@ -224,24 +350,13 @@ impl Registry {
         self.state.lock().map(|s| s.groups.values().any(|g| !g.parked.is_empty())).unwrap_or(false)
     }
 
-    /// FIFO: (message id, newest handle) of the messages parked behind `d`, when `d` is its group's
-    /// running head: their visibility follows the head's.
-    pub(crate) fn parked_behind(&self, d: &SqsDelivery) -> Vec<(String, String)> {
+    /// FIFO: the message ids of the messages parked behind `d`, when `d` is its group's running
+    /// head: their visibility follows the head's.
+    pub(crate) fn parked_behind(&self, d: &SqsDelivery) -> Vec<String> {
         let Some(group) = &d.0.group else { return Vec::new() };
         let Ok(state) = self.state.lock() else { return Vec::new() };
         match state.groups.get(group) {
-            Some(g) if g.active == Some(d.0.seq) => g
-                .parked
-                .iter()
-                .map(|p| {
-                    let handle = state
-                        .handles
-                        .get(&p.0.message_id)
-                        .map(|e| e.handle.clone())
-                        .unwrap_or_else(|| p.0.receipt_handle.clone());
-                    (p.0.message_id.clone(), handle)
-                })
-                .collect(),
+            Some(g) if g.active == Some(d.0.seq) => g.parked.iter().map(|p| p.0.message_id.clone()).collect(),
             _ => Vec::new(),
         }
     }
@@ -265,7 +380,8 @@ impl Registry {
     fn release(&self, r: &Received) {
         let mut forgotten = Vec::new();
         {
-            let Ok(mut state) = self.state.lock() else { return };
+            let Ok(mut guard) = self.state.lock() else { return };
+            let state = &mut *guard;
             if let Some(e) = state.handles.get_mut(&r.message_id) {
                 e.refs = e.refs.saturating_sub(1);
                 if e.refs == 0 {
@@ -277,14 +393,26 @@ impl Registry {
             {
                 if g.active == Some(r.seq) {
                     g.active = None;
-                    if r.settled.load(Ordering::Acquire) == Settled::Removed as u8 {
+                    let settled = r.settled.load(Ordering::Acquire);
+                    if settled == Settled::Removed as u8 {
                         if !g.parked.is_empty() {
                             self.ready.notify_one();
                         }
                     } else {
-                        // The head stays in the queue (or its lease was lost): the rest of the
-                        // group must not overtake it. Leave them to SQS, which keeps the order.
+                        // The head stays in the queue: the rest of the group must not overtake
+                        // it. Kept, its followers were already hidden as long as it is and its
+                        // group blocked; lease lost (untouched), the group is blocked here for a
+                        // lease (the parked ones keep the visibility they shared with the head).
                         forgotten.extend(g.parked.drain(..));
+                        if settled == Settled::Untouched as u8 {
+                            let until = Instant::now() + self.lease();
+                            state.blocked.entry(group.clone()).or_insert(Blocker {
+                                message_id: r.message_id.clone(),
+                                sequence_number: r.sequence_number,
+                                until,
+                                expires: until + self.lease(),
+                            });
+                        }
                     }
                 }
                 if g.active.is_none() && g.parked.is_empty() {
@@ -318,9 +446,9 @@ mod tests {
     #[test]
     fn newest_handle_wins_and_registry_empties() {
         let reg = Arc::new(Registry::default());
-        let first = reg.register(msg("m1", "h1", None)).unwrap();
-        let second = reg.register(msg("m1", "h2", None)).unwrap();
-        assert_eq!(reg.newest_handle(&first), "h2");
+        let first = reg.register(msg("m1", "h1", None), None).unwrap();
+        let second = reg.register(msg("m1", "h2", None), None).unwrap();
+        assert_eq!(reg.usable_handle(first.message_id()).as_deref(), Some("h2"));
         drop(second);
         assert_eq!(reg.live_messages(), 1, "first still alive");
         drop(first);
@@ -332,9 +460,10 @@ mod tests {
         let reg = Arc::new(Registry::default());
         let batch: Vec<_> = ["a1", "a2", "b1", "a3"]
             .iter()
-            .map(|id| reg.register(msg(id, &format!("h-{id}"), Some(&id[..1]))).unwrap())
+            .map(|id| reg.register(msg(id, &format!("h-{id}"), Some(&id[..1])), None).unwrap())
             .collect();
-        let out = reg.admit(batch);
+        let (out, blocked) = reg.admit(batch);
+        assert!(blocked.is_empty());
         let ids: Vec<_> = out.iter().map(|d| d.message_id().to_owned()).collect();
         assert_eq!(ids, ["a1", "b1"]);
         assert!(reg.has_parked());
@@ -352,6 +481,62 @@ mod tests {
         assert!(!reg.has_parked());
         assert!(reg.take_ready(10).is_empty());
         drop(out);
+        assert_eq!(reg.live_messages(), 0);
+    }
+
+    fn fifo_msg(id: &str, seq: u128) -> Message {
+        Message::builder()
+            .message_id(id)
+            .receipt_handle(format!("h-{id}"))
+            .body("b")
+            .attributes(MessageSystemAttributeName::MessageGroupId, "g")
+            .attributes(MessageSystemAttributeName::SequenceNumber, seq.to_string())
+            .build()
+    }
+
+    /// §4 bullet 1: a head kept in the queue blocks its group in this worker; a later message
+    /// of the group received meanwhile is handed back to be hidden (at least as long as the
+    /// head), never handed out; the head itself (or an earlier message) clears the block.
+    #[tokio::test]
+    async fn edges_kept_head_blocks_its_group() {
+        let reg = Arc::new(Registry::default());
+        reg.set_lease(Duration::from_secs(3));
+        // Out of order in one receive: ordered by SequenceNumber.
+        let batch = vec![
+            reg.register(fifo_msg("b", 20), None).unwrap(),
+            reg.register(fifo_msg("a", 10), None).unwrap(),
+            reg.register(fifo_msg("c", 30), None).unwrap(),
+        ];
+        let (out, blocked) = reg.admit(batch);
+        assert!(blocked.is_empty());
+        assert_eq!(out.iter().map(|d| d.message_id()).collect::<Vec<_>>(), ["a"]);
+        let head = out.into_iter().next().unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        let followers = reg.keep_head(&head, until);
+        assert_eq!(followers.iter().map(|(d, _)| d.message_id()).collect::<Vec<_>>(), ["b", "c"]);
+        assert!(followers.iter().all(|(_, s)| *s >= 6), "followers hidden longer than the head: {followers:?}");
+        head.mark(Settled::Kept);
+        drop((head, followers));
+        // The broker hands out a follower while the head is hidden: blocked, not handed out.
+        let (out, blocked) = reg.admit(vec![reg.register(fifo_msg("b", 20), None).unwrap()]);
+        assert!(out.is_empty());
+        assert_eq!(blocked.len(), 1);
+        assert!(blocked[0].1 >= 6, "{:?}", blocked[0].1);
+        drop(blocked);
+        // The head comes back: handed out, the block is gone, followers park behind it.
+        let (out, blocked) = reg.admit(vec![
+            reg.register(fifo_msg("b", 20), None).unwrap(),
+            reg.register(fifo_msg("a", 10), None).unwrap(),
+        ]);
+        assert!(blocked.is_empty());
+        assert_eq!(out.iter().map(|d| d.message_id()).collect::<Vec<_>>(), ["a"]);
+        assert!(reg.has_parked());
+        // The head's lease is lost (dropped untouched): the group stays blocked here for a lease.
+        drop(out);
+        assert!(!reg.has_parked());
+        let (out, blocked) = reg.admit(vec![reg.register(fifo_msg("c", 30), None).unwrap()]);
+        assert!(out.is_empty() && blocked.len() == 1);
+        drop(blocked);
         assert_eq!(reg.live_messages(), 0);
     }
 }

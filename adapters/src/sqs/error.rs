@@ -58,11 +58,66 @@ pub enum SqsError {
         transient: bool,
     },
     /// A message to dead-letter, but the queue has no dead-letter queue (no RedrivePolicy and none
-    /// configured). The message is left to the broker.
-    #[error("queue {queue} has no dead-letter queue (set a RedrivePolicy or SqsConfig::dead_letter_queue)")]
+    /// configured). The message stays in the queue, hidden for a while, and comes back; a message
+    /// without a job key is not deduplicated by the fence, so it keeps coming back until a
+    /// dead-letter queue is set.
+    #[error(
+        "queue {queue} has no dead-letter queue, so message {message_id} ({reason}) stays in the queue and \
+         comes back after {hidden_secs} s; set a RedrivePolicy with a deadLetterTargetArn on the queue, or \
+         SqsConfig::dead_letter(DeadLetterTarget::Queue(url)) (sqs_worker: --dead-letter-queue URL)"
+    )]
     NoDeadLetterQueue {
         /// The queue URL.
         queue: String,
+        /// The message.
+        message_id: String,
+        /// Why it was to be dead-lettered.
+        reason: String,
+        /// How long it is hidden before it comes back.
+        hidden_secs: i32,
+    },
+    /// An SQS call did not answer in time (the SDK's timeouts, or the bound the source keeps on
+    /// calls made for a lease). Transient: the message comes back and the fence deduplicates it.
+    #[error("SQS {operation} timed out{}: {message}", after.map(|d| format!(" after {d:?}")).unwrap_or_default())]
+    Timeout {
+        /// The SQS operation.
+        operation: &'static str,
+        /// The bound that ran out, when the source set it.
+        after: Option<std::time::Duration>,
+        /// The full error text.
+        message: String,
+    },
+    /// The queue's RedrivePolicy moves a message to its dead-letter queue after fewer receives
+    /// than the retry policy needs: SQS would dead-letter jobs the database still retries.
+    #[error(
+        "queue {queue}: RedrivePolicy maxReceiveCount is {max_receive_count}, but the retry policy needs {needed} \
+         receives ({attempts} for max_attempts = {max_attempts} with its backoffs, plus {headroom} for holds and \
+         takeovers): SQS would dead-letter jobs the database still retries; raise maxReceiveCount to at least \
+         {needed}, or lower max_attempts"
+    )]
+    MaxReceiveCountTooLow {
+        /// The queue URL.
+        queue: String,
+        /// The queue's maxReceiveCount.
+        max_receive_count: u32,
+        /// The least maxReceiveCount that fits.
+        needed: u32,
+        /// Receives the attempts take.
+        attempts: u32,
+        /// The retry policy's max_attempts.
+        max_attempts: i64,
+        /// Receives allowed for holds and takeovers.
+        headroom: u32,
+    },
+    /// The receipt handle this process holds for the message may be stale (the visibility set
+    /// with it ran out, so another receiver may hold a newer one): the call was not made.
+    /// Transient: the message comes back, and its redelivery is settled.
+    #[error("SQS {operation} not sent for message {message_id}: its receipt handle may be stale (visibility ran out)")]
+    HandleNotOurs {
+        /// The SQS operation not sent.
+        operation: &'static str,
+        /// The message.
+        message_id: String,
     },
     /// A received message lacks a field SQS always sends (id or receipt handle).
     #[error("received message has no {what}")]
@@ -76,7 +131,7 @@ impl SqsError {
     /// True when the same call may succeed later.
     pub fn is_transient(&self) -> bool {
         match self {
-            SqsError::Transient { .. } => true,
+            SqsError::Transient { .. } | SqsError::Timeout { .. } | SqsError::HandleNotOurs { .. } => true,
             SqsError::BatchEntries { transient, .. } => *transient,
             _ => false,
         }
@@ -115,6 +170,22 @@ const TRANSIENT_CODES: &[&str] = &[
     "SlowDown",
 ];
 
+/// Runs one SQS call bounded by `limit`: past it, [`SqsError::Timeout`].
+pub(crate) async fn bounded<T>(
+    operation: &'static str,
+    limit: std::time::Duration,
+    call: impl std::future::Future<Output = Result<T, SqsError>>,
+) -> Result<T, SqsError> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(r) => r,
+        Err(_) => Err(SqsError::Timeout {
+            operation,
+            after: Some(limit),
+            message: "no answer within the bound the source keeps on this call".into(),
+        }),
+    }
+}
+
 /// True for an error code that says: try again later.
 pub(crate) fn is_transient_code(code: &str) -> bool {
     TRANSIENT_CODES.contains(&code)
@@ -139,6 +210,7 @@ where
             }
         }
         SdkError::ConstructionFailure(_) => SqsError::Service { operation, code: None, message },
+        SdkError::TimeoutError(_) => SqsError::Timeout { operation, after: None, message },
         // Timeouts, dispatch (connection) failures, unreadable responses, and anything newer.
         _ => SqsError::Transient { operation, code: None, message },
     }

@@ -10,7 +10,16 @@
 //!   on the database lease, `Done` deletes it;
 //! * visibility is extended only after the database confirmed a lease, with the newest receipt
 //!   handle of the message, and never for a lost lease (on LocalStack an old handle still deletes
-//!   or re-hides the message a newer receiver holds: a stale handle is no fence);
+//!   or re-hides the message a newer receiver holds: a stale handle is no fence); every call with
+//!   a handle is made only while the visibility this process set with it has not run out, so a
+//!   handle another receiver may have superseded is never used;
+//! * every SQS call is bounded: the client's [`SqsTimeouts`], the source's
+//!   [`SqsConfig::call_timeout`], and a third of the lease time left for the extensions that
+//!   follow a heartbeat;
+//! * FIFO group order is kept by the consumer itself, whatever the broker hands out (see
+//!   [`SqsDelivery`]);
+//! * the queue's RedrivePolicy `maxReceiveCount` is checked against the retry policy at the first
+//!   receive ([`SqsSource::check_max_receive_count`]);
 //! * only a committed result deletes; a `Fenced` commit touches nothing.
 //!
 //! Run it under the shared [`Consumer`](crate::Consumer) with an [`SqsSource`], or call
@@ -46,10 +55,11 @@ mod retrofit;
 mod source;
 
 pub use config::{
-    DeadLetterTarget, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT, SqsConfig, client_from_env, http_client, is_fifo_url,
-    queue_name_of_url, visibility_secs,
+    DEFAULT_CALL_TIMEOUT, DEFAULT_RECEIVE_HEADROOM, DeadLetterTarget, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT,
+    ReceiveCountCheck, SqsConfig, SqsTimeouts, client_from_env, client_from_env_with, client_from_loader, http_client,
+    is_fifo_url, queue_name_of_url, visibility_secs,
 };
-pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE};
+pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_needed};
 pub use delivery::SqsDelivery;
 pub use error::SqsError;
 pub use key::KeyStrategy;

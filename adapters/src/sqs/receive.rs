@@ -8,13 +8,15 @@ use std::time::Duration;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
 use tracing::Instrument;
 
-use super::batch::{self, Entry};
 use super::config::{MAX_BATCH, visibility_secs};
 use super::delivery::SqsDelivery;
-use super::error::{SqsError, classify};
+use super::error::{SqsError, bounded, classify};
 use super::source::SqsSource;
 use crate::runtime::ReceiveContext;
 use crate::source::Incoming;
+
+/// How long before a receive's answer arrived its messages' visibility may have started.
+const RECEIVE_SLACK: Duration = Duration::from_secs(1);
 
 /// While FIFO messages wait behind their group, how long one idle wait for more lasts.
 const PARKED_POLL: Duration = Duration::from_millis(500);
@@ -77,15 +79,8 @@ impl SqsSource {
         if deliveries.is_empty() {
             return;
         }
-        let entries = deliveries
-            .iter()
-            .map(|d| Entry {
-                message_id: d.0.message_id.clone(),
-                handle: self.inner.registry.newest_handle(d),
-                visibility: 0,
-            })
-            .collect();
-        if let Err(e) = batch::change_visibility(&self.inner.client, &self.inner.config.queue_url, entries).await {
+        let items = deliveries.iter().map(|d| (d.0.message_id.clone(), 0)).collect();
+        if let Err(e) = self.change_visibility(items, self.inner.config.call_timeout).await {
             tracing::warn!(error = %e, n = deliveries.len(), "could not give back unstarted messages");
         }
     }
@@ -109,12 +104,21 @@ impl SqsSource {
         if self.inner.config.fifo {
             call = call
                 .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId)
-                .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId);
+                .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
+                .message_system_attribute_names(MessageSystemAttributeName::SequenceNumber);
         }
-        let out = call.send().await.map_err(|e| classify("ReceiveMessage", e))?;
+        let sent = tokio::time::Instant::now();
+        let limit = Duration::from_secs(u64::try_from(wait).unwrap_or(20)) + self.inner.config.call_timeout;
+        let out =
+            bounded("ReceiveMessage", limit, async { call.send().await.map_err(|e| classify("ReceiveMessage", e)) })
+                .await?;
+        // SQS starts a message's visibility timeout when it hands the message out: during a long
+        // poll, any time between the call and its answer, in practice just before the answer.
+        // Count from the answer less a slack for its way back (never before the call was sent).
+        let started = tokio::time::Instant::now().checked_sub(RECEIVE_SLACK).map_or(sent, |t| t.max(sent));
         let mut deliveries = Vec::new();
         for m in out.messages.unwrap_or_default() {
-            match self.inner.registry.register(m) {
+            match self.inner.registry.register(m, Some((started, visibility))) {
                 Ok(d) => deliveries.push(d),
                 Err(e) => tracing::error!(error = %e, "SQS returned an unusable message; skipped"),
             }
@@ -169,6 +173,8 @@ impl SqsSource {
     ) -> Result<Vec<Incoming<SqsDelivery>>, SqsError> {
         let config = &self.inner.config;
         let registry = &self.inner.registry;
+        registry.set_lease(ctx.lease.get());
+        self.receive_count_checked().await?;
         let visibility = visibility_secs(config.visibility.unwrap_or(ctx.lease.get()));
         if !config.fifo {
             let received = self.receive_standard(max, visibility).await?;
@@ -185,7 +191,16 @@ impl SqsSource {
             let parked = config.fifo && registry.has_parked();
             let wait = if parked { Duration::ZERO } else { config.wait_time };
             let received = self.receive_messages(max, wait, visibility).await?;
-            let received = if config.fifo { registry.admit(received) } else { received };
+            let (received, blocked) = registry.admit(received);
+            if !blocked.is_empty() {
+                // Later messages of a group whose head is kept in the queue: not started before
+                // it, hidden until after it comes back.
+                let items = blocked.iter().map(|(d, secs)| (d.0.message_id.clone(), *secs)).collect();
+                if let Err(e) = self.change_visibility(items, config.call_timeout).await {
+                    tracing::warn!(error = %e, n = blocked.len(), "could not hide messages waiting behind their group's head");
+                }
+                drop(blocked);
+            }
             if !received.is_empty() || !parked {
                 tracing::debug!(got = received.len(), "received");
                 return Ok(received.into_iter().map(|d| self.incoming(d)).collect());

@@ -3,12 +3,11 @@
 //! deletes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::Message;
-use fence::{FenceStore, JobKey, Lease, LeaseHook, Metrics, Owner, SupervisorConfig};
+use fence::{FenceStore, Lease, LeaseHook, Metrics, Owner, QueueName, SupervisorConfig};
 use tracing::Instrument;
 
 use super::delivery::SqsDelivery;
@@ -55,38 +54,42 @@ impl SqsProcessed {
     }
 }
 
-/// Deliveries being processed, by job key, so the heartbeat hook finds the handle to extend.
+/// A lease's identity: (queue, key, epoch).
+type LeaseId = (String, String, i64);
+
+fn lease_id(l: &Lease) -> LeaseId {
+    (l.queue.as_str().to_owned(), l.key.as_str().to_owned(), l.epoch)
+}
+
+/// Deliveries being processed, by the identity of the lease they run under, so the heartbeat
+/// hook extends the message of *that* lease: with keys from an attribute or the body, two
+/// messages may carry one key, and only the one whose attempt holds the lease may be extended.
 #[derive(Default)]
 struct InFlight {
-    next: AtomicU64,
-    by_key: Mutex<HashMap<JobKey, Vec<(u64, SqsDelivery)>>>,
+    by_lease: Mutex<HashMap<LeaseId, SqsDelivery>>,
 }
 
 impl InFlight {
-    fn insert(&self, key: &JobKey, d: SqsDelivery) -> u64 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut m) = self.by_key.lock() {
-            m.entry(key.clone()).or_default().push((id, d));
+    fn insert(&self, id: LeaseId, d: SqsDelivery) {
+        if let Ok(mut m) = self.by_lease.lock() {
+            m.insert(id, d);
         }
-        id
     }
 
-    fn remove(&self, key: &JobKey, id: u64) {
-        let removed = self.by_key.lock().ok().and_then(|mut m| {
-            let list = m.get_mut(key)?;
-            let at = list.iter().position(|(i, _)| *i == id)?;
-            let d = list.remove(at);
-            if list.is_empty() {
-                m.remove(key);
-            }
-            Some(d)
-        });
+    fn remove(&self, id: &LeaseId) {
+        let removed = self.by_lease.lock().ok().and_then(|mut m| m.remove(id));
         // Dropped outside the lock (a delivery's drop deregisters its handle).
         drop(removed);
     }
 
-    fn newest(&self, key: &JobKey) -> Option<SqsDelivery> {
-        self.by_key.lock().ok()?.get(key)?.last().map(|(_, d)| d.clone())
+    /// The deliveries of these leases (those this middleware runs).
+    fn pairs(&self, queue: &QueueName, leases: &[Lease]) -> Vec<(Lease, SqsDelivery)> {
+        let Ok(m) = self.by_lease.lock() else { return Vec::new() };
+        leases
+            .iter()
+            .filter(|l| &l.queue == queue)
+            .filter_map(|l| m.get(&lease_id(l)).map(|d| (l.clone(), d.clone())))
+            .collect()
     }
 }
 
@@ -98,12 +101,7 @@ struct ExtendHook {
 #[async_trait]
 impl LeaseHook for ExtendHook {
     async fn confirmed(&self, leases: &[Lease]) {
-        let queue = self.source.config().fence_queue();
-        let pairs: Vec<(Lease, SqsDelivery)> = leases
-            .iter()
-            .filter(|l| &l.queue == queue)
-            .filter_map(|l| self.in_flight.newest(&l.key).map(|d| (l.clone(), d)))
-            .collect();
+        let pairs = self.in_flight.pairs(self.source.config().fence_queue(), leases);
         if !pairs.is_empty()
             && let Err(e) = self.source.extend_visibility(&pairs).await
         {
@@ -181,6 +179,11 @@ impl SqsRetrofit {
     /// confirmed heartbeat), commits through the fence, then tells SQS: delete on a committed
     /// result or a duplicate, re-hide on a failure or a busy job, dead-letter a malformed or dead
     /// message, and touch nothing when the lease was lost or the commit fenced.
+    ///
+    /// The heartbeat extends the visibility of *this* message, under *this* attempt's lease
+    /// (another message carrying the same key is never extended for it). A message your loop
+    /// received has a visibility the adapter does not know until its first extension: receive
+    /// with a visibility timeout of at least the lease.
     pub async fn process<H: Handler>(&self, message: &Message, handler: H) -> SqsProcessed {
         let span = tracing::info_span!(
             "sqs_process",
@@ -209,18 +212,39 @@ impl SqsRetrofit {
                 tracing::warn!(%reason, "malformed message: dead-lettering it");
                 let disposition = Disposition::DeadLetter(reason.clone());
                 let broker_error = self.source.apply(&delivery, &disposition).await.err();
-                self.metrics().incr(fence::Counter::DeadLetters);
+                // Only a message really moved counts as dead-lettered.
+                match &broker_error {
+                    None => self.metrics().incr(fence::Counter::DeadLetters),
+                    Some(e) => {
+                        tracing::error!(error = %e, "malformed message not dead-lettered; it has no job key, so it comes back")
+                    }
+                }
                 return SqsProcessed { disposition, detail: SqsDetail::Malformed(reason), broker_error };
             }
         };
         let payload = message.body().unwrap_or_default().as_bytes().to_vec();
-        let id = self.in_flight.insert(&key, delivery.clone());
-        let processed = self.retrofit.process(&key, payload, handler).await;
-        self.in_flight.remove(&key, id);
+        // The delivery is registered under its lease once the attempt starts (the claim may say
+        // the job is someone else's: then it never is).
+        let running: Arc<Mutex<Option<LeaseId>>> = Arc::default();
+        let (in_flight, d, slot) = (Arc::clone(&self.in_flight), delivery.clone(), Arc::clone(&running));
+        let wrapped = move |ctx: fence::JobContext| {
+            let id = lease_id(ctx.lease());
+            in_flight.insert(id.clone(), d.clone());
+            if let Ok(mut s) = slot.lock() {
+                *s = Some(id);
+            }
+            handler.call(ctx)
+        };
+        let processed = self.retrofit.process(&key, payload, wrapped).await;
+        if let Some(id) = running.lock().ok().and_then(|mut s| s.take()) {
+            self.in_flight.remove(&id);
+        }
         let broker_error = self.source.apply(&delivery, &processed.disposition).await.err();
         match (&processed.disposition, &broker_error) {
             (Disposition::Ack, None) => self.metrics().incr(fence::Counter::Acks),
-            (_, Some(e)) => tracing::warn!(error = %e, "SQS call failed; the message comes back and is deduplicated"),
+            (_, Some(e)) => {
+                tracing::warn!(error = %e, "SQS call failed; the message comes back and the fence settles it again")
+            }
             _ => {}
         }
         SqsProcessed { disposition: processed.disposition, detail: SqsDetail::Fence(processed.detail), broker_error }

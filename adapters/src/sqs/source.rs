@@ -14,7 +14,7 @@ use tracing::Instrument;
 use super::batch::{self, Entry};
 use super::config::{DeadLetterTarget, SqsConfig, visibility_secs};
 use super::delivery::{Registry, Settled, SqsDelivery};
-use super::error::{SqsError, classify};
+use super::error::{SqsError, bounded, classify};
 use crate::disposition::Disposition;
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
@@ -26,9 +26,15 @@ use crate::source::{Incoming, Source, SourceError};
 ///   `MessageDeduplicationId`, `MessageGroupId` and all message attributes; the initial visibility
 ///   is the lease length; a message without a usable key is [`Incoming::Malformed`].
 /// * extend: `ChangeMessageVisibilityBatch` to the time left on the database lease, with the
-///   newest receipt handle, only for leases the database just confirmed.
+///   newest receipt handle, only for leases the database just confirmed, and bounded by a third of
+///   that time.
+/// * every call that uses a receipt handle uses the newest one this process holds, and only
+///   while the visibility set with it has not run out (after that another receiver may hold a
+///   newer one: the call is not made, and the message's redelivery is settled instead).
 /// * ack: `DeleteMessageBatch`, ≤ 10 per call, distinct ids, failed entries retried or reported.
-/// * retry later / hold: `ChangeMessageVisibility` (clamped to 12 h); abandon: visibility 0.
+/// * retry later / hold: `ChangeMessageVisibilityBatch` (clamped to 12 h; on FIFO the messages
+///   parked behind a kept head are hidden a little longer, and its group is blocked in this
+///   worker until then); abandon: visibility 0.
 /// * dead letter: `SendMessage` to the dead-letter queue with the reason as the
 ///   `Fence-Dead-Letter-Reason` attribute, then `DeleteMessage`.
 ///
@@ -53,6 +59,8 @@ pub(super) struct Inner {
     pub(super) config: SqsConfig,
     pub(super) registry: Arc<Registry>,
     pub(super) dead_letter_url: OnceCell<Option<String>>,
+    pub(super) redrive: OnceCell<super::dead_letter::Redrive>,
+    pub(super) receive_checked: OnceCell<()>,
     /// `ReceiveMessage` calls still running (see [`SqsSource::release_unstarted`]).
     pub(super) receiving: AtomicUsize,
     pub(super) idle: Notify,
@@ -80,6 +88,8 @@ impl SqsSource {
                 config,
                 registry: Arc::default(),
                 dead_letter_url,
+                redrive: OnceCell::new(),
+                receive_checked: OnceCell::new(),
                 receiving: AtomicUsize::new(0),
                 idle: Notify::new(),
                 ahead: tokio::sync::Mutex::default(),
@@ -106,7 +116,7 @@ impl SqsSource {
     /// # Ok(()) }
     /// ```
     pub fn delivery(&self, message: aws_sdk_sqs::types::Message) -> Result<SqsDelivery, SqsError> {
-        self.inner.registry.register(message)
+        self.inner.registry.register(message, None)
     }
 
     /// What the runtime gets for a delivery: its key and body, or the reason it has no key.
@@ -129,22 +139,59 @@ impl SqsSource {
         }
     }
 
-    /// Sets the visibility of the message (newest handle) to `secs`.
-    async fn set_visibility(&self, d: &SqsDelivery, secs: i32) -> Result<(), SqsError> {
-        self.inner
-            .client
-            .change_message_visibility()
-            .queue_url(&self.inner.config.queue_url)
-            .receipt_handle(self.inner.registry.newest_handle(d))
-            .visibility_timeout(secs)
-            .send()
-            .await
-            .map_err(|e| classify("ChangeMessageVisibility", e))?;
+    /// Sets the visibility of the message (newest handle, if still ours) to `secs`.
+    pub(super) async fn set_visibility(&self, d: &SqsDelivery, secs: i32) -> Result<(), SqsError> {
+        self.change_visibility(vec![(d.0.message_id.clone(), secs)], self.inner.config.call_timeout).await
+    }
+
+    /// Visibility changes, one per message, with the newest handle of each while it is still
+    /// ours (the others are not sent), bounded by `limit`; each that succeeds renews its handle.
+    pub(super) async fn change_visibility(&self, items: Vec<(String, i32)>, limit: Duration) -> Result<(), SqsError> {
+        let registry = &self.inner.registry;
+        let entries: Vec<Entry> = items
+            .into_iter()
+            .filter_map(|(message_id, visibility)| {
+                let handle = registry.usable_handle(&message_id)?;
+                Some(Entry { message_id, handle, visibility })
+            })
+            .collect();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let sent = tokio::time::Instant::now();
+        let resolve = |id: &str| registry.usable_handle(id);
+        let call =
+            batch::change_visibility(&self.inner.client, &self.inner.config.queue_url, entries.clone(), &resolve);
+        let refused = bounded("ChangeMessageVisibilityBatch", limit, call).await?;
+        for e in entries.iter().filter(|e| !refused.contains(&e.message_id)) {
+            registry.hidden(&e.message_id, &e.handle, sent, e.visibility);
+        }
+        Ok(())
+    }
+
+    /// Deletes one message (newest handle, if still ours).
+    pub(super) async fn delete_one(&self, d: &SqsDelivery) -> Result<(), SqsError> {
+        let Some(handle) = self.inner.registry.usable_handle(&d.0.message_id) else {
+            return Err(SqsError::HandleNotOurs { operation: "DeleteMessage", message_id: d.0.message_id.clone() });
+        };
+        let call = async {
+            self.inner
+                .client
+                .delete_message()
+                .queue_url(&self.inner.config.queue_url)
+                .receipt_handle(handle)
+                .send()
+                .await
+                .map_err(|e| classify("DeleteMessage", e))
+        };
+        bounded("DeleteMessage", self.inner.config.call_timeout, call).await?;
         Ok(())
     }
 
     /// Deletes the messages (newest handles), ≤ 10 per call, distinct entry ids; entries SQS
-    /// failed on its side are retried, the others reported.
+    /// failed on its side are retried, the others reported. A message whose handle is no longer
+    /// ours (its visibility ran out, so another receiver may hold a newer handle) is not deleted
+    /// with it: it comes back, and its redelivery is acknowledged as a duplicate.
     ///
     /// ```no_run
     /// # async fn demo(source: adapters::sqs::SqsSource, done: Vec<adapters::sqs::SqsDelivery>) -> Result<(), adapters::sqs::SqsError> {
@@ -152,23 +199,32 @@ impl SqsSource {
     /// # Ok(()) }
     /// ```
     pub async fn delete(&self, deliveries: &[SqsDelivery]) -> Result<(), SqsError> {
-        let entries = deliveries
+        let registry = &self.inner.registry;
+        let entries: Vec<Entry> = deliveries
             .iter()
-            .map(|d| {
+            .filter_map(|d| {
                 d.mark(Settled::Removed);
-                Entry {
-                    message_id: d.0.message_id.clone(),
-                    handle: self.inner.registry.newest_handle(d),
-                    visibility: 0,
-                }
+                let Some(handle) = registry.usable_handle(&d.0.message_id) else {
+                    tracing::debug!(message_id = %d.0.message_id, "not deleted: its receipt handle may be stale; the redelivery is acknowledged");
+                    return None;
+                };
+                Some(Entry { message_id: d.0.message_id.clone(), handle, visibility: 0 })
             })
             .collect();
-        batch::delete(&self.inner.client, &self.inner.config.queue_url, entries).await
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let resolve = |id: &str| registry.usable_handle(id);
+        let call = batch::delete(&self.inner.client, &self.inner.config.queue_url, entries, &resolve);
+        bounded("DeleteMessageBatch", self.inner.config.call_timeout, call).await?;
+        Ok(())
     }
 
     /// Extends the visibility of messages whose leases the database just confirmed, to the time
-    /// left on each lease. FIFO messages parked behind one of them follow it. Never call it for a
-    /// lease the database did not just confirm: a stale handle is no fence.
+    /// left on each lease. FIFO messages parked behind one of them follow it. The call is bounded
+    /// by a third of the shortest lease time left (and [`SqsConfig::call_timeout`]), so a hung
+    /// broker costs a hint, never the lease; a message whose handle is no longer ours is skipped.
+    /// Never call it for a lease the database did not just confirm: a stale handle is no fence.
     ///
     /// ```no_run
     /// # async fn demo(source: adapters::sqs::SqsSource, confirmed: Vec<(fence::Lease, adapters::sqs::SqsDelivery)>) -> Result<(), adapters::sqs::SqsError> {
@@ -177,15 +233,17 @@ impl SqsSource {
     /// ```
     pub async fn extend_visibility(&self, leases: &[(Lease, SqsDelivery)]) -> Result<(), SqsError> {
         let registry = &self.inner.registry;
-        let mut entries = Vec::with_capacity(leases.len());
+        let mut items = Vec::with_capacity(leases.len());
+        let mut limit = self.inner.config.call_timeout;
         for (lease, d) in leases {
             let visibility = visibility_secs(lease.ttl).max(1);
-            entries.push(Entry { message_id: d.0.message_id.clone(), handle: registry.newest_handle(d), visibility });
-            for (message_id, handle) in registry.parked_behind(d) {
-                entries.push(Entry { message_id, handle, visibility });
+            limit = limit.min(lease.ttl / 3);
+            items.push((d.0.message_id.clone(), visibility));
+            for message_id in registry.parked_behind(d) {
+                items.push((message_id, visibility));
             }
         }
-        batch::change_visibility(&self.inner.client, &self.inner.config.queue_url, entries).await
+        self.change_visibility(items, limit.max(Duration::from_millis(50))).await
     }
 
     /// Tells SQS what the fence decided for one delivery (the retrofit path; the runtime calls
@@ -199,34 +257,39 @@ impl SqsSource {
     pub async fn apply(&self, d: &SqsDelivery, disposition: &Disposition) -> Result<(), SqsError> {
         match disposition {
             Disposition::Ack => self.delete(std::slice::from_ref(d)).await,
-            Disposition::RetryLater(delay) => {
-                d.mark(Settled::Kept);
-                self.set_visibility(d, visibility_secs(*delay)).await
-            }
+            Disposition::RetryLater(delay) => self.keep(d, *delay).await,
             Disposition::DeadLetter(reason) => self.move_to_dead_letter(d, reason).await,
-            Disposition::Hold(ttl) => {
-                d.mark(Settled::Kept);
-                self.set_visibility(d, visibility_secs(*ttl)).await
-            }
+            Disposition::Hold(ttl) => self.keep(d, *ttl).await,
             Disposition::Abandon => self.give_back(d).await,
             Disposition::Leave => Ok(()),
         }
+    }
+
+    /// Keeps the message in the queue, hidden for `hide` (retry later, busy elsewhere). On FIFO
+    /// its group is blocked in this worker until then, and the messages parked behind it are
+    /// hidden a little longer, so none of them comes back before it.
+    async fn keep(&self, d: &SqsDelivery, hide: Duration) -> Result<(), SqsError> {
+        d.mark(Settled::Kept);
+        let secs = visibility_secs(hide);
+        let until = tokio::time::Instant::now() + Duration::from_secs(u64::try_from(secs).unwrap_or(0));
+        let mut items = vec![(d.0.message_id.clone(), secs)];
+        for (f, fsecs) in self.inner.registry.keep_head(d, until) {
+            f.mark(Settled::Kept);
+            items.push((f.0.message_id.clone(), fsecs.max(secs)));
+        }
+        self.change_visibility(items, self.inner.config.call_timeout).await
     }
 
     /// Visibility 0 for the message and, on FIFO, for the messages parked behind it.
     async fn give_back(&self, d: &SqsDelivery) -> Result<(), SqsError> {
         d.mark(Settled::Abandoned);
         let registry = &self.inner.registry;
-        let mut entries =
-            vec![Entry { message_id: d.0.message_id.clone(), handle: registry.newest_handle(d), visibility: 0 }];
+        let mut items = vec![(d.0.message_id.clone(), 0)];
         for p in registry.take_parked_behind(d) {
-            entries.push(Entry {
-                message_id: p.0.message_id.clone(),
-                handle: registry.newest_handle(&p),
-                visibility: 0,
-            });
+            p.mark(Settled::Abandoned);
+            items.push((p.0.message_id.clone(), 0));
         }
-        batch::change_visibility(&self.inner.client, &self.inner.config.queue_url, entries).await
+        self.change_visibility(items, self.inner.config.call_timeout).await
     }
 }
 
