@@ -47,7 +47,7 @@ mod worker {
     use std::time::Duration;
 
     use brokerfence::adapters::redis::{ItemKey, KeyFrom, RedisConnections, ReliableList, StreamSource};
-    use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source, shutdown_signal};
+    use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
     use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, Owner, QueueName, SupervisorConfig};
 
     use super::common::{self, CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
@@ -138,9 +138,11 @@ mod worker {
         what: &[(&str, &dyn std::fmt::Display)],
     ) -> Result<(), StartError> {
         let consumer = Consumer::with_owner(EventSource(source), Arc::new(EventStore(store)), owner.clone(), config);
+        consumer.supervisor().add_hook(Arc::new(common::LostHook));
         let reporter = common::spawn_metrics(consumer.metrics());
+        let stop = common::shutdown_on_signals();
         common::ready(&owner, what);
-        let result = consumer.run(handler, shutdown_signal()).await;
+        let result = consumer.run(handler, stop).await;
         reporter.abort();
         println!("EVENT stopped {}", consumer.metrics().snapshot());
         result.map_err(|e| StartError::Failed(e.to_string()))

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::adapters::sqs::{DeadLetterTarget, KeyStrategy, SqsConfig, SqsSource, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig, shutdown_signal};
+use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
 
 #[path = "support/cli.rs"]
@@ -137,12 +137,15 @@ async fn serve(args: Args) -> Result<(), StartError> {
     }
     let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
     let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    consumer.supervisor().add_hook(Arc::new(common::LostHook));
     let reporter = common::spawn_metrics(consumer.metrics());
     let call = CallReceiver::new(c);
     let handler = move |ctx: JobContext| call.clone().handle(ctx);
 
+    let stop = common::shutdown_on_signals();
+
     common::ready(&owner, &[("queue", &args.queue_url), ("source", &"sqs")]);
-    let result = consumer.run(handler, shutdown_signal()).await;
+    let result = consumer.run(handler, stop).await;
     // A long poll the consumer abandoned at shutdown may still hand out messages: wait for it, so
     // they are made visible again now rather than after their visibility timeout.
     consumer.source().0.release_unstarted(c.grace.max(Duration::from_secs(1))).await;

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::adapters::postgres::TableQueue;
-use brokerfence::adapters::{Consumer, ConsumerConfig, shutdown_signal};
+use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{FenceStore, JobContext, LeaseDuration, QueueName, SupervisorConfig};
 
 #[path = "support/cli.rs"]
@@ -77,12 +77,15 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
     let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
     let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    consumer.supervisor().add_hook(Arc::new(common::LostHook));
     let reporter = common::spawn_metrics(consumer.metrics());
     let call = CallReceiver::new(c);
     let handler = move |ctx: JobContext| call.clone().handle(ctx);
 
+    let stop = common::shutdown_on_signals();
+
     common::ready(&owner, &[("queue", &queue), ("source", &"table")]);
-    let result = consumer.run(handler, shutdown_signal()).await;
+    let result = consumer.run(handler, stop).await;
     reporter.abort();
     println!("EVENT stopped {}", consumer.metrics().snapshot());
     result.map_err(|e| StartError::Failed(e.to_string()))

@@ -433,6 +433,32 @@ impl CallReceiver {
     }
 }
 
+/// A token cancelled on SIGTERM or SIGINT. Unlike `adapters::shutdown_signal`, the handlers are
+/// in place when this returns, so a driver that waits for `EVENT ready` (printed after it) can
+/// send SIGTERM at once without killing the process.
+pub fn shutdown_on_signals() -> tokio_util::sync::CancellationToken {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = tokio_util::sync::CancellationToken::new();
+    let (term, int) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
+    let fire = token.clone();
+    tokio::spawn(async move {
+        match (term, int) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+        tracing::info!("shutdown signal received");
+        fire.cancel();
+    });
+    token
+}
+
 /// Prints a `metrics` line whenever a counter changed (every 50 ms at most); abort it at the end.
 pub fn spawn_metrics(metrics: Arc<fence::Metrics>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -552,6 +578,21 @@ impl FenceStore for EventStore {
     }
 }
 
+/// A supervisor hook printing `lease_lost` for every lease a heartbeat found taken over or
+/// expired (add it with `consumer.supervisor().add_hook(Arc::new(LostHook))`).
+pub struct LostHook;
+
+#[async_trait]
+impl fence::LeaseHook for LostHook {
+    async fn confirmed(&self, _leases: &[Lease]) {}
+
+    async fn lost(&self, leases: &[Lease]) {
+        for lease in leases {
+            lease_event("lease_lost", lease, &[]);
+        }
+    }
+}
+
 // ---------------------------------------------------- what the broker was told: the source side
 
 /// A delivery with the job key it maps to (none for a malformed one).
@@ -569,7 +610,7 @@ impl<D> Tagged<D> {
 
 /// A [`Source`] that prints what the broker was told, as the runtime's disposition says:
 /// `acked`, `hidden` (visibility changed: `why=busy|retry|heartbeat`), `dead_lettered`,
-/// `abandoned`, `lease_lost`, and `broker_error` when a call failed. Every call is delegated.
+/// `abandoned`, and `broker_error` when a call failed. Every call is delegated.
 pub struct EventSource<S>(pub S);
 
 impl<S: Source> EventSource<S> {
@@ -635,9 +676,6 @@ impl<S: Source> Source for EventSource<S> {
 
     async fn lost(&self, leases: &[(Lease, Self::Delivery)]) -> Result<(), SourceError> {
         let inner: Vec<(Lease, S::Delivery)> = leases.iter().map(|(l, d)| (l.clone(), d.inner.clone())).collect();
-        for (lease, _) in leases {
-            lease_event("lease_lost", lease, &[]);
-        }
         self.0.lost(&inner).await
     }
 
