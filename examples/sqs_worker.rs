@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::adapters::sqs::{DeadLetterTarget, KeyStrategy, SqsConfig, SqsSource, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig};
+use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
 
 #[path = "support/cli.rs"]
@@ -144,7 +144,8 @@ async fn serve(args: Args) -> Result<(), StartError> {
 
     let stop = common::shutdown_on_signals();
 
-    common::ready(&owner, &[("queue", &args.queue_url), ("source", &"sqs")]);
+    let queue = consumer.source().0.queue().clone();
+    common::ready(&owner, &[("queue", &queue), ("source", &"sqs"), ("queue_url", &args.queue_url)]);
     let result = consumer.run(handler, stop).await;
     // A long poll the consumer abandoned at shutdown may still hand out messages: wait for it, so
     // they are made visible again now rather than after their visibility timeout.

@@ -463,5 +463,20 @@ mod edges {
         assert_eq!(code, 0, "{stderr}");
         assert!(stderr.contains("INFO"), "expected log lines at info: {stderr}");
         assert!(!stderr.contains("\x1b["), "ANSI codes on a piped stderr: {stderr:?}");
+        delete_key(&redis_url, &stream).await;
     }
+
+    /// Removes the test's stream from the shared Redis.
+    #[cfg(feature = "redis")]
+    async fn delete_key(url: &str, key: &str) {
+        use brokerfence::adapters::redis::client;
+        if let Ok(c) = client::Client::open(url)
+            && let Ok(mut conn) = c.get_multiplexed_async_connection().await
+        {
+            let _: Result<i64, _> = client::cmd("DEL").arg(key).query_async(&mut conn).await;
+        }
+    }
+
+    #[cfg(not(feature = "redis"))]
+    async fn delete_key(_url: &str, _key: &str) {}
 }
