@@ -6,6 +6,8 @@
 //! real Redis.
 
 mod common;
+#[cfg(feature = "sqs")]
+mod sqs_support;
 
 mod edges {
     use std::path::PathBuf;
@@ -464,6 +466,52 @@ mod edges {
         assert!(stderr.contains("INFO"), "expected log lines at info: {stderr}");
         assert!(!stderr.contains("\x1b["), "ANSI codes on a piped stderr: {stderr:?}");
         delete_key(&redis_url, &stream).await;
+    }
+
+    /// §3 bullet 4 / §6 (`--dead-letter-queue`, and the `EVENT` lines of the SQS worker): on a
+    /// queue without a `RedrivePolicy`, `sqs_worker --dead-letter-queue <url>` moves an
+    /// undecodable message to that queue and prints `dead_lettered key=- reason=…`; a good
+    /// message prints `committed` (epoch 1, its owner) and then `acked`. Old code: no
+    /// `--dead-letter-queue` flag (exit 2), no `committed`/`acked`/`dead_lettered` lines.
+    #[cfg(feature = "sqs")]
+    #[tokio::test]
+    async fn edges_sqs_worker_dead_letters_to_the_given_queue_and_tells_so() {
+        use super::sqs_support::{TestQueue, Worker, depth, drain, drop_schema, pg, send, sqs, worker_args};
+        let client = sqs().await;
+        let fence = pg().await;
+        let q = TestQueue::new(&client, "h6-events", 5).await;
+        let dlq = TestQueue::new(&client, "h6-events-dlq", 5).await;
+        send(&client, &q.url, "not json {").await;
+        send(&client, &q.url, r#"{"id":"good-1"}"#).await;
+        let extra = ["--key", "body:id", "--dead-letter-queue", dlq.url.as_str(), "--lease", "3"];
+        let mut worker = Worker::spawn("h6-sqs", &worker_args(&q, &fence, "h6-sqs", &extra));
+        worker
+            .wait_event(Duration::from_secs(30), "acked good-1", |e| {
+                e.name == "acked" && e.get("key") == Some("good-1")
+            })
+            .await;
+        worker.wait_event(Duration::from_secs(30), "dead_lettered", |e| e.name == "dead_lettered").await;
+        let events = worker.events();
+        let ready = events.iter().find(|e| e.name == "ready").expect("ready");
+        assert_eq!(ready.num("pid"), u64::try_from(worker.pid).expect("pid"), "{}", ready.line);
+        assert_eq!(ready.get("queue_url"), Some(q.url.as_str()));
+        let committed: Vec<_> = events.iter().filter(|e| e.name == "committed").collect();
+        assert_eq!(committed.len(), 1, "{events:#?}");
+        assert_eq!(committed[0].get("key"), Some("good-1"));
+        assert_eq!(committed[0].get("epoch"), Some("1"));
+        assert_eq!(committed[0].get("owner"), Some("h6-sqs"));
+        let dead = events.iter().find(|e| e.name == "dead_lettered").expect("dead_lettered");
+        assert_eq!(dead.get("key"), Some("-"), "{}", dead.line);
+        assert!(dead.line.contains("reason="), "{}", dead.line);
+        assert!(!events.iter().any(|e| e.name == "dropped" || e.name == "broker_error"), "{events:#?}");
+        worker.signal(libc::SIGTERM);
+        let status = worker.wait_exit(Duration::from_secs(30)).await;
+        assert!(status.success(), "{status}");
+        assert_eq!(drain(&client, &dlq.url, 1, Duration::from_secs(5)).await.len(), 1);
+        assert_eq!(depth(&client, &q.url).await, 0);
+        q.delete(&client).await;
+        dlq.delete(&client).await;
+        drop_schema(&fence).await;
     }
 
     /// Removes the test's stream from the shared Redis.
