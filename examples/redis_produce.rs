@@ -11,6 +11,9 @@
 //! `--bad N` adds N entries without a `body` field (dead-lettered by the worker). Redis from
 //! `REDIS_URL` or `--redis-url`, falling back to `localstack/.env`. Prints `EVENT produced n=…`.
 
+#[path = "support/cli.rs"]
+mod common;
+
 #[cfg(feature = "redis")]
 fn main() {
     std::process::exit(run(std::env::args().skip(1).collect()));
@@ -29,8 +32,10 @@ pub use producer::run;
 mod producer {
     use brokerfence::adapters::redis::client::{self, aio::MultiplexedConnection};
 
+    use super::common::{Cli, CliExit};
+
     const USAGE: &str = "usage: redis_produce (--stream KEY | --list KEY) [--count N=100] [--start I=0]
-       [--key-prefix P] [--body TEXT=hello] [--bad N=0] [--redis-url URL]";
+       [--key-prefix P] [--body TEXT=hello] [--bad N=0] [--redis-url URL] [--help]";
 
     #[derive(Debug, Default)]
     struct Args {
@@ -44,29 +49,25 @@ mod producer {
         redis_url: Option<String>,
     }
 
-    fn parse_args(raw: Vec<String>) -> Result<Args, String> {
+    fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
         let mut args = Args { count: 100, body: "hello".into(), ..Args::default() };
-        let mut it = raw.into_iter();
-        while let Some(name) = it.next() {
-            if name == "--help" || name == "-h" {
-                return Err(USAGE.to_owned());
-            }
-            let value = it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"))?;
-            let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{name} {v:?}: {e}"));
-            match name.as_str() {
-                "--stream" => args.stream = Some(value),
-                "--list" => args.list = Some(value),
-                "--count" => args.count = num(&value)?,
-                "--start" => args.start = num(&value)?,
-                "--key-prefix" => args.key_prefix = Some(value),
-                "--body" => args.body = value,
-                "--bad" => args.bad = num(&value)?,
-                "--redis-url" => args.redis_url = Some(value),
-                other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        let mut cli = Cli::new(raw);
+        while let Some(flag) = cli.next_flag() {
+            let mut flag = flag?;
+            match flag.name.as_str() {
+                "--stream" => args.stream = Some(flag.value()?),
+                "--list" => args.list = Some(flag.value()?),
+                "--count" => args.count = flag.num()?,
+                "--start" => args.start = flag.num()?,
+                "--key-prefix" => args.key_prefix = Some(flag.value()?),
+                "--body" => args.body = flag.value()?,
+                "--bad" => args.bad = flag.num()?,
+                "--redis-url" => args.redis_url = Some(flag.value()?),
+                _ => return Err(flag.unknown()),
             }
         }
         if args.stream.is_some() == args.list.is_some() {
-            return Err(format!("give exactly one of --stream and --list\n{USAGE}"));
+            return Err(CliExit::Usage("give exactly one of --stream and --list".into()));
         }
         Ok(args)
     }
@@ -119,10 +120,7 @@ mod producer {
     pub fn run(raw: Vec<String>) -> i32 {
         let args = match parse_args(raw) {
             Ok(a) => a,
-            Err(e) => {
-                eprintln!("{e}");
-                return 2;
-            }
+            Err(e) => return e.report("redis_produce", USAGE),
         };
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(r) => r,

@@ -10,18 +10,25 @@
 //!     --receiver-url http://127.0.0.1:8080/apply --lease 30
 //! ```
 //!
-//! Configuration: Redis from `REDIS_URL`, PostgreSQL from `DATABASE_URL`; both fall back to
-//! `localstack/.env`. Entries carry their payload in the field `body` (and, with `--key-field`, the
-//! job key in that field; by default the entry id is the key).
+//! Configuration: Redis from `--redis-url` or `REDIS_URL`, PostgreSQL from `--database-url` or
+//! `DATABASE_URL`; both fall back to `localstack/.env`. Entries carry their payload in the field
+//! `body` (and, with `--key-field`, the job key in that field; by default the entry id is the key).
 //!
 //! It prints one machine-readable `EVENT <name> key=value …` line per step to stdout (logs go to
-//! stderr), which the tests use to drive it as a zombie: `ready`, `claimed`, `calling`, `called`,
-//! `handled`, `dropped` (the attempt was cancelled: its lease was lost), `metrics` (whenever a
-//! counter changed) and `stopped`. SIGTERM or Ctrl-C stops it gracefully: no more reads, running
-//! jobs get `--grace` to finish, the rest are released and their entries made claimable at once.
+//! stderr; `examples/README.md` lists every line and every flag), which the tests use to drive it
+//! as a zombie. SIGTERM or Ctrl-C stops it gracefully: no more reads, running jobs get `--grace`
+//! to finish, the rest are released and their entries made claimable at once.
+//!
+//! The schema must be migrated (`--migrate`, or `FenceStore::migrate` in your deploy step):
+//! without `--migrate` the worker checks it and refuses to start (exit 2) when it is older than
+//! this build needs.
+
+#[path = "support/cli.rs"]
+mod common;
 
 #[cfg(feature = "redis")]
 fn main() {
+    brokerfence::services::load_dotenv();
     std::process::exit(run(std::env::args().skip(1).collect()));
 }
 
@@ -40,157 +47,86 @@ mod worker {
     use std::time::Duration;
 
     use brokerfence::adapters::redis::{ItemKey, KeyFrom, RedisConnections, ReliableList, StreamSource};
-    use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source, shutdown_signal};
-    use brokerfence::fence::{
-        FenceStore, JobContext, JobError, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
-    };
+    use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
+    use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, Owner, QueueName, SupervisorConfig};
 
-    const USAGE: &str = "usage: redis_worker (--stream KEY [--group NAME=workers] | --list KEY) [--queue NAME]
-       [--key-field FIELD] [--item-key hash|split:C] [--receiver-url URL] [--lease SECS=30]
-       [--owner NAME] [--schema NAME] [--concurrency N=16] [--block MS=2000] [--visibility MS]
-       [--autoclaim-every MS=1000] [--max-deliveries N=10] [--handler-delay MS=0]
-       [--after-call-delay MS=0] [--grace MS=30000] [--redis-url URL] [--database-url URL]";
+    use super::common::{self, CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
 
-    #[derive(Debug, Default)]
+    const PROG: &str = "redis_worker";
+
+    fn usage() -> String {
+        format!(
+            "usage: redis_worker (--stream KEY [--group NAME=workers] | --list KEY) [--queue NAME]
+       [--key-field FIELD] [--item-key hash|split:C] [--block MS=2000] [--visibility MS]
+       [--autoclaim-every MS=1000] [--max-deliveries N=10] [--redis-url URL]
+{}",
+            common::COMMON_USAGE
+        )
+    }
+
     struct Args {
+        common: Common,
         stream: Option<String>,
         list: Option<String>,
         group: String,
         queue: Option<String>,
         key_field: Option<String>,
         item_split: Option<u8>,
-        receiver_url: Option<String>,
-        lease: u64,
-        owner: Option<String>,
-        schema: Option<String>,
-        concurrency: usize,
         block: Duration,
         visibility: Option<Duration>,
         autoclaim_every: Duration,
         max_deliveries: u32,
-        handler_delay: Duration,
-        after_call_delay: Duration,
-        grace: Duration,
         redis_url: Option<String>,
-        database_url: Option<String>,
     }
 
-    fn parse_args(raw: Vec<String>) -> Result<Args, String> {
+    fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
         let mut args = Args {
+            common: Common::default(),
+            stream: None,
+            list: None,
             group: "workers".into(),
-            receiver_url: std::env::var("RECEIVER_URL").ok().filter(|s| !s.is_empty()),
-            lease: 30,
-            concurrency: 16,
+            queue: None,
+            key_field: None,
+            item_split: None,
             block: Duration::from_secs(2),
+            visibility: None,
             autoclaim_every: Duration::from_secs(1),
             max_deliveries: 10,
-            grace: Duration::from_secs(30),
-            ..Args::default()
+            redis_url: None,
         };
-        let mut it = raw.into_iter();
-        while let Some(arg) = it.next() {
-            let (name, inline) = match arg.split_once('=') {
-                Some((n, v)) if n.starts_with("--") => (n.to_owned(), Some(v.to_owned())),
-                _ => (arg.clone(), None),
-            };
-            if name == "--help" || name == "-h" {
-                return Err(USAGE.to_owned());
+        let mut cli = Cli::new(raw);
+        while let Some(flag) = cli.next_flag() {
+            let mut flag = flag?;
+            if args.common.take(&mut flag)? {
+                continue;
             }
-            let Some(value) = inline.or_else(|| it.next()) else {
-                return Err(format!("{name} needs a value\n{USAGE}"));
-            };
-            let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{name} {v:?}: {e}"));
-            let ms = |v: &str| num(v).map(Duration::from_millis);
-            match name.as_str() {
-                "--stream" => args.stream = Some(value),
-                "--list" => args.list = Some(value),
-                "--group" => args.group = value,
-                "--queue" => args.queue = Some(value),
-                "--key-field" => args.key_field = Some(value),
+            match flag.name.as_str() {
+                "--stream" => args.stream = Some(flag.value()?),
+                "--list" => args.list = Some(flag.value()?),
+                "--group" => args.group = flag.value()?,
+                "--queue" => args.queue = Some(flag.value()?),
+                "--key-field" => args.key_field = Some(flag.value()?),
                 "--item-key" => {
-                    args.item_split = match value.as_str() {
+                    args.item_split = match flag.value()?.as_str() {
                         "hash" => None,
                         v => match v.strip_prefix("split:").map(str::as_bytes) {
                             Some([c]) => Some(*c),
-                            _ => return Err(format!("--item-key {v:?}: expected hash or split:C\n{USAGE}")),
+                            _ => return Err(CliExit::Usage(format!("--item-key {v:?}: expected hash or split:C"))),
                         },
                     }
                 }
-                "--receiver-url" => args.receiver_url = Some(value),
-                "--lease" => args.lease = num(&value)?,
-                "--owner" => args.owner = Some(value),
-                "--schema" => args.schema = Some(value),
-                "--concurrency" => args.concurrency = usize::try_from(num(&value)?).unwrap_or(1),
-                "--block" => args.block = ms(&value)?,
-                "--visibility" => args.visibility = Some(ms(&value)?),
-                "--autoclaim-every" => args.autoclaim_every = ms(&value)?,
-                "--max-deliveries" => args.max_deliveries = u32::try_from(num(&value)?).unwrap_or(u32::MAX),
-                "--handler-delay" => args.handler_delay = ms(&value)?,
-                "--after-call-delay" => args.after_call_delay = ms(&value)?,
-                "--grace" => args.grace = ms(&value)?,
-                "--redis-url" => args.redis_url = Some(value),
-                "--database-url" => args.database_url = Some(value),
-                other => return Err(format!("unknown argument {other}\n{USAGE}")),
+                "--block" => args.block = flag.ms()?,
+                "--visibility" => args.visibility = Some(flag.ms()?),
+                "--autoclaim-every" => args.autoclaim_every = flag.ms()?,
+                "--max-deliveries" => args.max_deliveries = flag.num()?,
+                "--redis-url" => args.redis_url = Some(flag.value()?),
+                _ => return Err(flag.unknown()),
             }
         }
         if args.stream.is_some() == args.list.is_some() {
-            return Err(format!("give exactly one of --stream and --list\n{USAGE}"));
+            return Err(CliExit::Usage("give exactly one of --stream and --list".into()));
         }
         Ok(args)
-    }
-
-    /// One machine-readable line on stdout.
-    fn event(name: &str, fields: &str) {
-        println!("EVENT {name} {fields}");
-    }
-
-    /// Prints `EVENT dropped` if the attempt is cancelled (its future dropped) before it finished.
-    struct DropWatch {
-        fields: String,
-        finished: bool,
-    }
-
-    impl Drop for DropWatch {
-        fn drop(&mut self) {
-            if !self.finished {
-                event("dropped", &self.fields);
-            }
-        }
-    }
-
-    /// The handler: calls the receiver with the job's fencing stamp, commits the owner and epoch.
-    async fn handle(
-        ctx: JobContext,
-        http: reqwest::Client,
-        receiver: Option<Arc<str>>,
-        delay: Duration,
-        after_call: Duration,
-    ) -> Result<Vec<u8>, JobError> {
-        let fields = format!("key={} epoch={} owner={}", ctx.key(), ctx.epoch(), ctx.owner());
-        let mut watch = DropWatch { fields: fields.clone(), finished: false };
-        event("claimed", &fields);
-        tokio::time::sleep(delay).await;
-        if let Some(url) = receiver.as_deref() {
-            event("calling", &fields);
-            let mut request = http.post(url).body(ctx.payload().to_vec());
-            for (name, value) in ctx.stamp().to_headers() {
-                request = request.header(name, value);
-            }
-            let response = request.send().await.map_err(|e| JobError::retry(format!("receiver unreachable: {e}")))?;
-            let status = response.status().as_u16();
-            event("called", &format!("{fields} status={status}"));
-            match status {
-                200..=299 => {}
-                // The receiver has seen a newer epoch: this worker was superseded. The fenced
-                // failure is refused by the database too; nothing is acknowledged.
-                409 => return Err(JobError::retry(format!("receiver refused epoch {}: superseded", ctx.epoch()))),
-                s => return Err(JobError::retry(format!("receiver answered {s}"))),
-            }
-        }
-        tokio::time::sleep(after_call).await;
-        watch.finished = true;
-        event("handled", &fields);
-        Ok(format!("{}@{}", ctx.owner(), ctx.epoch()).into_bytes())
     }
 
     async fn consume<S: Source, H: Handler>(
@@ -199,61 +135,41 @@ mod worker {
         owner: Owner,
         config: ConsumerConfig,
         handler: H,
-        what: &str,
-    ) -> Result<(), Box<dyn std::error::Error>> {
-        let consumer = Consumer::with_owner(source, store, owner.clone(), config);
-        let metrics = consumer.metrics();
-        let reporter = tokio::spawn(async move {
-            let mut last = metrics.snapshot();
-            loop {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                let now = metrics.snapshot();
-                if now != last {
-                    event("metrics", &now.to_string());
-                    last = now;
-                }
-            }
-        });
-        event("ready", &format!("owner={owner} {what} pid={}", std::process::id()));
-        let result = consumer.run(handler, shutdown_signal()).await;
+        what: &[(&str, &dyn std::fmt::Display)],
+    ) -> Result<(), StartError> {
+        let consumer = Consumer::with_owner(EventSource(source), Arc::new(EventStore(store)), owner.clone(), config);
+        consumer.supervisor().add_hook(Arc::new(common::LostHook));
+        let reporter = common::spawn_metrics(consumer.metrics());
+        let stop = common::shutdown_on_signals();
+        common::ready(&owner, what);
+        let result = consumer.run(handler, stop).await;
         reporter.abort();
-        event("stopped", &consumer.metrics().snapshot().to_string());
-        Ok(result?)
+        println!("EVENT stopped {}", consumer.metrics().snapshot());
+        result.map_err(|e| StartError::Failed(e.to_string()))
     }
 
-    async fn serve(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-        let redis_url = args
-            .redis_url
-            .clone()
-            .or_else(|| brokerfence::services::var("REDIS_URL"))
-            .ok_or("REDIS_URL is not set (run localstack/up, which writes localstack/.env)")?;
-        let database_url = args
-            .database_url
-            .clone()
-            .or_else(|| brokerfence::services::var("DATABASE_URL"))
-            .ok_or("DATABASE_URL is not set (run localstack/up, which writes localstack/.env)")?;
-        let mut store = PgFence::connect(&database_url).await?;
-        if let Some(schema) = &args.schema {
-            store = store.with_schema(SchemaName::new(schema.clone())?);
-        }
-        store.migrate().await?;
-        let store: Arc<dyn FenceStore> = Arc::new(store);
+    async fn serve(args: Args) -> Result<(), StartError> {
+        let c = &args.common;
+        let refuse = |e: FenceError| StartError::Refused(e.to_string());
+        let owner = c.owner("redis-worker").map_err(refuse)?;
+        let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+        let redis_url =
+            args.redis_url.clone().or_else(|| brokerfence::services::var("REDIS_URL")).ok_or_else(|| {
+                StartError::Refused("no Redis: give --redis-url or set REDIS_URL (localstack/up writes it)".into())
+            })?;
+        let url = common::database_url(c.database_url.as_deref())?;
+        let store: Arc<dyn FenceStore> =
+            Arc::new(common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?);
         let redis = RedisConnections::connect(&redis_url).await?;
 
-        let supervisor = SupervisorConfig::new(LeaseDuration::from_secs(args.lease)?);
-        let config = ConsumerConfig::new(supervisor).concurrency(args.concurrency).grace(args.grace);
-        let owner = match &args.owner {
-            Some(o) => Owner::new(o.clone())?,
-            None => Owner::unique("redis-worker"),
-        };
-        let http = reqwest::Client::new();
-        let receiver: Option<Arc<str>> = args.receiver_url.as_deref().map(Arc::from);
-        let (delay, after_call) = (args.handler_delay, args.after_call_delay);
-        let handler = move |ctx: JobContext| handle(ctx, http.clone(), receiver.clone(), delay, after_call);
+        let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
+        let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
+        let call = CallReceiver::new(c);
+        let handler = move |ctx: JobContext| call.clone().handle(ctx);
 
         if let Some(stream) = &args.stream {
-            let queue = QueueName::new(args.queue.clone().unwrap_or_else(|| stream.clone()))?;
-            let mut source = StreamSource::new(redis, queue, stream.clone(), args.group.clone())?
+            let queue = QueueName::new(args.queue.clone().unwrap_or_else(|| stream.clone())).map_err(refuse)?;
+            let mut source = StreamSource::new(redis, queue.clone(), stream.clone(), args.group.clone())?
                 .block(args.block)
                 .autoclaim_every(args.autoclaim_every)
                 .max_deliveries(args.max_deliveries);
@@ -263,16 +179,17 @@ mod worker {
             if let Some(v) = args.visibility {
                 source = source.visibility(v);
             }
-            let what = format!("stream={stream} group={}", args.group);
+            let what: [(&str, &dyn std::fmt::Display); 4] =
+                [("queue", &queue), ("source", &"stream"), ("stream", stream), ("group", &args.group)];
             consume(source, store, owner, config, handler, &what).await
         } else if let Some(list) = &args.list {
-            let queue = QueueName::new(args.queue.clone().unwrap_or_else(|| list.clone()))?;
+            let queue = QueueName::new(args.queue.clone().unwrap_or_else(|| list.clone())).map_err(refuse)?;
             let item_key = args.item_split.map_or(ItemKey::ContentHash, ItemKey::Split);
-            let source = ReliableList::new(redis, queue, list.clone())?.item_key(item_key).block(args.block);
-            let what = format!("list={list}");
+            let source = ReliableList::new(redis, queue.clone(), list.clone())?.item_key(item_key).block(args.block);
+            let what: [(&str, &dyn std::fmt::Display); 3] = [("queue", &queue), ("source", &"list"), ("list", list)];
             consume(source, store, owner, config, handler, &what).await
         } else {
-            Err(USAGE.into())
+            Err(StartError::Refused("give exactly one of --stream and --list".into()))
         }
     }
 
@@ -281,28 +198,16 @@ mod worker {
     pub fn run(raw: Vec<String>) -> i32 {
         let args = match parse_args(raw) {
             Ok(a) => a,
-            Err(e) => {
-                eprintln!("{e}");
-                return 2;
-            }
+            Err(e) => return e.report(PROG, &usage()),
         };
-        let _ = tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-            .try_init();
+        common::init_logging("info");
         let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
             Ok(r) => r,
-            Err(e) => {
-                eprintln!("cannot start the tokio runtime: {e}");
-                return 1;
-            }
+            Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(PROG),
         };
         match runtime.block_on(serve(args)) {
             Ok(()) => 0,
-            Err(e) => {
-                eprintln!("redis_worker: {e}");
-                1
-            }
+            Err(e) => e.report(PROG),
         }
     }
 }

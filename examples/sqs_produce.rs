@@ -18,8 +18,13 @@ use brokerfence::adapters::sqs::aws_sdk_sqs::types::{MessageAttributeValue, Send
 use brokerfence::adapters::sqs::{client_from_env, is_fifo_url};
 use futures::{StreamExt, TryStreamExt};
 
+#[path = "support/cli.rs"]
+mod common;
+
+use common::{Cli, CliExit};
+
 const USAGE: &str =
-    "usage: sqs_produce --queue-url URL [--count N=10] [--prefix P=msg] [--group G=group-1] [--in-flight N=8]";
+    "usage: sqs_produce --queue-url URL [--count N=10] [--prefix P=msg] [--group G=group-1] [--in-flight N=8] [--help]";
 
 struct Args {
     queue_url: String,
@@ -29,7 +34,7 @@ struct Args {
     in_flight: usize,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args() -> Result<Args, CliExit> {
     let mut args = Args {
         queue_url: std::env::var("SQS_QUEUE_URL").unwrap_or_default(),
         count: 10,
@@ -37,21 +42,20 @@ fn parse_args() -> Result<Args, String> {
         group: "group-1".into(),
         in_flight: 8,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(name) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{name} needs a value\n{USAGE}"))?;
-        let num = |v: &str| v.parse::<usize>().map_err(|e| format!("{name} {v:?}: {e}"));
-        match name.as_str() {
-            "--queue-url" => args.queue_url = value,
-            "--count" => args.count = num(&value)?,
-            "--prefix" => args.prefix = value,
-            "--group" => args.group = value,
-            "--in-flight" => args.in_flight = num(&value)?.max(1),
-            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+    let mut cli = Cli::new(std::env::args().skip(1).collect());
+    while let Some(flag) = cli.next_flag() {
+        let mut flag = flag?;
+        match flag.name.as_str() {
+            "--queue-url" => args.queue_url = flag.value()?,
+            "--count" => args.count = flag.num()?,
+            "--prefix" => args.prefix = flag.value()?,
+            "--group" => args.group = flag.value()?,
+            "--in-flight" => args.in_flight = flag.num::<usize>()?.max(1),
+            _ => return Err(flag.unknown()),
         }
     }
     if args.queue_url.is_empty() {
-        return Err(format!("--queue-url (or SQS_QUEUE_URL) is required\n{USAGE}"));
+        return Err(CliExit::Usage("--queue-url (or SQS_QUEUE_URL) is required".into()));
     }
     Ok(args)
 }
@@ -107,10 +111,7 @@ fn main() -> ExitCode {
     brokerfence::services::load_dotenv();
     let args = match parse_args() {
         Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+        Err(e) => return ExitCode::from(u8::try_from(e.report("sqs_produce", USAGE)).unwrap_or(2)),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,

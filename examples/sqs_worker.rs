@@ -10,109 +10,95 @@
 //! ```
 //!
 //! Configuration: AWS from the standard environment (`AWS_ENDPOINT_URL_SQS`, `AWS_REGION`,
-//! credentials), PostgreSQL from `DATABASE_URL`; both fall back to `localstack/.env`. The queue URL
-//! and receiver URL may also come from `SQS_QUEUE_URL` and `RECEIVER_URL`.
+//! credentials), PostgreSQL from `--database-url` or `DATABASE_URL`; both fall back to
+//! `localstack/.env`. The queue URL and receiver URL may also come from `SQS_QUEUE_URL` and
+//! `RECEIVER_URL`.
 //!
 //! It prints one machine-readable `EVENT <name> key=value …` line per step to stdout (logs go to
-//! stderr), which the tests use to drive it as a zombie:
-//! `ready`, `claimed`, `calling`, `called`, `handled`, `dropped` (the attempt was cancelled: its
-//! lease was lost), `metrics` (whenever a counter changed) and `stopped`.
-//! SIGTERM or Ctrl-C stops it gracefully: no more receives, running jobs get `--grace` to finish,
-//! the rest are released and their messages made visible again.
+//! stderr; `examples/README.md` lists every line and every flag), which the tests use to drive it
+//! as a zombie. SIGTERM or Ctrl-C stops it gracefully: no more receives, running jobs get
+//! `--grace` to finish, the rest are released and their messages made visible again.
+//!
+//! The schema must be migrated (`--migrate`, or `FenceStore::migrate` in your deploy step):
+//! without `--migrate` the worker checks it and refuses to start (exit 2) when it is older than
+//! this build needs.
 
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsSource, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig, shutdown_signal};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{
-    FenceStore, JobContext, JobError, LeaseDuration, Owner, PgFence, SchemaName, SupervisorConfig,
-};
+use brokerfence::adapters::sqs::{DeadLetterTarget, KeyStrategy, SqsConfig, SqsSource, client_from_env};
+use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
+use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
 
-const USAGE: &str = "usage: sqs_worker --queue-url URL [--receiver-url URL] [--lease SECS=30] [--owner NAME]
-       [--schema NAME] [--concurrency N=16] [--wait SECS=20] [--handler-delay MS=0]
-       [--after-call-delay MS=0] [--grace MS=30000]
+#[path = "support/cli.rs"]
+mod common;
+
+use common::{CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
+
+const PROG: &str = "sqs_worker";
+
+fn usage() -> String {
+    format!(
+        "usage: sqs_worker --queue-url URL [--wait SECS=20] [--dead-letter-queue URL|discover|none]
        [--key auto|message-id|dedup-id|attr:NAME|binary-attr:NAME|body:FIELD]
-       [--no-cancel-on-loss (test builds with feature guard-switches only)]";
+       [--no-cancel-on-loss (test builds with feature guard-switches only)]
+{}",
+        common::COMMON_USAGE
+    )
+}
 
-#[derive(Debug)]
 struct Args {
+    common: Common,
     queue_url: String,
-    receiver_url: Option<String>,
-    lease: u64,
-    owner: Option<String>,
-    schema: Option<String>,
-    concurrency: usize,
     wait: u64,
-    handler_delay: Duration,
-    after_call_delay: Duration,
-    grace: Duration,
     key: KeyStrategy,
+    dead_letter: DeadLetterTarget,
     no_cancel_on_loss: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
     let mut args = Args {
+        common: Common::default(),
         queue_url: std::env::var("SQS_QUEUE_URL").unwrap_or_default(),
-        receiver_url: std::env::var("RECEIVER_URL").ok().filter(|s| !s.is_empty()),
-        lease: 30,
-        owner: None,
-        schema: None,
-        concurrency: 16,
         wait: 20,
-        handler_delay: Duration::ZERO,
-        after_call_delay: Duration::ZERO,
-        grace: Duration::from_secs(30),
         key: KeyStrategy::Auto,
+        dead_letter: DeadLetterTarget::Discover,
         no_cancel_on_loss: false,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with("--") => (n.to_owned(), Some(v.to_owned())),
-            _ => (arg.clone(), None),
-        };
-        if name == "--no-cancel-on-loss" {
-            args.no_cancel_on_loss = true;
+    let mut cli = Cli::new(raw);
+    while let Some(flag) = cli.next_flag() {
+        let mut flag = flag?;
+        if args.common.take(&mut flag)? {
             continue;
         }
-        if name == "--build-info" {
-            // For the tests: which test-only switches this build has.
-            event("build", &format!("guard-switches={}", cfg!(feature = "guard-switches")));
-            std::process::exit(0);
-        }
-        if name == "--help" || name == "-h" {
-            return Err(USAGE.to_owned());
-        }
-        let value = match inline.or_else(|| it.next()) {
-            Some(v) => v,
-            None => return Err(format!("{name} needs a value\n{USAGE}")),
-        };
-        let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{name} {v:?}: {e}"));
-        match name.as_str() {
-            "--queue-url" => args.queue_url = value,
-            "--receiver-url" => args.receiver_url = Some(value),
-            "--lease" => args.lease = num(&value)?,
-            "--owner" => args.owner = Some(value),
-            "--schema" => args.schema = Some(value),
-            "--concurrency" => args.concurrency = usize::try_from(num(&value)?).unwrap_or(1),
-            "--wait" => args.wait = num(&value)?,
-            "--handler-delay" => args.handler_delay = Duration::from_millis(num(&value)?),
-            "--after-call-delay" => args.after_call_delay = Duration::from_millis(num(&value)?),
-            "--grace" => args.grace = Duration::from_millis(num(&value)?),
-            "--key" => args.key = parse_key(&value)?,
-            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        match flag.name.as_str() {
+            "--queue-url" => args.queue_url = flag.value()?,
+            "--wait" => args.wait = flag.num()?,
+            "--key" => args.key = parse_key(&flag.value()?)?,
+            "--dead-letter-queue" => {
+                args.dead_letter = match flag.value()?.as_str() {
+                    "discover" => DeadLetterTarget::Discover,
+                    "none" => DeadLetterTarget::None,
+                    url => DeadLetterTarget::Queue(url.to_owned()),
+                }
+            }
+            "--no-cancel-on-loss" => args.no_cancel_on_loss = flag.switch()?,
+            "--build-info" => {
+                // For the tests: which test-only switches this build has.
+                let on = cfg!(feature = "guard-switches");
+                common::event("build", &[("guard-switches", &on)]);
+                std::process::exit(0);
+            }
+            _ => return Err(flag.unknown()),
         }
     }
     if args.queue_url.is_empty() {
-        return Err(format!("--queue-url (or SQS_QUEUE_URL) is required\n{USAGE}"));
+        return Err(CliExit::Usage("--queue-url (or SQS_QUEUE_URL) is required".into()));
     }
     Ok(args)
 }
 
-fn parse_key(v: &str) -> Result<KeyStrategy, String> {
+fn parse_key(v: &str) -> Result<KeyStrategy, CliExit> {
     Ok(match v.split_once(':') {
         None if v == "auto" => KeyStrategy::Auto,
         None if v == "message-id" => KeyStrategy::MessageId,
@@ -120,150 +106,74 @@ fn parse_key(v: &str) -> Result<KeyStrategy, String> {
         Some(("attr", name)) => KeyStrategy::attribute(name),
         Some(("binary-attr", name)) => KeyStrategy::binary_attribute(name),
         Some(("body", field)) => KeyStrategy::body_field(field),
-        _ => return Err(format!("unknown key strategy {v:?}\n{USAGE}")),
+        _ => return Err(CliExit::Usage(format!("unknown key strategy {v:?}"))),
     })
 }
 
-/// One machine-readable line on stdout.
-fn event(name: &str, fields: &str) {
-    println!("EVENT {name} {fields}");
-}
+async fn serve(args: Args) -> Result<(), StartError> {
+    let c = &args.common;
+    let refuse = |e: FenceError| StartError::Refused(e.to_string());
+    let owner = c.owner("sqs-worker").map_err(refuse)?;
+    let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+    let url = common::database_url(c.database_url.as_deref())?;
+    let store: Arc<dyn FenceStore> = Arc::new(common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?);
 
-/// Prints `EVENT dropped` if the attempt is cancelled (its future dropped) before it finished.
-struct DropWatch {
-    fields: String,
-    finished: bool,
-}
-
-impl Drop for DropWatch {
-    fn drop(&mut self) {
-        if !self.finished {
-            event("dropped", &self.fields);
-        }
-    }
-}
-
-/// The handler: calls the receiver with the job's fencing stamp, commits the owner and epoch.
-async fn handle(
-    ctx: JobContext,
-    http: reqwest::Client,
-    receiver: Option<Arc<str>>,
-    delay: Duration,
-    after_call: Duration,
-) -> Result<Vec<u8>, JobError> {
-    let stamp = FenceStamp::of_lease(ctx.lease());
-    let fields = format!("key={} epoch={} owner={}", ctx.key(), ctx.epoch(), ctx.owner());
-    let mut watch = DropWatch { fields: fields.clone(), finished: false };
-    event("claimed", &fields);
-    tokio::time::sleep(delay).await;
-    if let Some(url) = receiver.as_deref() {
-        event("calling", &fields);
-        let mut request = http.post(url).body(ctx.payload().to_vec());
-        for (name, value) in stamp.to_headers() {
-            request = request.header(name, value);
-        }
-        let response = request.send().await.map_err(|e| JobError::retry(format!("receiver unreachable: {e}")))?;
-        let status = response.status().as_u16();
-        event("called", &format!("{fields} status={status}"));
-        match status {
-            200..=299 => {}
-            // The receiver has seen a newer epoch: this worker was superseded. The fenced
-            // failure below is refused by the database too; nothing is acknowledged.
-            409 => return Err(JobError::retry(format!("receiver refused epoch {}: superseded", ctx.epoch()))),
-            s => return Err(JobError::retry(format!("receiver answered {s}"))),
-        }
-    }
-    tokio::time::sleep(after_call).await;
-    watch.finished = true;
-    event("handled", &fields);
-    Ok(format!("{}@{}", ctx.owner(), ctx.epoch()).into_bytes())
-}
-
-async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let database_url = brokerfence::services::var("DATABASE_URL")
-        .ok_or("DATABASE_URL is not set (run localstack/up, which writes localstack/.env)")?;
-    let mut store = PgFence::connect(&database_url).await?;
-    if let Some(schema) = &args.schema {
-        store = store.with_schema(SchemaName::new(schema.clone())?);
-    }
-    store.migrate().await?;
-    let store: Arc<dyn FenceStore> = Arc::new(store);
-
-    let config =
-        SqsConfig::new(args.queue_url.clone())?.key(args.key.clone()).wait_time(Duration::from_secs(args.wait));
-    let source = SqsSource::new(client_from_env().await, config);
+    let config = SqsConfig::new(args.queue_url.clone())
+        .map_err(|e| StartError::Refused(e.to_string()))?
+        .key(args.key.clone())
+        .wait_time(Duration::from_secs(args.wait))
+        .dead_letter(args.dead_letter.clone());
+    let source = EventSource(SqsSource::new(client_from_env().await, config));
 
     #[allow(unused_mut)]
-    let mut supervisor = SupervisorConfig::new(LeaseDuration::from_secs(args.lease)?);
+    let mut supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
     if args.no_cancel_on_loss {
         #[cfg(feature = "guard-switches")]
         {
             supervisor = supervisor.without_cancel_on_loss();
         }
         #[cfg(not(feature = "guard-switches"))]
-        return Err("--no-cancel-on-loss needs a build with feature guard-switches".into());
+        return Err(StartError::Refused("--no-cancel-on-loss needs a build with feature guard-switches".into()));
     }
-    let config = ConsumerConfig::new(supervisor).concurrency(args.concurrency).grace(args.grace);
-    let owner = match &args.owner {
-        Some(o) => Owner::new(o.clone())?,
-        None => Owner::unique("sqs-worker"),
-    };
-    let consumer = Consumer::with_owner(source, store, owner.clone(), config);
+    let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
+    let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    consumer.supervisor().add_hook(Arc::new(common::LostHook));
+    let reporter = common::spawn_metrics(consumer.metrics());
+    let call = CallReceiver::new(c);
+    let handler = move |ctx: JobContext| call.clone().handle(ctx);
 
-    let metrics = consumer.metrics();
-    let reporter = tokio::spawn(async move {
-        let mut last = metrics.snapshot();
-        loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let now = metrics.snapshot();
-            if now != last {
-                event("metrics", &now.to_string());
-                last = now;
-            }
-        }
-    });
+    let stop = common::shutdown_on_signals();
 
-    let http = reqwest::Client::new();
-    let receiver: Option<Arc<str>> = args.receiver_url.as_deref().map(Arc::from);
-    let (delay, after_call) = (args.handler_delay, args.after_call_delay);
-    let handler = move |ctx: JobContext| handle(ctx, http.clone(), receiver.clone(), delay, after_call);
-
-    event("ready", &format!("owner={owner} queue={}", args.queue_url));
-    let result = consumer.run(handler, shutdown_signal()).await;
+    let queue = consumer.source().0.queue().clone();
+    common::ready(&owner, &[("queue", &queue), ("source", &"sqs"), ("queue_url", &args.queue_url)]);
+    let result = consumer.run(handler, stop).await;
     // A long poll the consumer abandoned at shutdown may still hand out messages: wait for it, so
     // they are made visible again now rather than after their visibility timeout.
-    consumer.source().release_unstarted(args.grace.max(Duration::from_secs(1))).await;
+    consumer.source().0.release_unstarted(c.grace.max(Duration::from_secs(1))).await;
     reporter.abort();
-    event("stopped", &consumer.metrics().snapshot().to_string());
-    Ok(result?)
+    println!("EVENT stopped {}", consumer.metrics().snapshot());
+    result.map_err(|e| StartError::Failed(e.to_string()))
 }
 
-fn main() -> ExitCode {
-    // Before any thread exists: copies localstack/.env into the environment for the AWS SDK.
-    brokerfence::services::load_dotenv();
-    let args = match parse_args() {
+/// Runs the worker with command-line arguments (without the program name); the exit code.
+pub fn run(raw: Vec<String>) -> i32 {
+    let args = match parse_args(raw) {
         Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+        Err(e) => return e.report(PROG, &usage()),
     };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .init();
+    common::init_logging("info");
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("cannot start the tokio runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(PROG),
     };
-    match runtime.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sqs_worker: {e}");
-            ExitCode::FAILURE
-        }
+    match runtime.block_on(serve(args)) {
+        Ok(()) => 0,
+        Err(e) => e.report(PROG),
     }
+}
+
+fn main() {
+    // Before any thread exists: copies localstack/.env into the environment for the AWS SDK.
+    brokerfence::services::load_dotenv();
+    std::process::exit(run(std::env::args().skip(1).collect()));
 }

@@ -347,8 +347,28 @@ async fn run_case(
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("--help" | "-h") => {
+            println!(
+                "usage: zombie [--help]   (set DATABASE_URL=postgres://… to run on PostgreSQL, RUST_LOG for logs)"
+            );
+            return Ok(());
+        }
+        Some(other) => {
+            eprintln!("zombie: unknown argument {other:?} (see --help)");
+            std::process::exit(2);
+        }
+    }
     if std::env::var_os("RUST_LOG").is_some() {
-        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+        // No colour codes unless stderr is a terminal, and never with NO_COLOR set.
+        let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+            && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(colour)
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .init();
     }
     // Only the environment decides: a fresh machine with nothing installed runs on SQLite.
     let db = match std::env::var("DATABASE_URL") {

@@ -33,10 +33,15 @@
 //!     --receiver http://127.0.0.1:8080/effect --plan call,sleep:500
 //! ```
 //!
-//! Options: `--db URL` (postgres://… or sqlite:…), `--schema NAME`, `--queue`, `--key`,
-//! `--owner PREFIX`, `--lease-secs N` (≥ 3), `--receiver URL`, `--plan STEPS`, `--result TEXT`,
-//! `--claim-wait-ms N`, and with the `guard-switches` feature `--guards` with any of
-//! `no-epoch-increment,no-commit-cas,no-heartbeat-cas,no-cancel-on-loss` (tests only).
+//! Options: `--database-url URL` (or `--db`; postgres://… or sqlite:…), `--schema NAME`,
+//! `--queue`, `--key`, `--owner PREFIX`, `--lease SECS` (or `--lease-secs`; ≥ 3),
+//! `--receiver-url URL` (or `--receiver`), `--plan STEPS`, `--result TEXT`, `--claim-wait-ms N`,
+//! `--max-attempts N` (for the `fail` step), `--migrate` (apply the schema migrations first;
+//! without it a schema older than this build needs is refused with exit code 2), `--help`, and
+//! with the `guard-switches` feature `--guards` with any of
+//! `no-epoch-increment,no-commit-cas,no-heartbeat-cas,no-cancel-on-loss` (tests only). On
+//! PostgreSQL its `application_name` is its owner id. Besides the lines above it prints the
+//! `committed` / `fenced` / `fail_recorded` / `dropped` lines of `examples/README.md`.
 
 use std::future::Future;
 use std::io::{Read, Write};
@@ -47,8 +52,18 @@ use std::time::Duration;
 
 use brokerfence::fence::{
     self, Claim, FenceStore, JobContext, JobError, JobKey, Lease, LeaseDuration, LeaseHook, Metrics, Outcome, Owner,
-    PgFence, QueueName, SchemaName, SqliteFence, Supervisor, SupervisorConfig,
+    QueueName, RetryPolicy, SchemaName, SqliteFence, Supervisor, SupervisorConfig,
 };
+
+#[path = "support/cli.rs"]
+mod common;
+
+use common::{Cli, CliExit, EventStore, StartError};
+
+const USAGE: &str = "usage: zombie_worker --database-url URL [--schema NAME] [--queue NAME=zombie] [--key KEY=job-1]
+       [--owner PREFIX=zombie] [--lease SECS=3] [--receiver-url URL] [--plan STEPS] [--result TEXT]
+       [--claim-wait-ms N=10000] [--max-attempts N=5] [--migrate] [--guards LIST] [--help]
+steps: call, call-sync, gate, sleep:MS, calls:N:MS, checkpoint, fail";
 
 fn main() {
     std::process::exit(run(std::env::args().skip(1).collect()));
@@ -85,9 +100,11 @@ struct Opts {
     result: Option<String>,
     claim_wait: Duration,
     guards: Vec<String>,
+    migrate: bool,
+    max_attempts: Option<i64>,
 }
 
-fn parse(args: &[String]) -> Result<Opts, String> {
+fn parse(args: &[String]) -> Result<Opts, CliExit> {
     let mut o = Opts {
         db: String::new(),
         schema: fence::DEFAULT_SCHEMA.to_owned(),
@@ -100,31 +117,33 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         result: None,
         claim_wait: Duration::from_secs(10),
         guards: Vec::new(),
+        migrate: false,
+        max_attempts: None,
     };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--db" => o.db = value()?,
-            "--schema" => o.schema = value()?,
-            "--queue" => o.queue = value()?,
-            "--key" => o.key = value()?,
-            "--owner" => o.owner = value()?,
-            "--lease-secs" => o.lease_secs = value()?.parse().map_err(|e| format!("--lease-secs: {e}"))?,
-            "--receiver" => o.receiver = Some(value()?),
-            "--result" => o.result = Some(value()?),
-            "--claim-wait-ms" => {
-                o.claim_wait = Duration::from_millis(value()?.parse().map_err(|e| format!("--claim-wait-ms: {e}"))?)
-            }
-            "--guards" => o.guards = value()?.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+    let mut cli = Cli::new(args.to_vec());
+    while let Some(flag) = cli.next_flag() {
+        let mut flag = flag?;
+        match flag.name.as_str() {
+            "--db" | "--database-url" => o.db = flag.value()?,
+            "--schema" => o.schema = flag.value()?,
+            "--queue" => o.queue = flag.value()?,
+            "--key" => o.key = flag.value()?,
+            "--owner" => o.owner = flag.value()?,
+            "--lease-secs" | "--lease" => o.lease_secs = flag.num()?,
+            "--receiver" | "--receiver-url" => o.receiver = Some(flag.value()?),
+            "--result" => o.result = Some(flag.value()?),
+            "--claim-wait-ms" => o.claim_wait = flag.ms()?,
+            "--migrate" => o.migrate = flag.switch()?,
+            "--max-attempts" => o.max_attempts = Some(flag.num::<i64>()?.max(1)),
+            "--guards" => o.guards = flag.value()?.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
             "--plan" => {
-                o.plan = value()?.split(',').filter(|s| !s.is_empty()).map(parse_step).collect::<Result<_, _>>()?
+                o.plan = flag.value()?.split(',').filter(|s| !s.is_empty()).map(parse_step).collect::<Result<_, _>>()?
             }
-            other => return Err(format!("unknown option {other}")),
+            _ => return Err(flag.unknown()),
         }
     }
     if o.db.is_empty() {
-        return Err("--db is required".into());
+        return Err(CliExit::Usage("--database-url (or --db) is required".into()));
     }
     Ok(o)
 }
@@ -150,19 +169,9 @@ fn parse_step(s: &str) -> Result<Step, String> {
 pub fn run(args: Vec<String>) -> i32 {
     let opts = match parse(&args) {
         Ok(o) => o,
-        Err(e) => {
-            eprintln!("zombie_worker: {e}");
-            return 2;
-        }
+        Err(e) => return e.report("zombie_worker", USAGE),
     };
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fence=info")),
-        )
-        .try_init();
+    common::init_logging("warn,fence=info");
     // Two worker threads: a blocking step holds one, the heartbeat keeps running on the other
     // (until the whole process is stopped with SIGSTOP).
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
@@ -175,7 +184,11 @@ pub fn run(args: Vec<String>) -> i32 {
     let code = rt.block_on(async move {
         match worker(opts).await {
             Ok(code) => code,
-            Err(e) => {
+            Err(StartError::Refused(e)) => {
+                eprintln!("zombie_worker: {e}");
+                2
+            }
+            Err(StartError::Failed(e)) => {
                 event(format!("error detail={e}"));
                 1
             }
@@ -210,23 +223,26 @@ fn guards(names: &[String]) -> Result<fence::Guards, String> {
     Ok(g)
 }
 
-async fn open(o: &Opts) -> Result<Arc<dyn FenceStore>, String> {
-    let schema = SchemaName::new(o.schema.clone()).map_err(|e| e.to_string())?;
+async fn open(o: &Opts, owner: &Owner) -> Result<Arc<dyn FenceStore>, StartError> {
+    let refused = |e: String| StartError::Refused(e);
     #[allow(unused_variables)]
-    let g = guards(&o.guards)?;
+    let g = guards(&o.guards).map_err(refused)?;
     let store: Arc<dyn FenceStore> = if o.db.starts_with("postgres") {
-        let f = PgFence::connect(&o.db).await.map_err(|e| e.to_string())?.with_schema(schema);
+        // `application_name` = the owner, so the worker shows in `pg_stat_activity`.
+        let f = common::connect_pg(&o.db, Some(&o.schema), owner, o.migrate).await?;
         #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     } else {
-        let f = SqliteFence::open(&o.db).await.map_err(|e| e.to_string())?.with_schema(schema);
+        let schema = SchemaName::new(o.schema.clone()).map_err(|e| refused(e.to_string()))?;
+        let f = SqliteFence::open(&o.db).await?.with_schema(schema);
+        common::prepare_schema(&f, o.migrate).await?;
         #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     };
-    store.migrate().await.map_err(|e| e.to_string())?;
-    Ok(store)
+    // Prints `committed`, `fenced` and `fail_recorded` as the database decides them.
+    Ok(Arc::new(EventStore(store)))
 }
 
 /// Prints what every heartbeat found. (`LeaseHook` is an `async_trait`; this is its expansion,
@@ -261,26 +277,32 @@ impl LeaseHook for EventHook {
     }
 }
 
-/// Prints when the handler's future is dropped: at its end, or when the supervisor cancels it.
-struct DropProbe(Arc<AtomicBool>);
+/// Prints when the handler's future is dropped: at its end, or when the supervisor cancels it
+/// (then also the `dropped` line of `examples/README.md`).
+struct DropProbe(Arc<AtomicBool>, Lease);
 
 impl Drop for DropProbe {
     fn drop(&mut self) {
-        event(format!("handler-dropped finished={}", self.0.load(Ordering::SeqCst)));
+        let finished = self.0.load(Ordering::SeqCst);
+        event(format!("handler-dropped finished={finished}"));
+        if !finished {
+            common::lease_event("dropped", &self.1, &[]);
+        }
     }
 }
 
-async fn worker(o: Opts) -> Result<i32, String> {
+async fn worker(o: Opts) -> Result<i32, StartError> {
     event(format!("ready pid={}", std::process::id()));
-    let store = open(&o).await?;
-    let queue = QueueName::new(o.queue.clone()).map_err(|e| e.to_string())?;
-    let key = JobKey::new(o.key.clone()).map_err(|e| e.to_string())?;
+    let refused = |e: fence::FenceError| StartError::Refused(e.to_string());
+    let queue = QueueName::new(o.queue.clone()).map_err(refused)?;
+    let key = JobKey::new(o.key.clone()).map_err(refused)?;
     let owner = Owner::unique(&o.owner);
-    let lease_len = LeaseDuration::from_secs(o.lease_secs).map_err(|e| e.to_string())?;
+    let lease_len = LeaseDuration::from_secs(o.lease_secs).map_err(refused)?;
+    let store = open(&o, &owner).await?;
 
     let deadline = tokio::time::Instant::now() + o.claim_wait;
     let lease = loop {
-        match store.claim(&queue, &key, &owner, lease_len).await.map_err(|e| e.to_string())? {
+        match store.claim(&queue, &key, &owner, lease_len).await? {
             Claim::Claimed(lease) => break lease,
             other if tokio::time::Instant::now() >= deadline => {
                 event(format!("not-claimed detail={other:?}"));
@@ -299,6 +321,9 @@ async fn worker(o: Opts) -> Result<i32, String> {
 
     #[allow(unused_mut)]
     let mut config = SupervisorConfig::new(lease_len);
+    if let Some(n) = o.max_attempts {
+        config = config.retry(RetryPolicy { max_attempts: n, ..RetryPolicy::default() });
+    }
     #[cfg(feature = "guard-switches")]
     if o.guards.iter().any(|g| g == "no-cancel-on-loss") {
         config = config.without_cancel_on_loss();
@@ -308,7 +333,7 @@ async fn worker(o: Opts) -> Result<i32, String> {
     let supervisor = Supervisor::with_metrics(Arc::clone(&store), owner.clone(), config, Arc::clone(&metrics));
     supervisor.add_hook(Arc::new(EventHook));
 
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string())?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
     let result = o.result.clone().unwrap_or_else(|| format!("result of {owner}"));
     let plan = o.plan.clone();
     let receiver = o.receiver.clone();
@@ -337,7 +362,7 @@ async fn handler(
     result: String,
 ) -> Result<Vec<u8>, JobError> {
     let finished = Arc::new(AtomicBool::new(false));
-    let _probe = DropProbe(Arc::clone(&finished));
+    let _probe = DropProbe(Arc::clone(&finished), ctx.lease().clone());
     let mut fail = false;
     for step in plan {
         match step {

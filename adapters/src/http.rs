@@ -157,7 +157,7 @@ impl EpochGuard {
             }
             Err(e) => {
                 tracing::error!(%stamp, error = %e, "ledger unavailable; call refused");
-                Err(unavailable_response(&e))
+                Err(unavailable_response())
             }
         }
     }
@@ -312,12 +312,12 @@ pub fn stamp_error_response(err: &StampError) -> Response {
     json(StatusCode::BAD_REQUEST, err.to_json())
 }
 
-fn unavailable_response(err: &fence::FenceError) -> Response {
-    let body = format!(
-        r#"{{"error":"ledger_unavailable","message":"the epoch ledger could not be reached; retry later ({})"}}"#,
-        err.to_string().replace(['"', '\\'], "'")
-    );
-    let mut response = json(StatusCode::SERVICE_UNAVAILABLE, body);
+/// The `503 Service Unavailable` when the ledger cannot answer. The body is the same whatever
+/// failed: the database's own error text (hosts, table names, SQL) goes to the log
+/// ([`EpochGuard::check`] logs it at error level), never to the caller.
+fn unavailable_response() -> Response {
+    let body = r#"{"error":"ledger_unavailable","message":"the epoch ledger could not be reached; retry later"}"#;
+    let mut response = json(StatusCode::SERVICE_UNAVAILABLE, body.to_owned());
     response.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
     response
 }
@@ -326,4 +326,37 @@ fn json(status: StatusCode, body: String) -> Response {
     let mut response = (status, body).into_response();
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
+}
+
+#[cfg(test)]
+mod edges {
+    use super::*;
+
+    /// Issue #12 §5, third bullet: when the ledger's database fails, the guard answers 503 with a
+    /// generic body; the database's own error text (table names, hosts, SQL) goes to the log only.
+    /// The ledger here is an SQLite fence that was never migrated, so every ledger statement
+    /// fails with "no such table: …".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_unavailable_body_does_not_echo_the_database_error() {
+        let fence = fence::SqliteFence::open("sqlite::memory:").await.expect("sqlite");
+        let ledger = Ledger::Sqlite(fence::SqliteLedger::new(&fence, "receiver"));
+        let direct = ledger.newest("orders/o-1").await.expect_err("no ledger table");
+        let detail = direct.to_string();
+        assert!(detail.contains("no such table"), "{detail}");
+
+        let guard = EpochGuard::new(ledger);
+        let mut headers = HeaderMap::new();
+        for (name, value) in FenceStamp::new("orders", "o-1", 1).with_owner("w1").to_headers() {
+            headers.insert(name, HeaderValue::from_str(&value).expect("header"));
+        }
+        let refusal = guard.check(&headers).await.expect_err("the ledger is unavailable");
+        assert_eq!(refusal.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(refusal.headers().get(RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        let body = axum::body::to_bytes(refusal.into_body(), 64 * 1024).await.expect("body");
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains(r#""error":"ledger_unavailable""#), "{body}");
+        for leak in ["no such table", "error returned from database", "sqlite", detail.as_str()] {
+            assert!(!body.to_lowercase().contains(&leak.to_lowercase()), "503 body echoes {leak:?}: {body}");
+        }
+    }
 }

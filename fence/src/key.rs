@@ -133,15 +133,51 @@ name_type!(
 );
 
 impl Owner {
-    /// A fresh owner id: `prefix-<pid>-<nanos>-<counter>`, unique per call within a host.
+    /// A fresh owner id: `prefix-<pid>-<nanos>-<counter>`, unique per call within a host. The
+    /// prefix is shortened (at a character boundary, to at most 64 characters) so that the id
+    /// never exceeds [`MAX_NAME_BYTES`].
     pub fn unique(prefix: &str) -> Self {
         use std::sync::atomic::{AtomicU64, Ordering};
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let prefix: String = prefix.chars().filter(|c| *c != '\0').take(64).collect();
+        let suffix = format!("-{}-{nanos:x}-{n}", std::process::id());
+        // The prefix is cut at a character boundary so that the whole id stays within
+        // `MAX_NAME_BYTES` (the suffix is at most 64 bytes), as `Owner::new` requires.
+        let room = MAX_NAME_BYTES.saturating_sub(suffix.len());
+        let mut prefix: String = prefix.chars().filter(|c| *c != '\0').take(64).collect();
+        let mut cut = prefix.len().min(room);
+        while !prefix.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        prefix.truncate(cut);
         let prefix = if prefix.is_empty() { "owner".to_owned() } else { prefix };
-        Self(format!("{prefix}-{}-{nanos:x}-{n}", std::process::id()))
+        Self(format!("{prefix}{suffix}"))
+    }
+}
+
+#[cfg(test)]
+mod edges {
+    use super::*;
+
+    /// Issue #12 §5, first bullet: `Owner::unique` keeps the owner bound (`MAX_NAME_BYTES`)
+    /// whatever the prefix — a long ASCII prefix and a prefix of 4-byte characters (64 of which
+    /// alone fill 256 bytes) both give an owner that `Owner::new` accepts.
+    #[test]
+    fn edges_owner_unique_keeps_the_length_bound() {
+        for prefix in ["w".repeat(300), "\u{1F600}".repeat(100), "é".repeat(200), String::new()] {
+            let owner = Owner::unique(&prefix);
+            assert!(
+                owner.as_str().len() <= MAX_NAME_BYTES,
+                "{} bytes from a prefix of {} bytes",
+                owner.as_str().len(),
+                prefix.len()
+            );
+            assert!(Owner::new(owner.as_str()).is_ok(), "{owner:?} does not validate");
+        }
+        // Short prefixes are kept whole, and two calls never collide.
+        let (a, b) = (Owner::unique("worker"), Owner::unique("worker"));
+        assert!(a.as_str().starts_with("worker-") && a != b);
     }
 }

@@ -371,6 +371,7 @@ pub fn encode(value: &str) -> String {
 /// assert_eq!(fence::wire::decode("a%20b/%C3%BC%25").unwrap(), "a b/ü%");
 /// assert!(fence::wire::decode("100%").is_err());
 /// assert!(fence::wire::decode("%00").is_err());
+/// assert!(fence::wire::decode("%+A").is_err()); // a sign is no hex digit
 /// ```
 pub fn decode(value: &str) -> Result<String, String> {
     let bytes = value.as_bytes();
@@ -378,8 +379,9 @@ pub fn decode(value: &str) -> Result<String, String> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-            let byte = hex.and_then(|h| u8::from_str_radix(h, 16).ok());
+            // Exactly two hex digits: `from_str_radix` alone would also take a sign (`%+A`).
+            let hex = bytes.get(i + 1..i + 3).filter(|h| h.iter().all(u8::is_ascii_hexdigit));
+            let byte = hex.and_then(|h| std::str::from_utf8(h).ok()).and_then(|h| u8::from_str_radix(h, 16).ok());
             match byte {
                 Some(b) => out.push(b),
                 None => return Err(format!("bad %-escape at byte {i}")),
@@ -510,5 +512,28 @@ mod tests {
         let body = stale_epoch_json(&s, 5);
         assert!(body.contains(r#""job":"say \"hi\"\n""#), "{body}");
         assert!(body.contains(r#""owner":null"#));
+    }
+}
+
+#[cfg(test)]
+mod edges {
+    use super::*;
+
+    /// Issue #12 §5, second bullet: a `%`-escape is exactly two hex digits. `from_str_radix`
+    /// accepts a leading sign, so `%+A` used to decode as `\n`; it must be refused like any other
+    /// bad escape (and the strict decoder must still accept every real escape).
+    #[test]
+    fn edges_decode_refuses_a_signed_escape() {
+        for bad in ["%+A", "a%+Ab", "%+0", "%-1", "%+f"] {
+            assert!(decode(bad).is_err(), "{bad:?} decoded as {:?}", decode(bad));
+        }
+        assert_eq!(decode("%0A%0a%41%7E").as_deref(), Ok("\n\nA~"));
+        assert_eq!(decode("%E2%82%AC").as_deref(), Ok("€"));
+        for b in 1..=255u8 {
+            let s = format!("%{b:02X}");
+            if b < 0x80 {
+                assert_eq!(decode(&s).map(String::into_bytes), Ok(vec![b]), "{s}");
+            }
+        }
     }
 }

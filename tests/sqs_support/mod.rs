@@ -589,7 +589,7 @@ fn newest_source() -> Option<std::time::SystemTime> {
     for dir in ["src", "fence/src", "adapters/src"] {
         walk(&root.join(dir), &mut newest);
     }
-    for file in ["examples/sqs_worker.rs", "examples/sqs_produce.rs"] {
+    for file in ["examples/sqs_worker.rs", "examples/sqs_produce.rs", "examples/support/cli.rs"] {
         if let Ok(m) = std::fs::metadata(root.join(file)).and_then(|m| m.modified()) {
             newest = Some(newest.map_or(m, |n: std::time::SystemTime| n.max(m)));
         }

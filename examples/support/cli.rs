@@ -1,0 +1,726 @@
+//! Shared by the example workers (`sqs_worker`, `redis_worker`, `table_worker`, `zombie_worker`)
+//! and producers: command-line flags, `EVENT` lines, logging, and the fence connection. Each
+//! example includes it with `#[path = "support/cli.rs"] mod common;` (a file directly in
+//! `examples/` would be an example of its own). The formats are documented in
+//! `examples/README.md`.
+#![allow(dead_code)]
+
+use std::fmt::Display;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use brokerfence::adapters::{Incoming, ReceiveContext, Source, SourceError};
+use brokerfence::fence::{
+    self, Claim, ClaimedJob, DbTime, FailOutcome, FenceError, FenceStore, Heartbeat, JobContext, JobError, JobKey,
+    JobRecord, Lease, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName,
+};
+
+// ------------------------------------------------------------------------------------ EVENT lines
+
+/// Quotes a field value when it is empty or holds whitespace, `"`, `\` or a control character:
+/// `"…"` with `\"`, `\\`, `\n`, `\r`, `\t` and `\u{XX}` escapes. Other values are printed as they are.
+pub fn quote(value: &str) -> String {
+    let plain =
+        !value.is_empty() && !value.chars().any(|c| c.is_whitespace() || c.is_control() || c == '"' || c == '\\');
+    if plain {
+        return value.to_owned();
+    }
+    let mut out = String::with_capacity(value.len() + 2);
+    out.push('"');
+    for c in value.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Prints `EVENT <name> k=v …` on stdout as one write, flushed at once (a driving program reads
+/// it through a pipe). Values are [`quote`]d where needed. A closed stdout is ignored.
+pub fn event(name: &str, fields: &[(&str, &dyn Display)]) {
+    let mut line = format!("EVENT {name}");
+    for (k, v) in fields {
+        line.push(' ');
+        line.push_str(k);
+        line.push('=');
+        line.push_str(&quote(&v.to_string()));
+    }
+    line.push('\n');
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(line.as_bytes());
+    let _ = out.flush();
+}
+
+/// `EVENT <name> queue=… key=… epoch=… owner=… [extra…]` for one lease.
+pub fn lease_event(name: &str, lease: &Lease, extra: &[(&str, &dyn Display)]) {
+    let mut fields: Vec<(&str, &dyn Display)> =
+        vec![("queue", &lease.queue), ("key", &lease.key), ("epoch", &lease.epoch), ("owner", &lease.owner)];
+    fields.extend_from_slice(extra);
+    event(name, &fields);
+}
+
+/// `EVENT ready pid=… owner=… [extra…]`: the worker is connected and about to receive.
+pub fn ready(owner: &Owner, extra: &[(&str, &dyn Display)]) {
+    let pid = std::process::id();
+    let mut fields: Vec<(&str, &dyn Display)> = vec![("pid", &pid), ("owner", owner)];
+    fields.extend_from_slice(extra);
+    event("ready", &fields);
+}
+
+// ----------------------------------------------------------------------------------------- flags
+
+/// Why the command line was not run: `--help` (exit 0, usage on stdout) or a usage error (exit
+/// 2, message on stderr).
+#[derive(Debug)]
+pub enum CliExit {
+    /// `--help` / `-h`.
+    Help,
+    /// A bad command line.
+    Usage(String),
+}
+
+impl CliExit {
+    /// Prints what it says where it belongs and gives the exit code.
+    pub fn report(self, prog: &str, usage: &str) -> i32 {
+        match self {
+            CliExit::Help => {
+                println!("{usage}");
+                0
+            }
+            CliExit::Usage(message) => {
+                eprintln!("{prog}: {message}\n{usage}");
+                2
+            }
+        }
+    }
+}
+
+impl From<String> for CliExit {
+    fn from(message: String) -> Self {
+        CliExit::Usage(message)
+    }
+}
+
+/// The command line, one flag at a time: `--name value` and `--name=value` both work.
+pub struct Cli {
+    it: std::vec::IntoIter<String>,
+}
+
+/// One flag of the command line.
+pub struct Flag<'a> {
+    /// The flag, e.g. `--lease`.
+    pub name: String,
+    inline: Option<String>,
+    rest: &'a mut std::vec::IntoIter<String>,
+}
+
+impl Cli {
+    /// Over the arguments (without the program name).
+    pub fn new(raw: Vec<String>) -> Self {
+        Self { it: raw.into_iter() }
+    }
+
+    /// The next flag; `Err(Help)` for `--help`/`-h`, a usage error for a bare word.
+    pub fn next_flag(&mut self) -> Option<Result<Flag<'_>, CliExit>> {
+        let arg = self.it.next()?;
+        if arg == "--help" || arg == "-h" {
+            return Some(Err(CliExit::Help));
+        }
+        if !arg.starts_with("--") {
+            return Some(Err(CliExit::Usage(format!("unexpected argument {arg:?} (flags start with --)"))));
+        }
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) => (n.to_owned(), Some(v.to_owned())),
+            None => (arg, None),
+        };
+        Some(Ok(Flag { name, inline, rest: &mut self.it }))
+    }
+}
+
+impl Flag<'_> {
+    /// The flag's value.
+    pub fn value(&mut self) -> Result<String, CliExit> {
+        match self.inline.take().or_else(|| self.rest.next()) {
+            Some(v) => Ok(v),
+            None => Err(CliExit::Usage(format!("{} needs a value", self.name))),
+        }
+    }
+
+    /// A number.
+    pub fn num<T: std::str::FromStr>(&mut self) -> Result<T, CliExit>
+    where
+        T::Err: Display,
+    {
+        let v = self.value()?;
+        v.parse().map_err(|e| CliExit::Usage(format!("{} {v:?}: {e}", self.name)))
+    }
+
+    /// Milliseconds.
+    pub fn ms(&mut self) -> Result<Duration, CliExit> {
+        self.num::<u64>().map(Duration::from_millis)
+    }
+
+    /// A switch (no value); `--flag=…` is refused.
+    pub fn switch(&mut self) -> Result<bool, CliExit> {
+        match self.inline.take() {
+            None => Ok(true),
+            Some(_) => Err(CliExit::Usage(format!("{} takes no value", self.name))),
+        }
+    }
+
+    /// The usage error for a flag nobody knows.
+    pub fn unknown(&self) -> CliExit {
+        CliExit::Usage(format!("unknown flag {} (see --help)", self.name))
+    }
+}
+
+/// The flags every consumer worker has (see `examples/README.md`).
+#[derive(Debug, Clone)]
+pub struct Common {
+    /// `--database-url` (else `DATABASE_URL`, else `localstack/.env`).
+    pub database_url: Option<String>,
+    /// `--schema`.
+    pub schema: Option<String>,
+    /// `--owner`: the owner id (also PostgreSQL's `application_name`).
+    pub owner: Option<String>,
+    /// `--lease` in seconds.
+    pub lease: u64,
+    /// `--receiver-url` (else `RECEIVER_URL`).
+    pub receiver_url: Option<String>,
+    /// `--max-attempts`: failed attempts before a job is dead.
+    pub max_attempts: Option<i64>,
+    /// `--migrate`: apply the schema migrations at start.
+    pub migrate: bool,
+    /// `--concurrency`.
+    pub concurrency: usize,
+    /// `--grace` in milliseconds.
+    pub grace: Duration,
+    /// `--handler-delay` in milliseconds (before the receiver call).
+    pub handler_delay: Duration,
+    /// `--after-call-delay` in milliseconds.
+    pub after_call_delay: Duration,
+}
+
+/// The usage lines of [`Common`].
+pub const COMMON_USAGE: &str =
+    "       [--database-url URL] [--schema NAME] [--owner NAME] [--lease SECS=30] [--migrate]
+       [--receiver-url URL] [--max-attempts N=5] [--concurrency N=16] [--grace MS=30000]
+       [--handler-delay MS=0] [--after-call-delay MS=0] [--help]";
+
+impl Default for Common {
+    fn default() -> Self {
+        Self {
+            database_url: None,
+            schema: None,
+            owner: None,
+            lease: 30,
+            receiver_url: std::env::var("RECEIVER_URL").ok().filter(|s| !s.is_empty()),
+            max_attempts: None,
+            migrate: false,
+            concurrency: 16,
+            grace: Duration::from_secs(30),
+            handler_delay: Duration::ZERO,
+            after_call_delay: Duration::ZERO,
+        }
+    }
+}
+
+impl Common {
+    /// Takes `flag` if it is one of the common flags; `Ok(false)` when it is not.
+    pub fn take(&mut self, flag: &mut Flag<'_>) -> Result<bool, CliExit> {
+        match flag.name.as_str() {
+            "--database-url" => self.database_url = Some(flag.value()?),
+            "--schema" => self.schema = Some(flag.value()?),
+            "--owner" => self.owner = Some(flag.value()?),
+            "--lease" => self.lease = flag.num()?,
+            "--receiver-url" => self.receiver_url = Some(flag.value()?),
+            "--max-attempts" => self.max_attempts = Some(flag.num::<i64>()?.max(1)),
+            "--migrate" => self.migrate = flag.switch()?,
+            "--concurrency" => self.concurrency = flag.num::<usize>()?.max(1),
+            "--grace" => self.grace = flag.ms()?,
+            "--handler-delay" => self.handler_delay = flag.ms()?,
+            "--after-call-delay" => self.after_call_delay = flag.ms()?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The owner: `--owner`, or a unique one from `prefix`.
+    pub fn owner(&self, prefix: &str) -> Result<Owner, FenceError> {
+        match &self.owner {
+            Some(o) => Owner::new(o.clone()),
+            None => Ok(Owner::unique(prefix)),
+        }
+    }
+
+    /// The retry policy: the default with `--max-attempts`.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        let default = RetryPolicy::default();
+        RetryPolicy { max_attempts: self.max_attempts.unwrap_or(default.max_attempts), ..default }
+    }
+}
+
+// ------------------------------------------------------------------------- logging and startup
+
+/// Colour only for a terminal, and never with `NO_COLOR` set (to anything but the empty string).
+pub fn use_colour() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// Logs to stderr (`RUST_LOG`, else `default_filter`), without ANSI codes unless [`use_colour`].
+pub fn init_logging(default_filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(use_colour())
+        .with_env_filter(filter)
+        .try_init();
+}
+
+/// Why a worker did not run: refused at start (exit 2: bad input or a schema too old) or failed
+/// (exit 1).
+#[derive(Debug)]
+pub enum StartError {
+    /// Exit code 2.
+    Refused(String),
+    /// Exit code 1.
+    Failed(String),
+}
+
+impl<E: std::error::Error> From<E> for StartError {
+    fn from(e: E) -> Self {
+        StartError::Failed(e.to_string())
+    }
+}
+
+impl StartError {
+    /// Prints the message on stderr; the exit code.
+    pub fn report(self, prog: &str) -> i32 {
+        match self {
+            StartError::Refused(m) => {
+                eprintln!("{prog}: {m}");
+                2
+            }
+            StartError::Failed(m) => {
+                eprintln!("{prog}: {m}");
+                1
+            }
+        }
+    }
+}
+
+/// Brings the store up: migrates with `--migrate`, else checks the schema and refuses to start
+/// (exit 2, the store's message) when it is older than this build needs.
+pub async fn prepare_schema(store: &dyn FenceStore, migrate: bool) -> Result<(), StartError> {
+    if migrate {
+        store.migrate().await?;
+        return Ok(());
+    }
+    match store.check_schema().await {
+        Ok(()) => Ok(()),
+        Err(e @ FenceError::SchemaTooOld { .. }) => Err(StartError::Refused(e.to_string())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The PostgreSQL URL: `--database-url`, else `DATABASE_URL` (or `localstack/.env`).
+pub fn database_url(given: Option<&str>) -> Result<String, StartError> {
+    given.map(str::to_owned).or_else(|| brokerfence::services::var("DATABASE_URL")).ok_or_else(|| {
+        StartError::Refused("no database: give --database-url or set DATABASE_URL (localstack/up writes it)".into())
+    })
+}
+
+/// Connects to PostgreSQL with `application_name` = the owner (PostgreSQL keeps its first 63
+/// bytes), in `schema`, and [`prepare_schema`]s it.
+pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate: bool) -> Result<PgFence, StartError> {
+    let options: sqlx::postgres::PgConnectOptions =
+        url.parse().map_err(|e| StartError::Refused(format!("--database-url: {e}")))?;
+    let mut store = PgFence::connect_with(options.application_name(owner.as_str())).await?;
+    if let Some(schema) = schema {
+        store = store.with_schema(SchemaName::new(schema.to_owned()).map_err(|e| StartError::Refused(e.to_string()))?);
+    }
+    prepare_schema(&store, migrate).await?;
+    Ok(store)
+}
+
+// --------------------------------------------------------------------------------- the handler
+
+/// Prints `EVENT dropped` if the attempt is cancelled (its future dropped) before it returned.
+struct DropWatch<'a> {
+    lease: &'a Lease,
+    returned: bool,
+}
+
+impl Drop for DropWatch<'_> {
+    fn drop(&mut self) {
+        if !self.returned {
+            lease_event("dropped", self.lease, &[]);
+        }
+    }
+}
+
+/// What the handler of the consumer workers does after `handler_delay`.
+#[derive(Clone)]
+pub struct CallReceiver {
+    /// The HTTP client.
+    pub http: reqwest::Client,
+    /// `--receiver-url`.
+    pub receiver: Option<Arc<str>>,
+    /// `--handler-delay`.
+    pub delay: Duration,
+    /// `--after-call-delay`.
+    pub after_call: Duration,
+}
+
+impl CallReceiver {
+    /// From the common flags.
+    pub fn new(common: &Common) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            receiver: common.receiver_url.as_deref().map(Arc::from),
+            delay: common.handler_delay,
+            after_call: common.after_call_delay,
+        }
+    }
+
+    /// The handler: `claimed`, then calls the receiver with the job's fencing stamp (`calling`,
+    /// `called`), and returns "owner@epoch" (`handled`) or the error (`failed`). A cancelled
+    /// attempt prints `dropped`.
+    pub async fn handle(self, ctx: JobContext) -> Result<Vec<u8>, JobError> {
+        let lease = ctx.lease().clone();
+        let mut watch = DropWatch { lease: &lease, returned: false };
+        lease_event("claimed", &lease, &[("attempt", &lease.attempts)]);
+        let result = self.call(&ctx, &lease).await;
+        watch.returned = true;
+        match &result {
+            Ok(_) => lease_event("handled", &lease, &[]),
+            Err(e) => lease_event("failed", &lease, &[("retry", &e.retry), ("error", &e.message)]),
+        }
+        result
+    }
+
+    async fn call(&self, ctx: &JobContext, lease: &Lease) -> Result<Vec<u8>, JobError> {
+        tokio::time::sleep(self.delay).await;
+        if let Some(url) = self.receiver.as_deref() {
+            lease_event("calling", lease, &[]);
+            let mut request = self.http.post(url).body(ctx.payload().to_vec());
+            for (name, value) in ctx.stamp().to_headers() {
+                request = request.header(name, value);
+            }
+            let response = request.send().await.map_err(|e| JobError::retry(format!("receiver unreachable: {e}")))?;
+            let status = response.status().as_u16();
+            lease_event("called", lease, &[("status", &status)]);
+            match status {
+                200..=299 => {}
+                // The receiver has seen a newer epoch: this worker was superseded. The fenced
+                // failure is refused by the database too; nothing is acknowledged.
+                409 => return Err(JobError::retry(format!("receiver refused epoch {}: superseded", ctx.epoch()))),
+                s => return Err(JobError::retry(format!("receiver answered {s}"))),
+            }
+        }
+        tokio::time::sleep(self.after_call).await;
+        Ok(format!("{}@{}", ctx.owner(), ctx.epoch()).into_bytes())
+    }
+}
+
+/// A token cancelled on SIGTERM or SIGINT. Unlike `adapters::shutdown_signal`, the handlers are
+/// in place when this returns, so a driver that waits for `EVENT ready` (printed after it) can
+/// send SIGTERM at once without killing the process.
+pub fn shutdown_on_signals() -> tokio_util::sync::CancellationToken {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = tokio_util::sync::CancellationToken::new();
+    let (term, int) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
+    let fire = token.clone();
+    tokio::spawn(async move {
+        match (term, int) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+        tracing::info!("shutdown signal received");
+        fire.cancel();
+    });
+    token
+}
+
+/// Prints a `metrics` line whenever a counter changed (every 50 ms at most); abort it at the end.
+pub fn spawn_metrics(metrics: Arc<fence::Metrics>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut last = metrics.snapshot();
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let now = metrics.snapshot();
+            if now != last {
+                println!("EVENT metrics {now}");
+                last = now;
+            }
+        }
+    })
+}
+
+// ------------------------------------------------------------- what the fence decided: the store
+
+/// A [`FenceStore`] that prints what the database decided about this worker's attempts:
+/// `committed`, `fenced` and `fail_recorded`. Everything is delegated unchanged.
+pub struct EventStore(pub Arc<dyn FenceStore>);
+
+fn fenced_event(lease: &Lease, op: &str, e: &FenceError) {
+    let (current_epoch, current_owner) = match e {
+        FenceError::Fenced { current_epoch, current_owner, .. } => {
+            (*current_epoch, current_owner.clone().unwrap_or_else(|| "none".into()))
+        }
+        _ => (0, "none".into()),
+    };
+    lease_event("fenced", lease, &[("op", &op), ("current_epoch", &current_epoch), ("current_owner", &current_owner)]);
+}
+
+fn commit_event(lease: &Lease, result: &fence::Result<()>) {
+    match result {
+        Ok(()) => lease_event("committed", lease, &[]),
+        Err(e) if e.is_fenced() => fenced_event(lease, "commit", e),
+        Err(_) => {}
+    }
+}
+
+#[async_trait]
+impl FenceStore for EventStore {
+    async fn migrate(&self) -> fence::Result<()> {
+        self.0.migrate().await
+    }
+    async fn check_schema(&self) -> fence::Result<()> {
+        self.0.check_schema().await
+    }
+    async fn claim(&self, q: &QueueName, k: &JobKey, o: &Owner, l: LeaseDuration) -> fence::Result<Claim> {
+        self.0.claim(q, k, o, l).await
+    }
+    async fn claim_batch(
+        &self,
+        q: &QueueName,
+        keys: &[JobKey],
+        o: &Owner,
+        l: LeaseDuration,
+    ) -> fence::Result<Vec<Claim>> {
+        self.0.claim_batch(q, keys, o, l).await
+    }
+    async fn enqueue(&self, q: &QueueName, k: &JobKey, payload: &[u8]) -> fence::Result<bool> {
+        self.0.enqueue(q, k, payload).await
+    }
+    async fn enqueue_many(&self, q: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> fence::Result<u64> {
+        self.0.enqueue_many(q, jobs).await
+    }
+    async fn claim_next(&self, q: &QueueName, o: &Owner, l: LeaseDuration, n: u32) -> fence::Result<Vec<ClaimedJob>> {
+        self.0.claim_next(q, o, l, n).await
+    }
+    async fn heartbeat(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
+        self.0.heartbeat(leases, l).await
+    }
+    async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> fence::Result<()> {
+        let r = self.0.checkpoint(lease, progress).await;
+        if let Err(e) = &r
+            && e.is_fenced()
+        {
+            fenced_event(lease, "checkpoint", e);
+        }
+        r
+    }
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> fence::Result<()> {
+        let r = self.0.complete(lease, result).await;
+        commit_event(lease, &r);
+        r
+    }
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> fence::Result<Vec<fence::Result<()>>> {
+        let out = self.0.complete_batch(items).await?;
+        for ((lease, _), r) in items.iter().zip(&out) {
+            commit_event(lease, r);
+        }
+        Ok(out)
+    }
+    async fn fail(&self, lease: &Lease, error: &str, retry: bool, p: &RetryPolicy) -> fence::Result<FailOutcome> {
+        let r = self.0.fail(lease, error, retry, p).await;
+        match &r {
+            Ok(FailOutcome::Retry { retry_in }) => {
+                let ms = retry_in.as_millis();
+                lease_event("fail_recorded", lease, &[("outcome", &"retry"), ("retry_in_ms", &ms)]);
+            }
+            Ok(FailOutcome::Dead) => lease_event("fail_recorded", lease, &[("outcome", &"dead")]),
+            Err(e) if e.is_fenced() => fenced_event(lease, "fail", e),
+            Err(_) => {}
+        }
+        r
+    }
+    async fn release(&self, lease: &Lease) -> fence::Result<()> {
+        self.0.release(lease).await
+    }
+    async fn job(&self, q: &QueueName, k: &JobKey) -> fence::Result<Option<JobRecord>> {
+        self.0.job(q, k).await
+    }
+    async fn db_now(&self) -> fence::Result<DbTime> {
+        self.0.db_now().await
+    }
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+}
+
+/// A supervisor hook printing `lease_lost` for every lease a heartbeat found taken over or
+/// expired (add it with `consumer.supervisor().add_hook(Arc::new(LostHook))`).
+pub struct LostHook;
+
+#[async_trait]
+impl fence::LeaseHook for LostHook {
+    async fn confirmed(&self, _leases: &[Lease]) {}
+
+    async fn lost(&self, leases: &[Lease]) {
+        for lease in leases {
+            lease_event("lease_lost", lease, &[]);
+        }
+    }
+}
+
+// ---------------------------------------------------- what the broker was told: the source side
+
+/// A delivery with the job key it maps to (none for a malformed one).
+#[derive(Clone)]
+pub struct Tagged<D> {
+    inner: D,
+    key: Option<JobKey>,
+}
+
+impl<D> Tagged<D> {
+    fn key(&self) -> String {
+        self.key.as_ref().map_or_else(|| "-".to_owned(), |k| k.as_str().to_owned())
+    }
+}
+
+/// A [`Source`] that prints what the broker was told, as the runtime's disposition says:
+/// `acked`, `hidden` (visibility changed: `why=busy|retry|heartbeat`), `dead_lettered`,
+/// `abandoned`, and `broker_error` when a call failed. Every call is delegated.
+pub struct EventSource<S>(pub S);
+
+impl<S: Source> EventSource<S> {
+    fn queue_name(&self) -> &QueueName {
+        self.0.queue()
+    }
+
+    fn outcome(&self, op: &str, key: &str, r: &Result<(), SourceError>, ok: impl FnOnce()) {
+        match r {
+            Ok(()) => ok(),
+            Err(e) => {
+                let error = e.to_string();
+                event("broker_error", &[("queue", self.queue_name()), ("key", &key), ("op", &op), ("error", &error)]);
+            }
+        }
+    }
+
+    /// `EVENT <name> queue=… key=… [extra…]` for one delivery.
+    fn delivery_event(&self, name: &str, key: &str, extra: &[(&str, &dyn Display)]) {
+        let mut fields: Vec<(&str, &dyn Display)> = vec![("queue", self.queue_name()), ("key", &key)];
+        fields.extend_from_slice(extra);
+        event(name, &fields);
+    }
+}
+
+#[async_trait]
+impl<S: Source> Source for EventSource<S> {
+    type Delivery = Tagged<S::Delivery>;
+
+    fn queue(&self) -> &QueueName {
+        self.0.queue()
+    }
+
+    async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError> {
+        let got = self.0.receive(max, ctx).await?;
+        Ok(got
+            .into_iter()
+            .map(|incoming| match incoming {
+                Incoming::Unclaimed { delivery, key, payload } => {
+                    Incoming::Unclaimed { delivery: Tagged { inner: delivery, key: Some(key.clone()) }, key, payload }
+                }
+                Incoming::Claimed { delivery, job } => {
+                    Incoming::Claimed { delivery: Tagged { inner: delivery, key: Some(job.lease.key.clone()) }, job }
+                }
+                Incoming::Malformed { delivery, reason } => {
+                    Incoming::Malformed { delivery: Tagged { inner: delivery, key: None }, reason }
+                }
+            })
+            .collect())
+    }
+
+    async fn extend(&self, leases: &[(Lease, Self::Delivery)]) -> Result<(), SourceError> {
+        let inner: Vec<(Lease, S::Delivery)> = leases.iter().map(|(l, d)| (l.clone(), d.inner.clone())).collect();
+        let r = self.0.extend(&inner).await;
+        for (lease, d) in leases {
+            self.outcome("extend", &d.key(), &r, || {
+                let ms = lease.ttl.as_millis();
+                lease_event("hidden", lease, &[("why", &"heartbeat"), ("ms", &ms)]);
+            });
+        }
+        r
+    }
+
+    async fn lost(&self, leases: &[(Lease, Self::Delivery)]) -> Result<(), SourceError> {
+        let inner: Vec<(Lease, S::Delivery)> = leases.iter().map(|(l, d)| (l.clone(), d.inner.clone())).collect();
+        self.0.lost(&inner).await
+    }
+
+    async fn ack(&self, deliveries: Vec<Self::Delivery>) -> Result<(), SourceError> {
+        let keys: Vec<String> = deliveries.iter().map(Tagged::key).collect();
+        let r = self.0.ack(deliveries.into_iter().map(|d| d.inner).collect()).await;
+        for key in &keys {
+            self.outcome("ack", key, &r, || self.delivery_event("acked", key, &[]));
+        }
+        r
+    }
+
+    async fn retry_later(&self, delivery: Self::Delivery, delay: Duration) -> Result<(), SourceError> {
+        let key = delivery.key();
+        let r = self.0.retry_later(delivery.inner, delay).await;
+        let ms = delay.as_millis();
+        self.outcome("retry_later", &key, &r, || {
+            self.delivery_event("hidden", &key, &[("why", &"retry"), ("ms", &ms)])
+        });
+        r
+    }
+
+    async fn dead_letter(&self, delivery: Self::Delivery, reason: &str) -> Result<(), SourceError> {
+        let key = delivery.key();
+        let r = self.0.dead_letter(delivery.inner, reason).await;
+        self.outcome("dead_letter", &key, &r, || self.delivery_event("dead_lettered", &key, &[("reason", &reason)]));
+        r
+    }
+
+    async fn hold(&self, delivery: Self::Delivery, ttl: Duration) -> Result<(), SourceError> {
+        let key = delivery.key();
+        let r = self.0.hold(delivery.inner, ttl).await;
+        let ms = ttl.as_millis();
+        self.outcome("hold", &key, &r, || self.delivery_event("hidden", &key, &[("why", &"busy"), ("ms", &ms)]));
+        r
+    }
+
+    async fn abandon(&self, delivery: Self::Delivery) -> Result<(), SourceError> {
+        let key = delivery.key();
+        let r = self.0.abandon(delivery.inner).await;
+        self.outcome("abandon", &key, &r, || self.delivery_event("abandoned", &key, &[]));
+        r
+    }
+
+    async fn close(&self, grace: Duration) {
+        self.0.close(grace).await;
+    }
+}

@@ -1,0 +1,114 @@
+//! A fenced table-queue worker to copy: the jobs live in the fence's own PostgreSQL table (no
+//! broker), the claim is the receive, and each job's handler calls an HTTP receiver carrying the
+//! job and its epoch (the fencing token) in the `Fence-Queue` / `Fence-Job` / `Fence-Epoch` /
+//! `Fence-Owner` headers, so the receiver can refuse a superseded (zombie) worker's late call.
+//! Same flags and `EVENT` lines as `examples/sqs_worker.rs` and `examples/redis_worker.rs`.
+//!
+//! ```text
+//! cargo run --example table_produce -- --queue thumbnails --count 100 --migrate
+//! cargo run --example table_worker -- --queue thumbnails \
+//!     --receiver-url http://127.0.0.1:8080/apply --lease 30
+//! ```
+//!
+//! Configuration: PostgreSQL from `--database-url`, else `DATABASE_URL`, else `localstack/.env`.
+//! The schema must be migrated (`--migrate` here or on `table_produce`, or `FenceStore::migrate`
+//! in your deploy step): without `--migrate` the worker checks it and refuses to start (exit 2)
+//! when it is older than this build needs.
+//!
+//! It prints one machine-readable `EVENT <name> key=value …` line per step to stdout (logs go to
+//! stderr); `examples/README.md` lists them all. SIGTERM or Ctrl-C stops it gracefully: no more
+//! claims, running jobs get `--grace` to finish, the rest are released.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::adapters::{Consumer, ConsumerConfig};
+use brokerfence::fence::{FenceStore, JobContext, LeaseDuration, QueueName, SupervisorConfig};
+
+#[path = "support/cli.rs"]
+mod common;
+
+use common::{CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
+
+const PROG: &str = "table_worker";
+
+fn usage() -> String {
+    format!("usage: table_worker --queue NAME [--idle-wait MS=100]\n{}", common::COMMON_USAGE)
+}
+
+struct Args {
+    common: Common,
+    queue: Option<String>,
+    idle_wait: Duration,
+}
+
+fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
+    let mut args = Args { common: Common::default(), queue: None, idle_wait: Duration::from_millis(100) };
+    let mut cli = Cli::new(raw);
+    while let Some(flag) = cli.next_flag() {
+        let mut flag = flag?;
+        if args.common.take(&mut flag)? {
+            continue;
+        }
+        match flag.name.as_str() {
+            "--queue" => args.queue = Some(flag.value()?),
+            "--idle-wait" => args.idle_wait = flag.ms()?,
+            _ => return Err(flag.unknown()),
+        }
+    }
+    if args.queue.is_none() {
+        return Err(CliExit::Usage("--queue is required".into()));
+    }
+    Ok(args)
+}
+
+async fn serve(args: Args) -> Result<(), StartError> {
+    let c = &args.common;
+    let refuse = |e: brokerfence::fence::FenceError| StartError::Refused(e.to_string());
+    let owner = c.owner("table-worker").map_err(refuse)?;
+    let queue = QueueName::new(args.queue.clone().unwrap_or_default()).map_err(refuse)?;
+    let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+    let url = common::database_url(c.database_url.as_deref())?;
+    let pg = common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
+    let store: Arc<dyn FenceStore> = Arc::new(pg);
+
+    let source = EventSource(TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(args.idle_wait));
+    let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
+    let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
+    let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    consumer.supervisor().add_hook(Arc::new(common::LostHook));
+    let reporter = common::spawn_metrics(consumer.metrics());
+    let call = CallReceiver::new(c);
+    let handler = move |ctx: JobContext| call.clone().handle(ctx);
+
+    let stop = common::shutdown_on_signals();
+
+    common::ready(&owner, &[("queue", &queue), ("source", &"table")]);
+    let result = consumer.run(handler, stop).await;
+    reporter.abort();
+    println!("EVENT stopped {}", consumer.metrics().snapshot());
+    result.map_err(|e| StartError::Failed(e.to_string()))
+}
+
+/// Runs the worker with command-line arguments (without the program name); the exit code.
+pub fn run(raw: Vec<String>) -> i32 {
+    let args = match parse_args(raw) {
+        Ok(a) => a,
+        Err(e) => return e.report(PROG, &usage()),
+    };
+    common::init_logging("info");
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(PROG),
+    };
+    match runtime.block_on(serve(args)) {
+        Ok(()) => 0,
+        Err(e) => e.report(PROG),
+    }
+}
+
+fn main() {
+    brokerfence::services::load_dotenv();
+    std::process::exit(run(std::env::args().skip(1).collect()));
+}
