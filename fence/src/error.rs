@@ -67,6 +67,29 @@ pub enum FenceError {
     /// The database answered with something the fence does not understand (a bug or a foreign schema).
     #[error("unexpected database state: {0}")]
     Corrupt(String),
+    /// The schema is older than this build needs (a worker refuses to start on it; a newer schema
+    /// is fine). Migrations are an explicit step: run [`FenceStore::migrate`](crate::FenceStore::migrate)
+    /// once per deploy (or a worker's `--migrate` flag) before starting workers of this build.
+    ///
+    /// ```
+    /// use fence::FenceError;
+    /// let err = FenceError::SchemaTooOld { found: 0, required: 3 };
+    /// assert!(err.to_string().contains("run migrations"));
+    /// ```
+    #[error(
+        "the fence schema is at migration version {found} (0 = no schema) but this build needs version {required}: \
+         run migrations: `store.migrate()` or the worker's `--migrate` flag"
+    )]
+    SchemaTooOld {
+        /// The newest migration version recorded in the schema (0 when there is no schema).
+        found: i64,
+        /// The migration version this build needs.
+        required: i64,
+    },
+    /// The store does not implement an optional operation (for example a wrapper that does not
+    /// delegate it to the store it wraps).
+    #[error("not supported by this store: {0}")]
+    Unsupported(&'static str),
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

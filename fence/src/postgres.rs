@@ -14,7 +14,7 @@ use crate::model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::schema::{Migration, SchemaName, render};
-use crate::store::{FenceStore, distinct_keys, retry_delay, split_heartbeat};
+use crate::store::{FenceStore, distinct_keys, retry_delay, schema_verdict, split_heartbeat};
 
 /// Milliseconds since the Unix epoch of a timestamptz expression.
 macro_rules! ms {
@@ -83,6 +83,9 @@ const MIGRATIONS: &[Migration] = &[
         ],
     },
 ];
+
+/// The migration version this build needs: the newest embedded migration.
+const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The statements, rendered once for a schema and a set of guards.
 #[derive(Debug)]
@@ -634,6 +637,21 @@ impl FenceStore for PgFence {
         }
         tx.commit().await?;
         Ok(())
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let s = self.schema.as_str();
+        let found: std::result::Result<i64, sqlx::Error> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT coalesce(max(version), 0)::bigint FROM {s}._migrations")))
+                .fetch_one(&self.pool)
+                .await;
+        let found = match found {
+            Ok(v) => v,
+            // 42P01 undefined_table, 3F000 invalid_schema_name: no schema yet.
+            Err(sqlx::Error::Database(db)) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        schema_verdict(found, REQUIRED_VERSION)
     }
 
     async fn claim_batch(

@@ -23,7 +23,7 @@ use crate::model::{
 };
 use crate::postgres::claim_outcome;
 use crate::schema::{Migration, SchemaName, render};
-use crate::store::{FenceStore, distinct_keys, retry_delay, split_heartbeat};
+use crate::store::{FenceStore, distinct_keys, retry_delay, schema_verdict, split_heartbeat};
 
 /// The database clock in milliseconds.
 const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
@@ -64,6 +64,9 @@ const MIGRATIONS: &[Migration] = &[Migration {
         )",
     ],
 }];
+
+/// The migration version this build needs: the newest embedded migration.
+const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -249,6 +252,11 @@ impl SqliteFence {
         &self.pool
     }
 
+    /// The table prefix.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+
     /// [`complete`](FenceStore::complete) inside the caller's transaction.
     ///
     /// ```no_run
@@ -344,6 +352,23 @@ impl FenceStore for SqliteFence {
         }
         tx.commit().await?;
         Ok(())
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut conn = self.pool.acquire().await?;
+        let exists: i64 = sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1")
+            .bind(format!("{s}__migrations"))
+            .fetch_one(&mut *conn)
+            .await?;
+        let found: i64 = if exists == 0 {
+            0
+        } else {
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT coalesce(max(version), 0) FROM {s}__migrations")))
+                .fetch_one(&mut *conn)
+                .await?
+        };
+        schema_verdict(found, REQUIRED_VERSION)
     }
 
     async fn claim_batch(

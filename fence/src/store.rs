@@ -29,6 +29,33 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Applies the embedded migrations; idempotent and safe from several processes at once.
     async fn migrate(&self) -> Result<()>;
 
+    /// Checks, without changing anything, that the schema is at least at the migration version
+    /// this build needs: what a worker calls at start instead of migrating (migrations are an
+    /// explicit deploy step). A newer schema is fine. An older one, or none, is
+    /// [`FenceError::SchemaTooOld`](crate::FenceError::SchemaTooOld) (`found` = 0 when there is
+    /// no schema), whose message says to run migrations.
+    ///
+    /// The default answers [`FenceError::Unsupported`](crate::FenceError::Unsupported): a store
+    /// that wraps another one should delegate this call to it.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> fence::Result<()> {
+    /// use fence::{FenceError, FenceStore, PgFence};
+    /// let store = PgFence::connect("postgres://postgres@127.0.0.1/test").await?;
+    /// match store.check_schema().await {
+    ///     Ok(()) => {}
+    ///     Err(e @ FenceError::SchemaTooOld { .. }) => {
+    ///         eprintln!("{e}");
+    ///         std::process::exit(2);
+    ///     }
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    async fn check_schema(&self) -> Result<()> {
+        Err(crate::FenceError::Unsupported("check_schema (a wrapping store should delegate it)"))
+    }
+
     /// Claims a broker delivery: creates the job if missing and, only if it is pending, failed
     /// with its backoff passed (`run_at` due on the database clock) or running with an expired
     /// lease, makes it running under a new epoch. Otherwise says why not, in the same round trip:
@@ -136,6 +163,11 @@ pub(crate) fn split_heartbeat(
 pub(crate) fn distinct_keys(keys: &[JobKey]) -> Vec<&JobKey> {
     let mut seen = std::collections::HashSet::with_capacity(keys.len());
     keys.iter().filter(|k| seen.insert(k.as_str())).collect()
+}
+
+/// The verdict of [`FenceStore::check_schema`] from the newest applied migration version.
+pub(crate) fn schema_verdict(found: i64, required: i64) -> Result<()> {
+    if found >= required { Ok(()) } else { Err(crate::FenceError::SchemaTooOld { found, required }) }
 }
 
 pub(crate) fn retry_delay(policy: &RetryPolicy, attempts: i64) -> Duration {
