@@ -6,10 +6,113 @@
 mod common;
 
 mod edges {
-    use brokerfence::fence::{FenceError, FenceStore, PgFence, SqliteFence};
-    use sqlx::AssertSqlSafe;
+    use std::time::{Duration, Instant};
 
-    use super::common;
+    use brokerfence::fence::{Claim, FenceError, FenceStore, Lease, Owner, PgFence, QueueName, SqliteFence};
+    use sqlx::{AssertSqlSafe, Connection};
+
+    use super::common::{self, key, lease};
+
+    #[track_caller]
+    fn claimed(c: brokerfence::fence::Result<Claim>) -> Lease {
+        match c {
+            Ok(Claim::Claimed(l)) => l,
+            other => panic!("expected Claimed, got {other:?}"),
+        }
+    }
+
+    fn queue() -> QueueName {
+        QueueName::new(common::unique("q")).expect("queue")
+    }
+
+    fn is_lock_timeout(e: &FenceError) -> bool {
+        matches!(e, FenceError::LockTimeout(_))
+    }
+
+    /// §1 bullet 3 (the heartbeat does not queue behind claims and commits on a shared pool):
+    /// every connection of the fence's main pool is held, as claims and commits stuck on a slow
+    /// database would hold them, and a heartbeat through the same `PgFence` still renews within
+    /// lease/3. Guard: the heartbeat's reserved connections (`PgFence::heartbeat_pool`); on one
+    /// shared pool the renewal waits for a connection (up to the pool's 10 s acquire timeout).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_pg_heartbeat_renews_while_the_main_pool_is_saturated() {
+        let pool = PgFence::pool_options().max_connections(2).connect(&common::database_url()).await.expect("pool");
+        let s = PgFence::new(pool).with_schema(common::unique_schema());
+        s.migrate().await.expect("migrate");
+        let q = queue();
+        let me = Owner::unique("w");
+        let l = claimed(s.claim(&q, &key("k"), &me, lease(3)).await);
+        let held = [s.pool().acquire().await.expect("conn 1"), s.pool().acquire().await.expect("conn 2")];
+        // The main pool is full: a claim now waits for a connection.
+        let blocked = tokio::time::timeout(Duration::from_millis(300), s.claim(&q, &key("other"), &me, lease(3))).await;
+        assert!(blocked.is_err(), "the main pool was not saturated: {blocked:?}");
+        for round in 0..3 {
+            let t0 = Instant::now();
+            let hb = tokio::time::timeout(Duration::from_secs(1), s.heartbeat(std::slice::from_ref(&l), lease(3)))
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("heartbeat {round} did not answer within lease/3 (1 s): it queued for a connection")
+                })
+                .expect("heartbeat");
+            assert_eq!((hb.renewed.len(), hb.lost.len()), (1, 0), "{hb:?}");
+            assert!(t0.elapsed() < Duration::from_secs(1));
+        }
+        drop(held);
+        s.complete(&l, b"r").await.expect("complete once the pool frees up");
+    }
+
+    /// §1 bullet 3 (fence statements run with a lock_timeout that fits the lease): a job row is
+    /// locked by another transaction that does not end (a stalled session). A commit gives up
+    /// after the main pool's lock_timeout (3 s) and a heartbeat after the heartbeat's (750 ms), each
+    /// with `FenceError::LockTimeout`, instead of hanging; once the lock is gone both go through.
+    /// Guard: the `lock_timeout` startup options of `PgTimeouts`; without them both wait forever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_pg_statements_blocked_on_a_lock_give_up_after_lock_timeout() {
+        let s = common::pg().await;
+        let q = queue();
+        let me = Owner::unique("w");
+        let l = claimed(s.claim(&q, &key("locked"), &me, lease(30)).await);
+        let mut stalled = sqlx::PgConnection::connect(&common::database_url()).await.expect("connect");
+        let mut tx = stalled.begin().await.expect("begin");
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT 1 FROM {}.jobs WHERE queue = $1 AND key = $2 FOR UPDATE",
+            s.schema().as_str()
+        )))
+        .bind(q.as_str().to_owned())
+        .bind("locked")
+        .execute(&mut *tx)
+        .await
+        .expect("lock the row");
+
+        let t0 = Instant::now();
+        let hb = tokio::time::timeout(Duration::from_secs(8), s.heartbeat(std::slice::from_ref(&l), lease(30)))
+            .await
+            .expect("heartbeat hung on a locked row");
+        let waited = t0.elapsed();
+        assert!(hb.as_ref().is_err_and(is_lock_timeout), "{hb:?}");
+        assert!(
+            waited >= Duration::from_millis(700) && waited < Duration::from_secs(3),
+            "heartbeat gave up after {waited:?}"
+        );
+
+        let t0 = Instant::now();
+        let done = tokio::time::timeout(Duration::from_secs(10), s.complete(&l, b"r"))
+            .await
+            .expect("complete hung on a locked row");
+        let waited = t0.elapsed();
+        assert!(done.as_ref().is_err_and(is_lock_timeout), "{done:?}");
+        assert!(
+            waited >= Duration::from_millis(2_900) && waited < Duration::from_secs(6),
+            "commit gave up after {waited:?}"
+        );
+        let msg = done.expect_err("timed out").to_string();
+        assert!(msg.contains("lock_timeout"), "{msg}");
+
+        tx.rollback().await.expect("rollback");
+        let hb = s.heartbeat(std::slice::from_ref(&l), lease(30)).await.expect("heartbeat after the lock");
+        assert_eq!(hb.renewed.len(), 1);
+        s.complete(&l, b"r").await.expect("commit after the lock");
+    }
 
     /// The newest migration version recorded, read directly.
     async fn pg_version(s: &PgFence) -> i64 {

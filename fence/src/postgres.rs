@@ -312,6 +312,9 @@ fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 #[derive(Clone)]
 pub struct PgFence {
     pool: PgPool,
+    /// Reserved capacity for [`heartbeat`](FenceStore::heartbeat): claims and commits that fill
+    /// `pool` never make a renewal wait for a connection.
+    heartbeat_pool: PgPool,
     schema: SchemaName,
     guards: Guards,
     pub(crate) stmts: Arc<Statements>,
@@ -341,6 +344,95 @@ impl std::fmt::Debug for PgFence {
 /// # let _ = fence; Ok(()) }
 /// ```
 pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
+
+/// Server-side time limits of a fence's connections, sent as startup options of each connection
+/// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra
+/// round trip for them.
+///
+/// Fence statements touch a few rows by key and take milliseconds; one that waits longer for a
+/// lock (a row held by a stalled transaction, a table lock queued by a migration) or runs longer
+/// gives up with [`FenceError::LockTimeout`] or [`FenceError::StatementTimeout`] instead of
+/// hanging past the lease it serves. Nothing the statement wrote is kept; the caller retries.
+///
+/// The defaults fit the shortest lease ([`MIN_LEASE`](crate::MIN_LEASE), 3 s, renewed every
+/// second): heartbeats give up after 750 ms waiting for a lock or 1 s in all (a renewal that took longer than a heartbeat interval is
+/// replaced by the next one), claims and commits wait at most 3 s for a lock and run at most 10 s.
+/// Longer leases can afford longer limits; shorter limits than the defaults make spurious
+/// failures likelier on a loaded server.
+///
+/// The main pool's limits also apply to what a caller runs on [`PgFence::pool`] connections (for
+/// example the business statements of a [`complete_in`](PgFence::complete_in) transaction).
+/// Migrations override both per transaction (see [`PgFence::with_migration_lock_timeout`]).
+/// Connection poolers that drop startup options (PgBouncer in transaction mode) need the limits set
+/// on the database role instead (`ALTER ROLE … SET lock_timeout = …`).
+///
+/// ```no_run
+/// # async fn demo() -> fence::Result<()> {
+/// use std::time::Duration;
+/// use fence::{PgFence, PgTimeouts};
+/// let timeouts = PgTimeouts { lock: Duration::from_secs(10), statement: Duration::from_secs(30), ..PgTimeouts::default() };
+/// let options: sqlx::postgres::PgConnectOptions = "postgres://127.0.0.1/jobs".parse()?;
+/// let fence = PgFence::connect_with_timeouts(options, timeouts).await?;
+/// # let _ = fence; Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PgTimeouts {
+    /// `statement_timeout` of the main pool (claims, commits, fail, release, the ledger). Default 10 s.
+    pub statement: Duration,
+    /// `lock_timeout` of the main pool. Default 3 s.
+    pub lock: Duration,
+    /// `statement_timeout` of the heartbeat connections. Default 1 s.
+    pub heartbeat_statement: Duration,
+    /// `lock_timeout` of the heartbeat connections. Default 750 ms (below the statement limit, so
+    /// that a renewal stuck on a lock says so).
+    pub heartbeat_lock: Duration,
+    /// Connections reserved for heartbeats, apart from the main pool. Default 2 (a renewal in
+    /// flight and the next one).
+    pub heartbeat_connections: u32,
+}
+
+impl Default for PgTimeouts {
+    fn default() -> Self {
+        Self {
+            statement: Duration::from_secs(10),
+            lock: Duration::from_secs(3),
+            heartbeat_statement: Duration::from_secs(1),
+            heartbeat_lock: Duration::from_millis(750),
+            heartbeat_connections: 2,
+        }
+    }
+}
+
+/// A duration as a PostgreSQL time setting in whole milliseconds, at least 1 (0 would mean "no limit").
+fn pg_ms(d: Duration) -> u128 {
+    d.as_millis().max(1)
+}
+
+impl PgTimeouts {
+    /// `options` with the main pool's limits added as startup options (later ones win, so these
+    /// override a `statement_timeout` or `lock_timeout` already in `options`).
+    pub fn apply(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+        options.options([("statement_timeout", pg_ms(self.statement)), ("lock_timeout", pg_ms(self.lock))])
+    }
+
+    /// `options` with the heartbeat connections' limits added as startup options.
+    pub fn apply_heartbeat(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+        options.options([
+            ("statement_timeout", pg_ms(self.heartbeat_statement)),
+            ("lock_timeout", pg_ms(self.heartbeat_lock)),
+        ])
+    }
+
+    /// The pool of reserved heartbeat connections: opened on first use (then kept while in use, like any pool's), each with
+    /// [`PG_SESSION_SETUP`] and the heartbeat limits; a renewal waits at most the heartbeat
+    /// statement limit for a connection.
+    fn heartbeat_pool(&self, options: sqlx::postgres::PgConnectOptions) -> PgPool {
+        PgFence::pool_options()
+            .max_connections(self.heartbeat_connections.max(1))
+            .acquire_timeout(self.heartbeat_statement.max(Duration::from_millis(100)))
+            .connect_lazy_with(self.apply_heartbeat(options))
+    }
+}
 
 impl PgFence {
     /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
@@ -375,9 +467,20 @@ impl PgFence {
         })
     }
 
-    /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)).
+    /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)),
+    /// with the default [`PgTimeouts`] and their reserved heartbeat connections.
     pub async fn connect(url: &str) -> Result<Self> {
-        Ok(Self::new(Self::pool_options().connect(url).await?))
+        let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+        Self::connect_with_timeouts(options, PgTimeouts::default()).await
+    }
+
+    /// [`connect_with`](Self::connect_with) with other time limits (see [`PgTimeouts`]).
+    pub async fn connect_with_timeouts(
+        options: sqlx::postgres::PgConnectOptions,
+        timeouts: PgTimeouts,
+    ) -> Result<Self> {
+        let pool = Self::pool_options().connect_with(timeouts.apply(options.clone())).await?;
+        Ok(Self::new(pool).with_heartbeat_pool(timeouts.heartbeat_pool(options)))
     }
 
     /// Connects a pool of up to 16 connections ([`pool_options`](Self::pool_options)) with options
@@ -410,16 +513,37 @@ impl PgFence {
     /// # let _ = fence; Ok(()) }
     /// ```
     pub async fn connect_with(options: sqlx::postgres::PgConnectOptions) -> Result<Self> {
-        Ok(Self::new(Self::pool_options().connect_with(options).await?))
+        Self::connect_with_timeouts(options, PgTimeouts::default()).await
     }
 
     /// Uses an existing pool, with the default schema. Build it from
-    /// [`pool_options`](Self::pool_options), or run [`PG_SESSION_SETUP`] on its connections.
+    /// [`pool_options`](Self::pool_options), or run [`PG_SESSION_SETUP`] on its connections; add
+    /// [`PgTimeouts::apply`] to its connect options for the fence's time limits (a pool built
+    /// without them keeps whatever limits its connections have).
+    ///
+    /// Heartbeats get their own connections (up to two, opened on first use with the pool's
+    /// connect options, [`PG_SESSION_SETUP`] and the default heartbeat limits of [`PgTimeouts`]),
+    /// so a pool kept busy by claims and commits never delays a renewal. Outside a tokio runtime
+    /// there is no such pool to open: heartbeats then share `pool`.
+    /// [`with_heartbeat_pool`](Self::with_heartbeat_pool) supplies another.
     pub fn new(pool: PgPool) -> Self {
         let schema = SchemaName::default();
         let guards = Guards::default();
         let stmts = Arc::new(Statements::new(&schema, guards));
-        Self { pool, schema, guards, stmts }
+        let heartbeat_pool = if tokio::runtime::Handle::try_current().is_ok() {
+            PgTimeouts::default().heartbeat_pool((*pool.connect_options()).clone())
+        } else {
+            pool.clone()
+        };
+        Self { pool, heartbeat_pool, schema, guards, stmts }
+    }
+
+    /// Renews leases on `pool` (reserved capacity: give it connections the main pool cannot use
+    /// up, with [`PG_SESSION_SETUP`] and time limits that fit the lease, see
+    /// [`PgTimeouts::apply_heartbeat`]).
+    pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
+        self.heartbeat_pool = pool;
+        self
     }
 
     /// Uses another schema (created by [`migrate`](FenceStore::migrate)).
@@ -445,6 +569,11 @@ impl PgFence {
     /// The pool.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The connections reserved for heartbeats.
+    pub fn heartbeat_pool(&self) -> &PgPool {
+        &self.heartbeat_pool
     }
 
     /// The schema.
@@ -724,7 +853,7 @@ impl FenceStore for PgFence {
             .bind(epochs)
             .bind(owners)
             .bind(lease.as_millis_i64())
-            .fetch_all(&self.pool)
+            .fetch_all(&self.heartbeat_pool)
             .await?;
         Ok(split_heartbeat(leases, renewed))
     }
