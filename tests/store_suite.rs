@@ -666,7 +666,10 @@ async fn fail_retries_then_buries<S: TestStore>() {
         }
     }
     let r = job(&s, &q, &k).await;
-    assert_eq!((r.state, r.epoch, r.attempts, r.last_error.as_deref()), (JobState::Dead, 3, 3, Some("attempt 3")));
+    assert_eq!(
+        (r.state, r.epoch, r.attempts, r.last_error.as_deref()),
+        (JobState::Dead, 3, 3, Some("failed 3 times (max_attempts = 3): attempt 3"))
+    );
     assert_eq!(s.claim(&q, &k, &a, lease(30)).await.unwrap(), Claim::Dead { epoch: 3 });
     assert!(s.claim_next(&q, &a, lease(30), 10).await.unwrap().is_empty(), "dead jobs are not handed out");
 
@@ -1492,7 +1495,7 @@ mod pg_only {
         // A second process with its own pool runs the migration.
         let upgraded = s.reopen().await;
         upgraded.migrate().await.unwrap();
-        assert_eq!(upgraded.migration_rows().await, 2);
+        assert_eq!(upgraded.migration_rows().await, 3);
         let collations = key_collations(&upgraded).await;
         assert_eq!(collations.len(), 4, "{collations:?}");
         assert!(collations.iter().all(|(_, _, c)| c == "C"), "{collations:?}");

@@ -45,7 +45,7 @@ pub use model::{
 };
 pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
-pub use sqlite::SqliteFence;
+pub use sqlite::{SqliteDurability, SqliteFence};
 pub use store::FenceStore;
 pub use supervisor::{
     DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
