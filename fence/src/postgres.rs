@@ -97,6 +97,11 @@ const MIGRATIONS: &[Migration] = &[
 const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The statements, rendered once for a schema and a set of guards.
+///
+/// Every text column they return that comes from a key column carries `COLLATE "C"`: the result
+/// type of a prepared statement then stays the same whatever the collation of the column
+/// (migration 2 changed it). A prepared statement whose result type changes under it fails with
+/// "cached plan must not change result type" on every later run on that connection.
 #[derive(Debug)]
 pub(crate) struct Statements {
     claim: Arc<str>,
@@ -193,10 +198,10 @@ impl Statements {
                WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                   OR (t.state = 'running' AND t.lease_until < clock_timestamp()) \
                RETURNING t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, t.run_at) \
-             SELECT c.key, CASE WHEN c.state = 'dead' THEN 'dead' ELSE 'claimed' END, c.epoch, c.owner, \
+             SELECT c.key COLLATE \"C\", CASE WHEN c.state = 'dead' THEN 'dead' ELSE 'claimed' END, c.epoch, c.owner, \
                {lu}, {ttl}, c.attempts, {ra} FROM claimed c \
              UNION ALL \
-             SELECT t.key, t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
+             SELECT t.key COLLATE \"C\", t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
              FROM input i CROSS JOIN LATERAL (SELECT t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, \
                  t.run_at FROM {s}.jobs t WHERE t.queue = $1 AND t.key = i.key OFFSET 0) t \
              WHERE NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
@@ -223,7 +228,7 @@ impl Statements {
              pick AS (SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) p LIMIT $4) \
              UPDATE {s}.jobs t SET {capped} \
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
-             RETURNING t.key, t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
+             RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
             capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
@@ -236,7 +241,7 @@ impl Statements {
                  AS u(queue, key, epoch, owner)), {cur} \
              UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
              FROM cur c WHERE t.queue = c.queue AND t.key = c.key AND {hb_cas} \
-             RETURNING t.queue, t.key, {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
+             RETURNING t.queue COLLATE \"C\", t.key COLLATE \"C\", {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
             lease = lease_end.replace("$LEASE", "$5"),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
@@ -255,8 +260,8 @@ impl Statements {
              upd AS (UPDATE {s}.jobs t SET state = 'completed', result = c.result, lease_until = NULL, \
                  updated_at = clock_timestamp() FROM cur c \
                  WHERE t.queue = c.queue AND t.key = c.key AND {batch_cas} RETURNING t.queue, t.key) \
-             SELECT c.queue, c.key, false, c.cur_epoch, c.cur_owner FROM cur c \
-             UNION ALL SELECT upd.queue, upd.key, true, NULL::bigint, NULL::text FROM upd"
+             SELECT c.queue COLLATE \"C\", c.key COLLATE \"C\", false, c.cur_epoch, c.cur_owner FROM cur c \
+             UNION ALL SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", true, NULL::bigint, NULL::text FROM upd"
         );
         let checkpoint = fenced(
             s,
