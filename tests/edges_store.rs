@@ -452,4 +452,77 @@ mod edges {
         s.check_schema().await.expect("a newer schema passes");
         assert_eq!(sqlite_version(&s).await, 999);
     }
+
+    /// §2 bullet 3, the measured cost of `synchronous = FULL` (a benchmark, not a check: run it
+    /// with `cargo test --workspace --all-features --test edges_store edges_sqlite_durability_cost
+    /// -- --ignored --nocapture`). Rounds alternate FULL and NORMAL (A/B/A/B…), each on a fresh
+    /// file in the system's temp directory: 300 jobs claimed and completed one by one (two commits
+    /// each), then 300 more in batches of ten (`claim_batch` + `complete_batch`, two commits per
+    /// ten jobs). Prints the median jobs/s of each.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "benchmark: run with --ignored --nocapture"]
+    async fn edges_sqlite_durability_cost() {
+        const ROUNDS: usize = 6;
+        const JOBS: usize = 300;
+        async fn round(durability: SqliteDurability) -> (f64, f64) {
+            let path = common::sqlite_path();
+            let s = SqliteFence::open_with(&format!("sqlite:{}", path.display()), durability).await.expect("open");
+            s.migrate().await.expect("migrate");
+            let q = queue();
+            let me = Owner::unique("bench");
+            let t0 = Instant::now();
+            for i in 0..JOBS {
+                let l = claimed(s.claim(&q, &key(&format!("one-{i}")), &me, lease(30)).await);
+                s.complete(&l, b"r").await.expect("complete");
+            }
+            let single = JOBS as f64 / t0.elapsed().as_secs_f64();
+            let t0 = Instant::now();
+            for b in 0..JOBS / 10 {
+                let keys: Vec<_> = (0..10).map(|i| key(&format!("batch-{b}-{i}"))).collect();
+                let items: Vec<(Lease, Vec<u8>)> = s
+                    .claim_batch(&q, &keys, &me, lease(30))
+                    .await
+                    .expect("claim_batch")
+                    .into_iter()
+                    .map(|c| (claimed(Ok(c)), b"r".to_vec()))
+                    .collect();
+                assert!(s.complete_batch(&items).await.expect("complete_batch").iter().all(Result::is_ok));
+            }
+            let batched = JOBS as f64 / t0.elapsed().as_secs_f64();
+            s.pool().close().await;
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+            }
+            (single, batched)
+        }
+        fn median(mut v: Vec<f64>) -> f64 {
+            v.sort_by(f64::total_cmp);
+            let n = v.len();
+            if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+        }
+        let (mut full, mut normal) = (Vec::new(), Vec::new());
+        for r in 0..ROUNDS {
+            for durability in [SqliteDurability::Full, SqliteDurability::Normal] {
+                let got = round(durability).await;
+                eprintln!(
+                    "round {r} {durability:?}: {:.0} jobs/s one by one, {:.0} jobs/s in batches of 10",
+                    got.0, got.1
+                );
+                if durability == SqliteDurability::Full { full.push(got) } else { normal.push(got) }
+            }
+        }
+        let med =
+            |v: &Vec<(f64, f64)>| (median(v.iter().map(|x| x.0).collect()), median(v.iter().map(|x| x.1).collect()));
+        let (f, n) = (med(&full), med(&normal));
+        eprintln!(
+            "median of {ROUNDS} rounds each: FULL {:.0} / {:.0} jobs/s, NORMAL {:.0} / {:.0} jobs/s (one by one / batches of 10); \
+             FULL costs {:.0} % / {:.0} %",
+            f.0,
+            f.1,
+            n.0,
+            n.1,
+            100.0 * (1.0 - f.0 / n.0),
+            100.0 * (1.0 - f.1 / n.1)
+        );
+    }
 }
