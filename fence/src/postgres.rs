@@ -908,7 +908,12 @@ impl FenceStore for PgFence {
     /// constant defaults (no table rewrite). The limit that remains: once granted, migration 2
     /// (byte-order keys) holds its exclusive lock while it rebuilds the indexes on the key
     /// columns, which takes time in proportion to the table (milliseconds for thousands of rows,
-    /// seconds for millions); statements on the table wait that long.
+    /// seconds for millions); statements on the table wait that long. Migration 2 also changes
+    /// the collation of the key columns, and workers of releases before this one return those
+    /// columns from prepared statements: on each of their open connections those statements then
+    /// fail with "cached plan must not change result type" until the connection is replaced, so
+    /// stop (or restart) such workers around a migration from version 1. This release's
+    /// statements return key columns as `COLLATE "C"` and are not affected.
     async fn migrate(&self) -> Result<()> {
         let s = self.schema.as_str();
         let mut conn = self.pool.acquire().await?;
