@@ -666,7 +666,10 @@ async fn fail_retries_then_buries<S: TestStore>() {
         }
     }
     let r = job(&s, &q, &k).await;
-    assert_eq!((r.state, r.epoch, r.attempts, r.last_error.as_deref()), (JobState::Dead, 3, 3, Some("attempt 3")));
+    assert_eq!(
+        (r.state, r.epoch, r.attempts, r.last_error.as_deref()),
+        (JobState::Dead, 3, 3, Some("failed 3 times (max_attempts = 3): attempt 3"))
+    );
     assert_eq!(s.claim(&q, &k, &a, lease(30)).await.unwrap(), Claim::Dead { epoch: 3 });
     assert!(s.claim_next(&q, &a, lease(30), 10).await.unwrap().is_empty(), "dead jobs are not handed out");
 
@@ -1319,7 +1322,9 @@ mod pg_only {
 
     /// Rows of `jobs` read so far by this connection's backend (sequential plus index fetches).
     async fn rows_read(s: &PgFence) -> i64 {
-        // Pending statistics reach the shared view when the backend next goes idle.
+        // Pending statistics reach the shared view when the backend next goes idle (the
+        // heartbeat's backend too).
+        sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.heartbeat_pool()).await.unwrap();
         sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.pool()).await.unwrap();
         let (n,): (i64,) = sqlx::query_as(
             "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables \
@@ -1418,17 +1423,26 @@ mod pg_only {
         assert!(read < 500, "one round of every statement read {read} rows of a 20,000-row table");
         // Every fence statement this connection ran more than five times (each ran 8 or more;
         // the migrations and the setup of this test ran once) runs a kept (generic) plan by now.
-        let plans: Vec<(String, i64, i64)> = sqlx::query_as(
-            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements \
-             WHERE statement LIKE '%' || $1 || '.%' AND generic_plans + custom_plans > 5",
-        )
-        .bind(s.schema().as_str().to_owned())
-        .fetch_all(s.pool())
-        .await
-        .unwrap();
-        // claim, heartbeat, complete_batch, checkpoint, complete, fail, release, enqueue,
-        // claim_next, and the ledger's accept and current epoch.
-        assert_eq!(plans.len(), 11, "fence statements run more than five times: {plans:#?}");
+        let kept = |pool: sqlx::PgPool| {
+            let schema = s.schema().as_str().to_owned();
+            async move {
+                sqlx::query_as::<_, (String, i64, i64)>(
+                    "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements \
+                     WHERE statement LIKE '%' || $1 || '.%' AND generic_plans + custom_plans > 5",
+                )
+                .bind(schema)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        let mut plans = kept(s.pool().clone()).await;
+        // claim, complete_batch, checkpoint, complete, fail, release, enqueue, claim_next, and
+        // the ledger's accept and current epoch; the heartbeat runs on its own connection.
+        assert_eq!(plans.len(), 10, "fence statements run more than five times: {plans:#?}");
+        let heartbeat = kept(s.heartbeat_pool().clone()).await;
+        assert_eq!(heartbeat.len(), 1, "the heartbeat on its own connection: {heartbeat:#?}");
+        plans.extend(heartbeat);
         for (statement, generic, custom) in &plans {
             assert!(*generic > 0, "planned on every call ({custom} custom plans): {statement}");
         }
@@ -1481,7 +1495,7 @@ mod pg_only {
         // A second process with its own pool runs the migration.
         let upgraded = s.reopen().await;
         upgraded.migrate().await.unwrap();
-        assert_eq!(upgraded.migration_rows().await, 2);
+        assert_eq!(upgraded.migration_rows().await, 3);
         let collations = key_collations(&upgraded).await;
         assert_eq!(collations.len(), 4, "{collations:?}");
         assert!(collations.iter().all(|(_, _, c)| c == "C"), "{collations:?}");

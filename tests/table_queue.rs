@@ -162,7 +162,7 @@ async fn failures_retry_then_die(store: Arc<dyn FenceStore>) {
         let flaky = store.job(&queue, &JobKey::new("flaky").expect("key")).await.expect("job").expect("row");
         if flaky.state == JobState::Dead {
             assert_eq!(flaky.attempts, 3);
-            assert_eq!(flaky.last_error.as_deref(), Some("upstream 503"));
+            assert_eq!(flaky.last_error.as_deref(), Some("failed 3 times (max_attempts = 3): upstream 503"));
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "flaky job never died: {flaky:?}");

@@ -90,9 +90,33 @@ pub enum FenceError {
     /// delegate it to the store it wraps).
     #[error("not supported by this store: {0}")]
     Unsupported(&'static str),
+    /// A statement waited longer than its `lock_timeout` for a lock (PostgreSQL `55P03`): a row
+    /// held by another transaction, or a table lock queued behind a migration. It wrote nothing;
+    /// retry later. See [`PgTimeouts`](crate::PgTimeouts).
+    #[error("gave up waiting for a lock (lock_timeout): {0}")]
+    LockTimeout(String),
+    /// A statement ran longer than its `statement_timeout` (PostgreSQL `57014`, cancelled by the
+    /// timeout). It wrote nothing; retry later. See [`PgTimeouts`](crate::PgTimeouts).
+    #[error("statement cancelled by statement_timeout: {0}")]
+    StatementTimeout(String),
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for FenceError {
+    fn from(e: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = &e {
+            match db.code().as_deref() {
+                Some("55P03") => return FenceError::LockTimeout(db.message().to_owned()),
+                Some("57014") if db.message().contains("statement timeout") => {
+                    return FenceError::StatementTimeout(db.message().to_owned());
+                }
+                _ => {}
+            }
+        }
+        FenceError::Database(e)
+    }
 }
 
 impl FenceError {

@@ -43,9 +43,9 @@ pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
 };
-pub use postgres::{PG_SESSION_SETUP, PgFence};
+pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
-pub use sqlite::SqliteFence;
+pub use sqlite::{SqliteDurability, SqliteFence};
 pub use store::FenceStore;
 pub use supervisor::{
     DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,

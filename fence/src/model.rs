@@ -211,7 +211,9 @@ pub struct Heartbeat {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// Attempts after which a failure is final (the job goes `dead`).
+    /// Handler failures after which a failure is final (the job goes `dead`, its last error
+    /// naming this cap). Takeovers of stalled holders do not count: the stores cap claims
+    /// apart (`with_max_claims`, see [`RetryPolicy::max_claims`]).
     pub max_attempts: i64,
     /// Backoff after the first failed attempt; doubles per attempt.
     pub base_backoff: Duration,
@@ -231,7 +233,21 @@ impl RetryPolicy {
         Self { max_attempts: 1, ..Self::default() }
     }
 
-    /// Backoff after attempt `attempts` failed: `base * 2^(attempts-1)`, capped.
+    /// The cap on claims this policy suggests for a store (`with_max_claims`): claims count
+    /// takeovers of stalled holders too, so it sits well above `max_attempts`:
+    /// `max(4 × max_attempts, 20)`.
+    ///
+    /// ```
+    /// use fence::RetryPolicy;
+    /// assert_eq!(RetryPolicy::default().max_claims(), 20);
+    /// assert_eq!(RetryPolicy { max_attempts: 10, ..RetryPolicy::default() }.max_claims(), 40);
+    /// ```
+    pub fn max_claims(&self) -> i64 {
+        self.max_attempts.saturating_mul(4).max(20)
+    }
+
+    /// Backoff after failure number `attempts`: `base * 2^(attempts-1)`, capped. The stores
+    /// count failures (not claims) for it: a takeover does not lengthen the backoff.
     pub fn backoff(&self, attempts: i64) -> Duration {
         let exp = u32::try_from(attempts.saturating_sub(1).clamp(0, 30)).unwrap_or(30);
         self.base_backoff.saturating_mul(1u32 << exp).min(self.max_backoff)
@@ -265,8 +281,12 @@ pub struct JobRecord {
     pub owner: Option<String>,
     /// Lease end (database clock), when running.
     pub lease_until: Option<DbTime>,
-    /// Attempts so far.
+    /// Claims so far (each claim counts, a takeover of a stalled holder too; a release gives
+    /// one back).
     pub attempts: i64,
+    /// Handler failures so far (each [`fail`](crate::FenceStore::fail) counts one): what
+    /// [`RetryPolicy::max_attempts`] and the backoff count.
+    pub failures: i64,
     /// When it is due (database clock).
     pub run_at: DbTime,
     /// Payload.

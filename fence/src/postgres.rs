@@ -14,7 +14,9 @@ use crate::model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::schema::{Migration, SchemaName, render};
-use crate::store::{FenceStore, distinct_keys, retry_delay, schema_verdict, split_heartbeat};
+use crate::store::{
+    FenceStore, backoff_ms, default_max_claims, distinct_keys, fail_outcome, schema_verdict, split_heartbeat,
+};
 
 /// Milliseconds since the Unix epoch of a timestamptz expression.
 macro_rules! ms {
@@ -82,12 +84,24 @@ const MIGRATIONS: &[Migration] = &[
             "ALTER TABLE {s}.ledger ALTER COLUMN scope TYPE text COLLATE \"C\", ALTER COLUMN job TYPE text COLLATE \"C\"",
         ],
     },
+    Migration {
+        version: 3,
+        name: "failures apart from claims",
+        // A constant default: a catalog change only (no table rewrite), under a lock held for
+        // milliseconds.
+        statements: &["ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS failures bigint NOT NULL DEFAULT 0"],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
 const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The statements, rendered once for a schema and a set of guards.
+///
+/// Every text column they return that comes from a key column carries `COLLATE "C"`: the result
+/// type of a prepared statement then stays the same whatever the collation of the column
+/// (migration 2 changed it). A prepared statement whose result type changes under it fails with
+/// "cached plan must not change result type" on every later run on that connection.
 #[derive(Debug)]
 pub(crate) struct Statements {
     claim: Arc<str>,
@@ -135,6 +149,23 @@ fn locked_by_key(s: &str) -> String {
     )
 }
 
+/// The SET list of a claim of row `t` by `owner` until `lease_end`, with the cap on claims
+/// (`cap`, a parameter): a claim that would exceed it makes the job dead instead (epoch and
+/// owner kept, so the last holder stays fenced), naming the cap in `last_error`.
+fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
+    let over = format!("t.attempts >= {cap}::bigint");
+    format!(
+        "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \
+         epoch = CASE WHEN {over} THEN t.epoch ELSE t.epoch + {inc} END, \
+         owner = CASE WHEN {over} THEN t.owner ELSE {owner} END, \
+         lease_until = CASE WHEN {over} THEN NULL ELSE {lease_end} END, \
+         attempts = CASE WHEN {over} THEN t.attempts ELSE t.attempts + 1 END, \
+         last_error = CASE WHEN {over} THEN 'claimed ' || t.attempts::text || \
+           ' times without finishing (max_claims = ' || {cap}::bigint::text || ')' ELSE t.last_error END, \
+         updated_at = clock_timestamp()"
+    )
+}
+
 impl Statements {
     pub(crate) fn new(schema: &SchemaName, guards: Guards) -> Self {
         let s = schema.as_str();
@@ -163,20 +194,20 @@ impl Statements {
              claimed AS ( \
                INSERT INTO {s}.jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at) \
                SELECT $1, i.key, 'running', 1, $3, {lease}, 1, clock_timestamp() FROM input i ORDER BY i.key \
-               ON CONFLICT (queue, key) DO UPDATE SET state = 'running', epoch = t.epoch + {inc}, \
-                 owner = EXCLUDED.owner, lease_until = {lease}, attempts = t.attempts + 1, \
-                 updated_at = clock_timestamp() \
+               ON CONFLICT (queue, key) DO UPDATE SET {capped} \
                WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                   OR (t.state = 'running' AND t.lease_until < clock_timestamp()) \
-               RETURNING t.key, t.epoch, t.owner, t.lease_until, t.attempts, t.run_at) \
-             SELECT c.key, 'claimed'::text, c.epoch, c.owner, {lu}, {ttl}, c.attempts, {ra} FROM claimed c \
+               RETURNING t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, t.run_at) \
+             SELECT c.key COLLATE \"C\", CASE WHEN c.state = 'dead' THEN 'dead' ELSE 'claimed' END, c.epoch, c.owner, \
+               {lu}, {ttl}, c.attempts, {ra} FROM claimed c \
              UNION ALL \
-             SELECT t.key, t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
+             SELECT t.key COLLATE \"C\", t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
              FROM input i CROSS JOIN LATERAL (SELECT t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, \
                  t.run_at FROM {s}.jobs t WHERE t.queue = $1 AND t.key = i.key OFFSET 0) t \
              WHERE NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
             lease = lease_end.replace("$LEASE", "$4"),
+            capped = capped_claim("EXCLUDED.owner", &lease_end.replace("$LEASE", "$4"), "$5", inc),
             lu = ms!("c.lease_until"),
             ttl = ms!("(c.lease_until - clock_timestamp())"),
             ra = ms!("(c.run_at - clock_timestamp())"),
@@ -195,11 +226,10 @@ impl Statements {
              due AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state IN ('pending', 'failed') \
                  AND run_at <= clock_timestamp() ORDER BY run_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
              pick AS (SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) p LIMIT $4) \
-             UPDATE {s}.jobs t SET state = 'running', epoch = t.epoch + {inc}, owner = $2, lease_until = {lease}, \
-               attempts = t.attempts + 1, updated_at = clock_timestamp() \
+             UPDATE {s}.jobs t SET {capped} \
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
-             RETURNING t.key, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
-            lease = lease_end.replace("$LEASE", "$3"),
+             RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
+            capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
@@ -211,7 +241,7 @@ impl Statements {
                  AS u(queue, key, epoch, owner)), {cur} \
              UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
              FROM cur c WHERE t.queue = c.queue AND t.key = c.key AND {hb_cas} \
-             RETURNING t.queue, t.key, {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
+             RETURNING t.queue COLLATE \"C\", t.key COLLATE \"C\", {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
             lease = lease_end.replace("$LEASE", "$5"),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
@@ -230,8 +260,8 @@ impl Statements {
              upd AS (UPDATE {s}.jobs t SET state = 'completed', result = c.result, lease_until = NULL, \
                  updated_at = clock_timestamp() FROM cur c \
                  WHERE t.queue = c.queue AND t.key = c.key AND {batch_cas} RETURNING t.queue, t.key) \
-             SELECT c.queue, c.key, false, c.cur_epoch, c.cur_owner FROM cur c \
-             UNION ALL SELECT upd.queue, upd.key, true, NULL::bigint, NULL::text FROM upd"
+             SELECT c.queue COLLATE \"C\", c.key COLLATE \"C\", false, c.cur_epoch, c.cur_owner FROM cur c \
+             UNION ALL SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", true, NULL::bigint, NULL::text FROM upd"
         );
         let checkpoint = fenced(
             s,
@@ -249,11 +279,17 @@ impl Statements {
         let fail = fenced(
             s,
             &format!(
-                "UPDATE {s}.jobs t SET state = CASE WHEN $5 AND t.attempts < $6 THEN 'failed' ELSE 'dead' END, \
-                 run_at = clock_timestamp() + $7::bigint * interval '1 millisecond', last_error = $8, \
-                 lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}"
+                "UPDATE {s}.jobs t SET state = CASE WHEN $5 AND t.failures + 1 < $6 THEN 'failed' ELSE 'dead' END, \
+                 failures = t.failures + 1, \
+                 run_at = clock_timestamp() + {delay} * interval '1 millisecond', \
+                 last_error = CASE WHEN $5 AND t.failures + 1 >= $6 \
+                   THEN 'failed ' || (t.failures + 1)::text || ' times (max_attempts = ' || $6::bigint::text || '): ' || $8 \
+                   ELSE $8 END, \
+                 lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}",
+                delay = "least($9::bigint, $7::bigint * (1::bigint << least(t.failures, 30)::int))",
             ),
-            "t.state AS r",
+            // The state and the backoff just applied (failures has grown by one here).
+            "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r",
         );
         let release = fenced(
             s,
@@ -264,7 +300,8 @@ impl Statements {
             "''::text AS r",
         );
         let job = format!(
-            "SELECT t.state, t.epoch, t.owner, {tlu}, t.attempts, {tra}, t.payload, t.progress, t.result, t.last_error \
+            "SELECT t.state, t.epoch, t.owner, {tlu}, t.attempts, t.failures, {tra}, t.payload, t.progress, t.result, \
+             t.last_error \
              FROM {s}.jobs t WHERE t.queue = $1 AND t.key = $2",
             tlu = ms!("t.lease_until"),
             tra = ms!("t.run_at"),
@@ -312,9 +349,27 @@ fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 #[derive(Clone)]
 pub struct PgFence {
     pool: PgPool,
+    /// Reserved capacity for [`heartbeat`](FenceStore::heartbeat): claims and commits that fill
+    /// `pool` never make a renewal wait for a connection.
+    heartbeat_pool: PgPool,
     schema: SchemaName,
     guards: Guards,
     pub(crate) stmts: Arc<Statements>,
+    max_claims: i64,
+    migration: MigrationLimits,
+}
+
+/// How [`PgFence::migrate`](FenceStore::migrate) waits for its locks.
+#[derive(Debug, Clone, Copy)]
+struct MigrationLimits {
+    lock_timeout: Duration,
+    give_up_after: Duration,
+}
+
+impl Default for MigrationLimits {
+    fn default() -> Self {
+        Self { lock_timeout: Duration::from_millis(200), give_up_after: Duration::from_secs(600) }
+    }
 }
 
 impl std::fmt::Debug for PgFence {
@@ -341,6 +396,95 @@ impl std::fmt::Debug for PgFence {
 /// # let _ = fence; Ok(()) }
 /// ```
 pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
+
+/// Server-side time limits of a fence's connections, sent as startup options of each connection
+/// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra
+/// round trip for them.
+///
+/// Fence statements touch a few rows by key and take milliseconds; one that waits longer for a
+/// lock (a row held by a stalled transaction, a table lock queued by a migration) or runs longer
+/// gives up with [`FenceError::LockTimeout`] or [`FenceError::StatementTimeout`] instead of
+/// hanging past the lease it serves. Nothing the statement wrote is kept; the caller retries.
+///
+/// The defaults fit the shortest lease ([`MIN_LEASE`](crate::MIN_LEASE), 3 s, renewed every
+/// second): a heartbeat gives up after 1 s waiting for a lock (by then the next one is due) or
+/// 2 s in all (a renewal that ends later than that renews a lease that may have ended already);
+/// claims and commits wait at most 3 s for a lock and run at most 10 s. Longer leases can afford
+/// longer limits; shorter limits than the defaults make spurious failures likelier on a loaded
+/// server. (A [`Supervisor`](crate::Supervisor) also stops waiting for a heartbeat after one
+/// heartbeat interval; these limits free the server's side of it.)
+///
+/// The main pool's limits also apply to what a caller runs on [`PgFence::pool`] connections (for
+/// example the business statements of a [`complete_in`](PgFence::complete_in) transaction).
+/// Migrations override both per transaction (see [`PgFence::with_migration_lock_timeout`]).
+/// Connection poolers that drop startup options (PgBouncer in transaction mode) need the limits set
+/// on the database role instead (`ALTER ROLE … SET lock_timeout = …`).
+///
+/// ```no_run
+/// # async fn demo() -> fence::Result<()> {
+/// use std::time::Duration;
+/// use fence::{PgFence, PgTimeouts};
+/// let timeouts = PgTimeouts { lock: Duration::from_secs(10), statement: Duration::from_secs(30), ..PgTimeouts::default() };
+/// let options: sqlx::postgres::PgConnectOptions = "postgres://127.0.0.1/jobs".parse()?;
+/// let fence = PgFence::connect_with_timeouts(options, timeouts).await?;
+/// # let _ = fence; Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PgTimeouts {
+    /// `statement_timeout` of the main pool (claims, commits, fail, release, the ledger). Default 10 s.
+    pub statement: Duration,
+    /// `lock_timeout` of the main pool. Default 3 s.
+    pub lock: Duration,
+    /// `statement_timeout` of the heartbeat connections. Default 2 s.
+    pub heartbeat_statement: Duration,
+    /// `lock_timeout` of the heartbeat connections. Default 1 s (below the statement limit, so
+    /// that a renewal stuck on a lock says so).
+    pub heartbeat_lock: Duration,
+    /// Connections reserved for heartbeats, apart from the main pool. Default 2 (a renewal in
+    /// flight and the next one).
+    pub heartbeat_connections: u32,
+}
+
+impl Default for PgTimeouts {
+    fn default() -> Self {
+        Self {
+            statement: Duration::from_secs(10),
+            lock: Duration::from_secs(3),
+            heartbeat_statement: Duration::from_secs(2),
+            heartbeat_lock: Duration::from_secs(1),
+            heartbeat_connections: 2,
+        }
+    }
+}
+
+/// A duration as a PostgreSQL time setting in whole milliseconds, at least 1 (0 would mean "no limit").
+fn pg_ms(d: Duration) -> u128 {
+    d.as_millis().max(1)
+}
+
+impl PgTimeouts {
+    /// `options` with the main pool's limits added as startup options (later ones win, so these
+    /// override a `statement_timeout` or `lock_timeout` already in `options`).
+    pub fn apply(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+        options.options([("statement_timeout", pg_ms(self.statement)), ("lock_timeout", pg_ms(self.lock))])
+    }
+
+    /// `options` with the heartbeat connections' limits added as startup options.
+    pub fn apply_heartbeat(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+        options.options([
+            ("statement_timeout", pg_ms(self.heartbeat_statement)),
+            ("lock_timeout", pg_ms(self.heartbeat_lock)),
+        ])
+    }
+
+    /// The pool of reserved heartbeat connections: opened on first use (then kept while in use, like any pool's), each with
+    /// [`PG_SESSION_SETUP`] and the heartbeat limits.
+    fn heartbeat_pool(&self, options: sqlx::postgres::PgConnectOptions) -> PgPool {
+        PgFence::pool_options()
+            .max_connections(self.heartbeat_connections.max(1))
+            .connect_lazy_with(self.apply_heartbeat(options))
+    }
+}
 
 impl PgFence {
     /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
@@ -375,9 +519,20 @@ impl PgFence {
         })
     }
 
-    /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)).
+    /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)),
+    /// with the default [`PgTimeouts`] and their reserved heartbeat connections.
     pub async fn connect(url: &str) -> Result<Self> {
-        Ok(Self::new(Self::pool_options().connect(url).await?))
+        let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+        Self::connect_with_timeouts(options, PgTimeouts::default()).await
+    }
+
+    /// [`connect_with`](Self::connect_with) with other time limits (see [`PgTimeouts`]).
+    pub async fn connect_with_timeouts(
+        options: sqlx::postgres::PgConnectOptions,
+        timeouts: PgTimeouts,
+    ) -> Result<Self> {
+        let pool = Self::pool_options().connect_with(timeouts.apply(options.clone())).await?;
+        Ok(Self::new(pool).with_heartbeat_pool(timeouts.heartbeat_pool(options)))
     }
 
     /// Connects a pool of up to 16 connections ([`pool_options`](Self::pool_options)) with options
@@ -410,16 +565,73 @@ impl PgFence {
     /// # let _ = fence; Ok(()) }
     /// ```
     pub async fn connect_with(options: sqlx::postgres::PgConnectOptions) -> Result<Self> {
-        Ok(Self::new(Self::pool_options().connect_with(options).await?))
+        Self::connect_with_timeouts(options, PgTimeouts::default()).await
     }
 
     /// Uses an existing pool, with the default schema. Build it from
-    /// [`pool_options`](Self::pool_options), or run [`PG_SESSION_SETUP`] on its connections.
+    /// [`pool_options`](Self::pool_options), or run [`PG_SESSION_SETUP`] on its connections; add
+    /// [`PgTimeouts::apply`] to its connect options for the fence's time limits (a pool built
+    /// without them keeps whatever limits its connections have).
+    ///
+    /// Heartbeats get their own connections (up to two, opened on first use with the pool's
+    /// connect options, [`PG_SESSION_SETUP`] and the default heartbeat limits of [`PgTimeouts`]),
+    /// so a pool kept busy by claims and commits never delays a renewal. Outside a tokio runtime
+    /// there is no such pool to open: heartbeats then share `pool`.
+    /// [`with_heartbeat_pool`](Self::with_heartbeat_pool) supplies another.
     pub fn new(pool: PgPool) -> Self {
         let schema = SchemaName::default();
         let guards = Guards::default();
         let stmts = Arc::new(Statements::new(&schema, guards));
-        Self { pool, schema, guards, stmts }
+        let heartbeat_pool = if tokio::runtime::Handle::try_current().is_ok() {
+            PgTimeouts::default().heartbeat_pool((*pool.connect_options()).clone())
+        } else {
+            pool.clone()
+        };
+        Self {
+            pool,
+            heartbeat_pool,
+            schema,
+            guards,
+            stmts,
+            max_claims: default_max_claims(),
+            migration: MigrationLimits::default(),
+        }
+    }
+
+    /// Caps the claims of one job at `n` (at least 1; default 20,
+    /// [`RetryPolicy::max_claims`] of the default policy): a claim that would exceed it makes
+    /// the job dead, with the last error "claimed N times without finishing (max_claims = M)",
+    /// and answers [`Claim::Dead`]. Claims count takeovers of stalled or killed holders, which
+    /// are not the job's fault and do not count against [`RetryPolicy::max_attempts`]: this is
+    /// the cap against a job that kills every worker that runs it. Keep it well above
+    /// `max_attempts` (`policy.max_claims()` suggests a value).
+    pub fn with_max_claims(mut self, n: i64) -> Self {
+        self.max_claims = n.max(1);
+        self
+    }
+
+    /// The cap on claims of one job (see [`with_max_claims`](Self::with_max_claims)).
+    pub fn max_claims(&self) -> i64 {
+        self.max_claims
+    }
+
+    /// How long each migration step waits for its table locks before it lets go and retries
+    /// (default 200 ms). A schema change needs an exclusive lock on the table it changes; while
+    /// it waits for one, every statement on that table queues behind it, heartbeats included.
+    /// So [`migrate`](FenceStore::migrate) waits at most this long, gives the lock up (the queue
+    /// moves on), backs off (200 ms doubling to 5 s, with jitter) and tries again, for at most
+    /// `give_up_after` (default 10 min) before it fails with the lock timeout.
+    pub fn with_migration_lock_timeout(mut self, lock_timeout: Duration, give_up_after: Duration) -> Self {
+        self.migration = MigrationLimits { lock_timeout: lock_timeout.max(Duration::from_millis(1)), give_up_after };
+        self
+    }
+
+    /// Renews leases on `pool` (reserved capacity: give it connections the main pool cannot use
+    /// up, with [`PG_SESSION_SETUP`] and time limits that fit the lease, see
+    /// [`PgTimeouts::apply_heartbeat`]).
+    pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
+        self.heartbeat_pool = pool;
+        self
     }
 
     /// Uses another schema (created by [`migrate`](FenceStore::migrate)).
@@ -445,6 +657,11 @@ impl PgFence {
     /// The pool.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The connections reserved for heartbeats.
+    pub fn heartbeat_pool(&self) -> &PgPool {
+        &self.heartbeat_pool
     }
 
     /// The schema.
@@ -491,6 +708,89 @@ impl PgFence {
         Ok(r)
     }
 
+    /// One migration (or, with `None`, only the schema and its record) with retries: a lock
+    /// timeout rolls the step back, waits (200 ms doubling to 5 s, with jitter) and tries again
+    /// until `give_up_after` has passed.
+    async fn migration_step(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
+        let started = std::time::Instant::now();
+        let mut backoff = Duration::from_millis(200);
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            match self.migration_try(conn, m).await {
+                Ok(()) => return Ok(()),
+                Err(e) if is_lock_timeout(&e) && started.elapsed() < self.migration.give_up_after => {
+                    // Jitter, so that migrators retrying together do not keep colliding.
+                    let nanos = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.subsec_nanos())
+                        .unwrap_or(0);
+                    let jitter = Duration::from_millis(u64::from(nanos % 100));
+                    tracing::warn!(
+                        schema = self.schema.as_str(),
+                        version = m.map(|m| m.version),
+                        tries,
+                        retry_in = ?(backoff + jitter),
+                        "migration step let go of its locks after the lock timeout (the table is in use); retrying"
+                    );
+                    tokio::time::sleep(backoff + jitter).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One try of a migration step, in one transaction.
+    async fn migration_try(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut tx = conn.begin().await?;
+        // One migrator per schema at a time, across processes; released at commit. Waiting for
+        // the other migrator blocks no traffic, so that wait has no lock timeout.
+        sqlx::query("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
+            .bind(s.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        // Every lock on a fence table from here on: wait briefly, or let go and retry.
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(pg_ms(self.migration.lock_timeout).to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}"))).execute(&mut *tx).await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {s}._migrations (version bigint PRIMARY KEY, name text NOT NULL, \
+             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        if let Some(m) = m {
+            let applied: Option<i64> =
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
+                    .bind(m.version)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if applied.is_none() {
+                for stmt in m.statements {
+                    sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+                }
+                sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
+                    .bind(m.version)
+                    .bind(m.name)
+                    .execute(&mut *tx)
+                    .await?;
+                tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     async fn claim_round(
         &self,
         queue: &QueueName,
@@ -503,12 +803,22 @@ impl PgFence {
             .bind(keys.to_vec())
             .bind(owner.as_str().to_owned())
             .bind(lease.as_millis_i64())
+            .bind(self.max_claims)
             .fetch_all(&self.pool)
             .await?)
     }
 }
 
 type FencedRow = (i64, Option<String>, Option<i64>, Option<String>);
+
+/// A lock timeout, typed or inside a migration error.
+fn is_lock_timeout(e: &FenceError) -> bool {
+    match e {
+        FenceError::LockTimeout(_) => true,
+        FenceError::Migration { source: sqlx::Error::Database(db), .. } => db.code().as_deref() == Some("55P03"),
+        _ => false,
+    }
+}
 /// key, outcome/state, epoch, owner, lease_until ms, ttl ms, attempts, ms until run_at
 type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
 
@@ -590,6 +900,20 @@ where
 
 #[async_trait]
 impl FenceStore for PgFence {
+    /// Applies the pending migrations online: each in its own short transaction that waits at
+    /// most the migration lock timeout (200 ms by default) for its table locks, so that the
+    /// exclusive lock a schema change asks for never sits in the lock queue holding up live
+    /// claims, commits and heartbeats for longer than that; on a lock timeout it backs off and
+    /// tries again (see [`PgFence::with_migration_lock_timeout`]). Migrations add columns with
+    /// constant defaults (no table rewrite). The limit that remains: once granted, migration 2
+    /// (byte-order keys) holds its exclusive lock while it rebuilds the indexes on the key
+    /// columns, which takes time in proportion to the table (milliseconds for thousands of rows,
+    /// seconds for millions); statements on the table wait that long. Migration 2 also changes
+    /// the collation of the key columns, and workers of releases before this one return those
+    /// columns from prepared statements: on each of their open connections those statements then
+    /// fail with "cached plan must not change result type" until the connection is replaced, so
+    /// stop (or restart) such workers around a migration from version 1. This release's
+    /// statements return key columns as `COLLATE "C"` and are not affected.
     async fn migrate(&self) -> Result<()> {
         let s = self.schema.as_str();
         let mut conn = self.pool.acquire().await?;
@@ -605,37 +929,11 @@ impl FenceStore for PgFence {
         {
             return Ok(());
         }
-        let mut tx = conn.begin().await?;
-        // One migrator per schema at a time, across processes; released at commit.
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
-            .bind(s.to_owned())
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}"))).execute(&mut *tx).await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {s}._migrations (version bigint PRIMARY KEY, name text NOT NULL, \
-             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-        )))
-        .execute(&mut *tx)
-        .await?;
-        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations")))
-            .fetch_all(&mut *tx)
-            .await?;
-        for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
-            for stmt in m.statements {
-                sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
-            }
-            sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
-                .bind(m.version)
-                .bind(m.name)
-                .execute(&mut *tx)
-                .await?;
-            tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+        // The schema and the record first (an empty step), then each migration.
+        self.migration_step(&mut conn, None).await?;
+        for m in MIGRATIONS {
+            self.migration_step(&mut conn, Some(m)).await?;
         }
-        tx.commit().await?;
         Ok(())
     }
 
@@ -683,16 +981,19 @@ impl FenceStore for PgFence {
         lease: LeaseDuration,
         n: u32,
     ) -> Result<Vec<ClaimedJob>> {
-        type Row = (String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        type Row = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
         let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
             .bind(queue.as_str().to_owned())
             .bind(owner.as_str().to_owned())
             .bind(lease.as_millis_i64())
             .bind(i64::from(n))
+            .bind(self.max_claims)
             .fetch_all(&self.pool)
             .await?;
+        // Rows over the cap on claims were made dead, not claimed.
         rows.into_iter()
-            .map(|(key, epoch, lease_until, ttl, attempts, payload, progress)| {
+            .filter(|row| row.1 == "running")
+            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress)| {
                 Ok(ClaimedJob {
                     lease: Lease {
                         queue: queue.clone(),
@@ -724,7 +1025,7 @@ impl FenceStore for PgFence {
             .bind(epochs)
             .bind(owners)
             .bind(lease.as_millis_i64())
-            .fetch_all(&self.pool)
+            .fetch_all(&self.heartbeat_pool)
             .await?;
         Ok(split_heartbeat(leases, renewed))
     }
@@ -794,19 +1095,14 @@ impl FenceStore for PgFence {
     }
 
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
-        let delay = retry_delay(policy, lease.attempts);
-        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        let (base_ms, max_ms) = backoff_ms(policy);
         let error: String = error.replace('\0', "\u{FFFD}");
-        let state = self
+        let answer = self
             .fenced_write(&self.pool, &self.stmts.fail, lease, |q| {
-                q.bind(retry).bind(policy.max_attempts).bind(delay_ms).bind(error)
+                q.bind(retry).bind(policy.max_attempts).bind(base_ms).bind(error).bind(max_ms)
             })
             .await?;
-        match state.as_deref() {
-            Some("failed") => Ok(FailOutcome::Retry { retry_in: delay }),
-            Some("dead") => Ok(FailOutcome::Dead),
-            other => Err(FenceError::Corrupt(format!("fail left state {other:?}"))),
-        }
+        fail_outcome(answer.as_deref().unwrap_or_default())
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
@@ -821,6 +1117,7 @@ impl FenceStore for PgFence {
             Option<i64>,
             i64,
             i64,
+            i64,
             Option<Vec<u8>>,
             Option<Vec<u8>>,
             Option<Vec<u8>>,
@@ -831,22 +1128,25 @@ impl FenceStore for PgFence {
             .bind(key.as_str().to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.map(|(state, epoch, owner, lease_until, attempts, run_at, payload, progress, result, last_error)| {
-            Ok(JobRecord {
-                queue: queue.clone(),
-                key: key.clone(),
-                state: JobState::parse(&state)?,
-                epoch,
-                owner,
-                lease_until: lease_until.map(DbTime),
-                attempts,
-                run_at: DbTime(run_at),
-                payload,
-                progress,
-                result,
-                last_error,
-            })
-        })
+        row.map(
+            |(state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error)| {
+                Ok(JobRecord {
+                    queue: queue.clone(),
+                    key: key.clone(),
+                    state: JobState::parse(&state)?,
+                    epoch,
+                    owner,
+                    lease_until: lease_until.map(DbTime),
+                    attempts,
+                    failures,
+                    run_at: DbTime(run_at),
+                    payload,
+                    progress,
+                    result,
+                    last_error,
+                })
+            },
+        )
         .transpose()
     }
 

@@ -23,16 +23,19 @@ use crate::model::{
 };
 use crate::postgres::claim_outcome;
 use crate::schema::{Migration, SchemaName, render};
-use crate::store::{FenceStore, distinct_keys, retry_delay, schema_verdict, split_heartbeat};
+use crate::store::{
+    FenceStore, backoff_ms, default_max_claims, distinct_keys, fail_outcome, schema_verdict, split_heartbeat,
+};
 
 /// The database clock in milliseconds.
 const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "jobs and ledger",
-    statements: &[
-        "CREATE TABLE {s}_jobs (
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "jobs and ledger",
+        statements: &[
+            "CREATE TABLE {s}_jobs (
             queue       TEXT    NOT NULL,
             key         TEXT    NOT NULL,
             state       TEXT    NOT NULL DEFAULT 'pending'
@@ -50,23 +53,47 @@ const MIGRATIONS: &[Migration] = &[Migration {
             updated_at  INTEGER NOT NULL,
             PRIMARY KEY (queue, key)
         )",
-        "CREATE INDEX {s}_jobs_due ON {s}_jobs (queue, run_at) WHERE state IN ('pending', 'failed')",
-        "CREATE INDEX {s}_jobs_leased ON {s}_jobs (queue, lease_until) WHERE state = 'running'",
-        "CREATE TRIGGER {s}_jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}_jobs
+            "CREATE INDEX {s}_jobs_due ON {s}_jobs (queue, run_at) WHERE state IN ('pending', 'failed')",
+            "CREATE INDEX {s}_jobs_leased ON {s}_jobs (queue, lease_until) WHERE state = 'running'",
+            "CREATE TRIGGER {s}_jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}_jobs
          WHEN NEW.epoch < OLD.epoch
          BEGIN SELECT RAISE(ABORT, 'brokerfence: epoch would decrease'); END",
-        "CREATE TABLE {s}_ledger (
+            "CREATE TABLE {s}_ledger (
             scope      TEXT    NOT NULL,
             job        TEXT    NOT NULL,
             epoch      INTEGER NOT NULL,
             updated_at INTEGER NOT NULL,
             PRIMARY KEY (scope, job)
         )",
-    ],
-}];
+        ],
+    },
+    Migration {
+        version: 2,
+        name: "failures apart from claims",
+        // A constant default: SQLite only rewrites the schema text, not the rows.
+        statements: &["ALTER TABLE {s}_jobs ADD COLUMN failures INTEGER NOT NULL DEFAULT 0"],
+    },
+];
 
 /// The migration version this build needs: the newest embedded migration.
 const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
+
+/// The SET list of a claim by `owner` until `lease_end`, with the cap on claims (`cap`, a
+/// parameter): a claim that would exceed it makes the job dead instead (epoch and owner kept),
+/// naming the cap in `last_error`. `t` is the prefix of the old row's columns.
+fn capped_claim(t: &str, owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
+    let over = format!("{t}attempts >= {cap}");
+    format!(
+        "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \
+         epoch = CASE WHEN {over} THEN {t}epoch ELSE {t}epoch + {inc} END, \
+         owner = CASE WHEN {over} THEN {t}owner ELSE {owner} END, \
+         lease_until = CASE WHEN {over} THEN NULL ELSE {lease_end} END, \
+         attempts = CASE WHEN {over} THEN {t}attempts ELSE {t}attempts + 1 END, \
+         last_error = CASE WHEN {over} THEN 'claimed ' || {t}attempts || \
+           ' times without finishing (max_claims = ' || {cap} || ')' ELSE {t}last_error END, \
+         updated_at = {NOW}"
+    )
+}
 
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -103,11 +130,12 @@ impl Statements {
         let claim = format!(
             "INSERT INTO {s}_jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at, created_at, updated_at) \
              VALUES (?1, ?2, 'running', 1, ?3, {NOW} + ?4, 1, {NOW}, {NOW}, {NOW}) \
-             ON CONFLICT (queue, key) DO UPDATE SET state = 'running', epoch = t.epoch + {inc}, owner = excluded.owner, \
-               lease_until = excluded.lease_until, attempts = t.attempts + 1, updated_at = {NOW} \
+             ON CONFLICT (queue, key) DO UPDATE SET {capped} \
              WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= {NOW}) \
                 OR (t.state = 'running' AND t.lease_until < {NOW}) \
-             RETURNING key, 'claimed', epoch, owner, lease_until, lease_until - {NOW}, attempts, run_at - {NOW}"
+             RETURNING key, CASE WHEN state = 'dead' THEN 'dead' ELSE 'claimed' END, epoch, owner, lease_until, \
+               lease_until - {NOW}, attempts, run_at - {NOW}",
+            capped = capped_claim("t.", "excluded.owner", "excluded.lease_until", "?5", inc),
         );
         let claim_seen = format!(
             "SELECT key, state, epoch, owner, lease_until, lease_until - {NOW}, attempts, run_at - {NOW} \
@@ -118,12 +146,12 @@ impl Statements {
              VALUES (?1, ?2, 'pending', ?3, {NOW}, {NOW}, {NOW}) ON CONFLICT (queue, key) DO NOTHING"
         );
         let claim_next = format!(
-            "UPDATE {s}_jobs SET state = 'running', epoch = epoch + {inc}, owner = ?2, lease_until = {NOW} + ?3, \
-               attempts = attempts + 1, updated_at = {NOW} \
+            "UPDATE {s}_jobs SET {capped} \
              WHERE rowid IN (SELECT rowid FROM {s}_jobs WHERE queue = ?1 AND \
                ((state IN ('pending', 'failed') AND run_at <= {NOW}) OR (state = 'running' AND lease_until < {NOW})) \
                ORDER BY state = 'running' DESC, run_at LIMIT ?4) \
-             RETURNING key, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress"
+             RETURNING key, state, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress",
+            capped = capped_claim("", "?2", &format!("{NOW} + ?3"), "?5", inc),
         );
         let heartbeat = format!(
             "UPDATE {s}_jobs SET lease_until = {NOW} + ?5, updated_at = {NOW} WHERE {hb_cas} \
@@ -137,8 +165,12 @@ impl Statements {
              WHERE {cas} RETURNING ''"
         );
         let fail = format!(
-            "UPDATE {s}_jobs SET state = CASE WHEN ?5 AND attempts < ?6 THEN 'failed' ELSE 'dead' END, \
-             run_at = {NOW} + ?7, last_error = ?8, lease_until = NULL, updated_at = {NOW} WHERE {cas} RETURNING state"
+            "UPDATE {s}_jobs SET state = CASE WHEN ?5 AND failures + 1 < ?6 THEN 'failed' ELSE 'dead' END, \
+             failures = failures + 1, run_at = {NOW} + min(?9, ?7 << min(failures, 30)), \
+             last_error = CASE WHEN ?5 AND failures + 1 >= ?6 \
+               THEN 'failed ' || (failures + 1) || ' times (max_attempts = ' || ?6 || '): ' || ?8 ELSE ?8 END, \
+             lease_until = NULL, updated_at = {NOW} WHERE {cas} \
+             RETURNING state || ':' || min(?9, ?7 << min(failures - 1, 30))"
         );
         let release = format!(
             "UPDATE {s}_jobs SET state = 'pending', attempts = max(attempts - 1, 0), lease_until = NULL, \
@@ -146,7 +178,7 @@ impl Statements {
         );
         let current = format!("SELECT epoch, owner FROM {s}_jobs WHERE queue = ?1 AND key = ?2");
         let job = format!(
-            "SELECT state, epoch, owner, lease_until, attempts, run_at, payload, progress, result, last_error \
+            "SELECT state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error \
              FROM {s}_jobs WHERE queue = ?1 AND key = ?2"
         );
         let ledger_accept = format!(
@@ -193,6 +225,28 @@ pub struct SqliteFence {
     schema: SchemaName,
     guards: Guards,
     pub(crate) stmts: Arc<Statements>,
+    max_claims: i64,
+}
+
+/// How far a SQLite commit has reached the disk when it returns (`PRAGMA synchronous` in WAL
+/// mode).
+///
+/// - [`Full`](Self::Full), the default: the WAL is synced at every commit. A commit that
+///   returned survives a power loss or an OS crash.
+/// - [`Normal`](Self::Normal): the WAL is synced only at checkpoints. Still safe against a crash
+///   of the process, but a power loss or OS crash can roll back the last commits. For the fence
+///   that means a completion can vanish after its broker message was acknowledged (the job runs
+///   again), and a claim can vanish after its lease was handed out, so the same epoch can be
+///   handed out twice: two holders with one fencing token. Use it only where the machine's
+///   storage survives power loss (or losing the newest commits is acceptable), for the
+///   throughput it buys (measured in the README).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SqliteDurability {
+    /// `synchronous = FULL`: a returned commit is on disk.
+    #[default]
+    Full,
+    /// `synchronous = NORMAL`: the newest commits can be lost at a power loss (see above).
+    Normal,
 }
 
 impl std::fmt::Debug for SqliteFence {
@@ -206,13 +260,32 @@ impl std::fmt::Debug for SqliteFence {
 
 impl SqliteFence {
     /// Opens (creating if missing) a database file: `sqlite:path.db` or `sqlite::memory:`.
-    /// WAL journal, a 10 s busy timeout, `synchronous = NORMAL`.
+    /// WAL journal, a 10 s busy timeout, `synchronous = FULL` (every commit synced, see
+    /// [`SqliteDurability`]).
     pub async fn open(url: &str) -> Result<Self> {
+        Self::open_with(url, SqliteDurability::Full).await
+    }
+
+    /// [`open`](Self::open) with an explicit durability: [`SqliteDurability::Normal`] trades
+    /// the newest commits at a power loss for throughput.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> fence::Result<()> {
+    /// use fence::{SqliteDurability, SqliteFence};
+    /// // Only on storage that survives power loss, or where losing the last commits is acceptable.
+    /// let fence = SqliteFence::open_with("sqlite:brokerfence.db", SqliteDurability::Normal).await?;
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub async fn open_with(url: &str, durability: SqliteDurability) -> Result<Self> {
         let memory = url.contains(":memory:") || url.contains("mode=memory");
+        let synchronous = match durability {
+            SqliteDurability::Full => SqliteSynchronous::Full,
+            SqliteDurability::Normal => SqliteSynchronous::Normal,
+        };
         let opts = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(if memory { SqliteJournalMode::Memory } else { SqliteJournalMode::Wal })
-            .synchronous(SqliteSynchronous::Normal)
+            .synchronous(synchronous)
             .busy_timeout(Duration::from_secs(10));
         // An in-memory database lives in one connection; a file serves several readers.
         let pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 8 }).connect_with(opts).await?;
@@ -224,7 +297,20 @@ impl SqliteFence {
         let schema = SchemaName::default();
         let guards = Guards::default();
         let stmts = Arc::new(Statements::new(&schema, guards));
-        Self { pool, schema, guards, stmts }
+        Self { pool, schema, guards, stmts, max_claims: default_max_claims() }
+    }
+
+    /// Caps the claims of one job at `n` (at least 1; default 20): a claim that would exceed it
+    /// makes the job dead, with the last error "claimed N times without finishing (max_claims =
+    /// M)", and answers [`Claim::Dead`]. See [`PgFence::with_max_claims`](crate::PgFence::with_max_claims).
+    pub fn with_max_claims(mut self, n: i64) -> Self {
+        self.max_claims = n.max(1);
+        self
+    }
+
+    /// The cap on claims of one job.
+    pub fn max_claims(&self) -> i64 {
+        self.max_claims
     }
 
     /// Uses another table prefix.
@@ -387,6 +473,7 @@ impl FenceStore for SqliteFence {
                 .bind(q.clone())
                 .bind(owner.as_str().to_owned())
                 .bind(lease.as_millis_i64())
+                .bind(self.max_claims)
                 .fetch_optional(&mut *tx)
                 .await?;
             let row = match claimed {
@@ -435,18 +522,21 @@ impl FenceStore for SqliteFence {
         lease: LeaseDuration,
         n: u32,
     ) -> Result<Vec<ClaimedJob>> {
-        type Row = (String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        type Row = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
             .bind(queue.as_str().to_owned())
             .bind(owner.as_str().to_owned())
             .bind(lease.as_millis_i64())
             .bind(i64::from(n))
+            .bind(self.max_claims)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
+        // Rows over the cap on claims were made dead, not claimed.
         rows.into_iter()
-            .map(|(key, epoch, lease_until, ttl, attempts, payload, progress)| {
+            .filter(|row| row.1 == "running")
+            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress)| {
                 Ok(ClaimedJob {
                     lease: Lease {
                         queue: queue.clone(),
@@ -510,17 +600,14 @@ impl FenceStore for SqliteFence {
     }
 
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
-        let delay = retry_delay(policy, lease.attempts);
-        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        let (base_ms, max_ms) = backoff_ms(policy);
         let error = error.replace('\0', "\u{FFFD}");
-        let state = self
-            .fenced(&self.stmts.fail, lease, |q| q.bind(retry).bind(policy.max_attempts).bind(delay_ms).bind(error))
+        let answer = self
+            .fenced(&self.stmts.fail, lease, |q| {
+                q.bind(retry).bind(policy.max_attempts).bind(base_ms).bind(error).bind(max_ms)
+            })
             .await?;
-        match state.as_str() {
-            "failed" => Ok(FailOutcome::Retry { retry_in: delay }),
-            "dead" => Ok(FailOutcome::Dead),
-            other => Err(FenceError::Corrupt(format!("fail left state {other:?}"))),
-        }
+        fail_outcome(&answer)
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
@@ -535,6 +622,7 @@ impl FenceStore for SqliteFence {
             Option<i64>,
             i64,
             i64,
+            i64,
             Option<Vec<u8>>,
             Option<Vec<u8>>,
             Option<Vec<u8>>,
@@ -545,22 +633,25 @@ impl FenceStore for SqliteFence {
             .bind(key.as_str().to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.map(|(state, epoch, owner, lease_until, attempts, run_at, payload, progress, result, last_error)| {
-            Ok(JobRecord {
-                queue: queue.clone(),
-                key: key.clone(),
-                state: JobState::parse(&state)?,
-                epoch,
-                owner,
-                lease_until: lease_until.map(DbTime),
-                attempts,
-                run_at: DbTime(run_at),
-                payload,
-                progress,
-                result,
-                last_error,
-            })
-        })
+        row.map(
+            |(state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error)| {
+                Ok(JobRecord {
+                    queue: queue.clone(),
+                    key: key.clone(),
+                    state: JobState::parse(&state)?,
+                    epoch,
+                    owner,
+                    lease_until: lease_until.map(DbTime),
+                    attempts,
+                    failures,
+                    run_at: DbTime(run_at),
+                    payload,
+                    progress,
+                    result,
+                    last_error,
+                })
+            },
+        )
         .transpose()
     }
 

@@ -61,6 +61,12 @@ pub trait FenceStore: Send + Sync + 'static {
     /// lease, makes it running under a new epoch. Otherwise says why not, in the same round trip:
     /// [`Claim::Busy`](crate::Claim::Busy), [`Done`](crate::Claim::Done),
     /// [`Dead`](crate::Claim::Dead) or [`Backoff`](crate::Claim::Backoff).
+    ///
+    /// A claim that would exceed the store's cap on claims of one job (`with_max_claims`,
+    /// default 20: a job that keeps killing or stalling its workers) makes the job dead instead,
+    /// with the last error "claimed N times without finishing (max_claims = M)", and answers
+    /// [`Dead`](crate::Claim::Dead). [`claim_next`](Self::claim_next) does the same and leaves
+    /// such jobs out of its answer.
     async fn claim(&self, queue: &QueueName, key: &JobKey, owner: &Owner, lease: LeaseDuration) -> Result<Claim> {
         let mut out = self.claim_batch(queue, std::slice::from_ref(key), owner, lease).await?;
         out.pop().ok_or_else(|| crate::FenceError::Corrupt("claim returned no outcome".into()))
@@ -117,8 +123,11 @@ pub trait FenceStore: Send + Sync + 'static {
         Ok(out)
     }
 
-    /// Records a failed attempt: failed with a backoff, or dead when out of attempts or `retry` is
-    /// false.
+    /// Records a handler failure (the job's `failures` count grows by one): failed with a backoff
+    /// of `policy.backoff(failures)`, or dead when `retry` is false or the failures reach
+    /// `policy.max_attempts` (then its last error reads "failed N times (max_attempts = M): …").
+    /// Claims, takeovers included, are not failures: they have their own, higher cap
+    /// (`with_max_claims` of the store).
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome>;
 
     /// Gives the job back without spending an attempt (it is pending again at once).
@@ -170,6 +179,27 @@ pub(crate) fn schema_verdict(found: i64, required: i64) -> Result<()> {
     if found >= required { Ok(()) } else { Err(crate::FenceError::SchemaTooOld { found, required }) }
 }
 
-pub(crate) fn retry_delay(policy: &RetryPolicy, attempts: i64) -> Duration {
-    policy.backoff(attempts)
+/// The backoff parameters a store's fail statement computes `base * 2^failures` (capped) from:
+/// the base in milliseconds, at most 2^32 so that the product cannot overflow, and the cap.
+pub(crate) fn backoff_ms(policy: &RetryPolicy) -> (i64, i64) {
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    (ms(policy.base_backoff).min(1 << 32), ms(policy.max_backoff))
+}
+
+/// The outcome of a fail statement that answered `state:delay_ms`.
+pub(crate) fn fail_outcome(answer: &str) -> Result<FailOutcome> {
+    match answer.split_once(':') {
+        Some(("failed", ms)) => Ok(FailOutcome::Retry {
+            retry_in: crate::model::millis(
+                ms.parse().map_err(|_| crate::FenceError::Corrupt(format!("fail answered {answer:?}")))?,
+            ),
+        }),
+        Some(("dead", _)) => Ok(FailOutcome::Dead),
+        _ => Err(crate::FenceError::Corrupt(format!("fail left state {answer:?}"))),
+    }
+}
+
+/// The default cap on claims of one job: [`RetryPolicy::max_claims`] of the default policy.
+pub(crate) fn default_max_claims() -> i64 {
+    RetryPolicy::default().max_claims()
 }

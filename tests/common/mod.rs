@@ -159,7 +159,7 @@ pub trait TestStore: FenceStore + Clone + Sized {
 }
 
 impl TestStore for PgFence {
-    const MIGRATIONS: i64 = 2;
+    const MIGRATIONS: i64 = 3;
 
     async fn unmigrated() -> Self {
         pg_unmigrated().await
@@ -253,7 +253,7 @@ fn sqlite_file(fence: &SqliteFence) -> PathBuf {
 }
 
 impl TestStore for SqliteFence {
-    const MIGRATIONS: i64 = 1;
+    const MIGRATIONS: i64 = 2;
 
     async fn unmigrated() -> Self {
         sqlite_unmigrated().await
