@@ -26,7 +26,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::{DeadLetterTarget, KeyStrategy, SqsConfig, SqsSource, client_from_env};
+use brokerfence::adapters::sqs::{
+    DeadLetterTarget, KeyStrategy, ReceiveCountCheck, SqsConfig, SqsSource, client_from_env,
+};
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
 
@@ -122,7 +124,8 @@ async fn serve(args: Args) -> Result<(), StartError> {
         .map_err(|e| StartError::Refused(e.to_string()))?
         .key(args.key.clone())
         .wait_time(Duration::from_secs(args.wait))
-        .dead_letter(args.dead_letter.clone());
+        .dead_letter(args.dead_letter.clone())
+        .check_receive_count(c.retry_policy(), ReceiveCountCheck::Warn);
     let source = EventSource(SqsSource::new(client_from_env().await, config));
 
     #[allow(unused_mut)]
