@@ -43,7 +43,11 @@ mod edges {
 
     impl FaultyStore {
         fn new(inner: PgFence) -> Arc<FaultyStore> {
-            Arc::new(FaultyStore { inner, heartbeats_fail: AtomicBool::new(false), commits_fail: AtomicBool::new(false) })
+            Arc::new(FaultyStore {
+                inner,
+                heartbeats_fail: AtomicBool::new(false),
+                commits_fail: AtomicBool::new(false),
+            })
         }
     }
 
@@ -141,7 +145,13 @@ mod edges {
         let _: i64 = client::cmd("LPUSH").arg(list).arg(item).query_async(&mut env.conn()).await.expect("LPUSH");
     }
 
-    fn list_fence(env: &Env, store: Arc<dyn FenceStore>, list: &str, owner: &str, config: SupervisorConfig) -> ListRetrofit {
+    fn list_fence(
+        env: &Env,
+        store: Arc<dyn FenceStore>,
+        list: &str,
+        owner: &str,
+        config: SupervisorConfig,
+    ) -> ListRetrofit {
         ListRetrofit::with_owner(
             store,
             QueueName::new(list).expect("queue"),

@@ -2,13 +2,14 @@
 //! source ([`ReliableList`]).
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ::redis::Value;
 use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
-use fence::{FenceStore, JobContext, JobKey, Lease, Owner, QueueName, SupervisorConfig};
+use fence::{FenceStore, JobContext, JobKey, JobState, Lease, Owner, QueueName, SupervisorConfig};
 use tokio::time::Instant;
 
 use super::conn::RedisConnections;
@@ -458,7 +459,11 @@ impl Source for ReliableList {
 /// What [`ListRetrofit::process`] did with one item.
 #[derive(Debug)]
 pub struct ListProcessed {
-    /// What to do with the item.
+    /// What to do with the item. When the attempt ended without a verdict of its own (lease lost
+    /// or unconfirmed, commit fenced or unknown), it is what the database says of the job now:
+    /// [`Disposition::Ack`] (completed), [`Disposition::DeadLetter`] (dead),
+    /// [`Disposition::Leave`] (a newer epoch holds or finished it) or, in every other case,
+    /// [`Disposition::Abandon`] (put the item back now).
     pub disposition: Disposition,
     /// What the fence saw; `None` when the item could not be decoded (then the disposition is
     /// [`Disposition::DeadLetter`] with the reason).
@@ -569,11 +574,15 @@ impl ListRetrofit {
         };
         let lease_key = self.leases.key(self.retrofit.queue(), &key);
         let ours: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        // The epoch this worker claimed (0: the handler never started).
+        let claimed = Arc::new(AtomicI64::new(0));
         let wrapped = {
-            let (leases, lease_key, ours) = (self.leases.clone(), lease_key.clone(), Arc::clone(&ours));
+            let (leases, lease_key, ours, claimed) =
+                (self.leases.clone(), lease_key.clone(), Arc::clone(&ours), Arc::clone(&claimed));
             move |ctx: JobContext| {
                 let (handler, leases, lease_key, ours) =
                     (handler.clone(), leases.clone(), lease_key.clone(), ours.clone());
+                claimed.store(ctx.epoch(), Ordering::SeqCst);
                 async move {
                     let l = ctx.lease();
                     let tok = token(&l.owner, l.epoch);
@@ -599,14 +608,64 @@ impl ListRetrofit {
         {
             tracing::warn!(error = %e, "could not release the lease key (it expires)");
         }
-        ListProcessed { disposition: done.disposition, detail: Some(done.detail), lease_key: Some(lease_key) }
+        let disposition = match done.disposition {
+            Disposition::Leave => self.settle_unknown(&key, claimed.load(Ordering::SeqCst), &done.detail).await,
+            other => other,
+        };
+        ListProcessed { disposition, detail: Some(done.detail), lease_key: Some(lease_key) }
+    }
+
+    /// The disposition of an item whose attempt ended without a verdict of its own (lease lost,
+    /// commit fenced or unknown, claim failed), from what the database says of the job now. A
+    /// popped item has no other copy, so it goes back ([`Disposition::Abandon`]) unless the
+    /// database settled the job: completed ([`Disposition::Ack`]), dead at this worker's epoch
+    /// ([`Disposition::DeadLetter`]), or taken by a newer epoch, whose holder has its own copy
+    /// ([`Disposition::Leave`]). When the database cannot be asked, the item goes back and the
+    /// fence deduplicates it.
+    async fn settle_unknown(&self, key: &JobKey, epoch: i64, detail: &Detail) -> Disposition {
+        if epoch == 0 || matches!(detail, Detail::ClaimFailed(_)) {
+            // No claim answered: the claim may even have committed unseen. The fence sorts it out.
+            return Disposition::Abandon;
+        }
+        let store = self.retrofit.supervisor().store();
+        let limit = self.retrofit.supervisor().config().lease().heartbeat_interval();
+        match tokio::time::timeout(limit, store.job(self.retrofit.queue(), key)).await {
+            Ok(Ok(Some(job))) => {
+                let verdict = match job.state {
+                    JobState::Completed => Disposition::Ack,
+                    _ if job.epoch > epoch => Disposition::Leave,
+                    JobState::Dead => Disposition::DeadLetter(
+                        job.last_error.unwrap_or_else(|| format!("job is dead (buried at epoch {})", job.epoch)),
+                    ),
+                    _ => Disposition::Abandon,
+                };
+                tracing::info!(%key, epoch, db_epoch = job.epoch, db_state = %job.state, ?verdict, "attempt ended without a verdict; the database decides the item's fate");
+                verdict
+            }
+            Ok(Ok(None)) => Disposition::Abandon,
+            Ok(Err(e)) => {
+                tracing::warn!(%key, error = %e, "cannot read the job after a lost lease; pushing the item back");
+                Disposition::Abandon
+            }
+            Err(_) => {
+                tracing::warn!(%key, ?limit, "reading the job after a lost lease timed out; pushing the item back");
+                Disposition::Abandon
+            }
+        }
     }
 
     /// For a loop that popped `item` destructively (`BRPOP`): puts back what must run again and
-    /// dead-letters what must not. A retry or hold is pushed back after its delay by a task of this
-    /// process (an item popped destructively lives only in memory until then: use
-    /// [`ReliableList`] where that matters); an item whose fate is unknown (the claim or the commit
-    /// could not reach the database) is pushed back at once, and the fence deduplicates it.
+    /// dead-letters what must not. A popped item has no other copy, so it is pushed back unless the
+    /// database settled its job: a confirmed commit or a completed job ([`Disposition::Ack`]), a
+    /// dead job ([`Disposition::DeadLetter`], moved to [`dead_stream`](Self::dead_stream)), or a
+    /// newer epoch that holds or finished the job from its own copy ([`Disposition::Leave`], which
+    /// [`process`](Self::process) answers only when the database said so).
+    ///
+    /// A retry or hold is pushed back after its delay by a task of this process (an item popped
+    /// destructively lives only in memory until then: use [`ReliableList`] where that matters).
+    /// Everything else — a lease lost or unconfirmed, a commit fenced with no newer holder, a claim
+    /// or commit whose fate is unknown, a release at shutdown — is pushed back at once, and the
+    /// fence deduplicates it.
     pub async fn requeue_popped(&self, item: &[u8], done: &ListProcessed) -> Result<(), RedisError> {
         let push_now = match &done.disposition {
             Disposition::Ack => return Ok(()),
@@ -627,11 +686,8 @@ impl ListRetrofit {
             }
             Disposition::RetryLater(d) | Disposition::Hold(d) => Some(*d),
             Disposition::Abandon => None,
-            Disposition::Leave => match &done.detail {
-                Some(Detail::ClaimFailed(_)) | Some(Detail::Ran(fence::Outcome::StoreError(_))) => None,
-                // Lost or fenced: a newer epoch holds the job (from another copy of the item).
-                _ => return Ok(()),
-            },
+            // The database confirmed a newer epoch: its holder has its own copy of the item.
+            Disposition::Leave => return Ok(()),
         };
         let push = {
             let (mut conn, list, item) = (self.conn.clone(), self.list.clone(), item.to_vec());

@@ -73,12 +73,16 @@ end
 return out
 ";
 
-/// Dead-letter one stream entry: copy it to the dead-letter stream with the reason, `XACK` it, and
-/// release its lease key if it is ours.
+/// Dead-letter one stream entry: `XACK` it and, only if that acknowledged it (it was still pending:
+/// an entry is moved once, however many deliveries of it are dead-lettered), copy it to the
+/// dead-letter stream with the reason; release its lease key if it is ours.
 /// KEYS[1]: stream; KEYS[2]: dead-letter stream; KEYS[3] (optional): lease key.
 /// ARGV[1]: group; ARGV[2]: entry id; ARGV[3]: reason; ARGV[4]: lease token (with KEYS[3]).
 /// Returns the number of entries acknowledged (0 or 1).
 const STREAM_DEAD: &str = r"
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
+if acked == 0 then return 0 end
 local args = {KEYS[2], '*', 'dead.reason', ARGV[3], 'dead.stream', KEYS[1], 'dead.group', ARGV[1], 'dead.id', ARGV[2]}
 local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
 if e[1] and e[1][2] then
@@ -94,8 +98,6 @@ else
   args[#args + 1] = 'entry no longer in the stream'
 end
 redis.call('XADD', unpack(args))
-local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
 return acked
 ";
 

@@ -61,8 +61,10 @@ struct State {
 ///   when the server lost it (a restart without persistence).
 /// - `receive`: `XAUTOCLAIM` of entries idle longer than the visibility hint (every
 ///   [`autoclaim_every`](Self::autoclaim_every)), then `XREADGROUP … BLOCK` for new ones. An entry
-///   delivered more than [`max_deliveries`](Self::max_deliveries) times, or one that cannot be
-///   decoded, goes to the dead-letter stream with the reason.
+///   that cannot be decoded goes to the dead-letter stream with the reason; any other entry goes
+///   there only when the database says its job is dead (the delivery count is a hint, see
+///   [`max_deliveries`](Self::max_deliveries)), and only once (the move is a script that copies
+///   the entry only if its `XACK` acknowledged it).
 /// - `extend` (a heartbeat the database confirmed): `XCLAIM … JUSTID` of every in-flight entry to
 ///   this consumer (idle back to 0: no one auto-claims a live job) and the lease keys renewed, in
 ///   parallel.
@@ -189,9 +191,13 @@ impl StreamSource {
         self
     }
 
-    /// Deliveries after which an entry is dead-lettered instead of claimed (default 10). Every
-    /// auto-claim counts one, including those of an entry held back by a retry backoff longer than
-    /// the visibility hint.
+    /// Deliveries after which an entry is logged as suspicious (default 10). The delivery count is
+    /// a hint, like visibility: every auto-claim counts one, including those of an entry held back
+    /// by a retry backoff longer than the visibility hint and those of an entry a live holder has,
+    /// so it never dead-letters anything. An entry goes to the dead-letter stream only when the
+    /// database says its job is dead: its claim answers [`Claim::Dead`](fence::Claim::Dead), or a
+    /// fenced failure finds it out of attempts ([`RetryPolicy`](fence::RetryPolicy)), or `retry =
+    /// false`; the reason is the database's (the job's last error).
     pub fn max_deliveries(mut self, n: u32) -> Self {
         self.max_deliveries = i64::from(n.max(1));
         self
@@ -352,7 +358,16 @@ impl StreamSource {
             reason,
         };
         if let Some(n) = deliveries.filter(|n| *n > self.max_deliveries) {
-            return bad(format!("delivered {n} times, more than the limit of {}", self.max_deliveries));
+            // A hint, like visibility: auto-claims also count a retry backoff longer than the
+            // visibility and a live holder's entry. Only the database dead-letters (its claim
+            // answers `Dead`, or a fenced failure finds the job out of attempts).
+            tracing::warn!(
+                id = %entry.id,
+                deliveries = n,
+                max_deliveries = self.max_deliveries,
+                stream = %self.stream,
+                "entry delivered more often than expected; the database decides whether it is dead"
+            );
         }
         if entry.fields.is_none() {
             return bad("entry has no data (deleted from the stream)".into());
@@ -523,7 +538,11 @@ impl Source for StreamSource {
             // The script released it by compare-and-set.
             self.leases.forget(k);
         }
-        tracing::warn!(id = delivery.id(), %reason, dead = %self.dead, acked, "entry dead-lettered");
+        if acked == 1 {
+            tracing::warn!(id = delivery.id(), %reason, dead = %self.dead, "entry dead-lettered");
+        } else {
+            tracing::info!(id = delivery.id(), %reason, "entry no longer pending (moved or acknowledged before); not moved again");
+        }
         Ok(())
     }
 
