@@ -22,8 +22,10 @@ mod edges {
 
     use async_trait::async_trait;
     use brokerfence::adapters::redis::client;
-    use brokerfence::adapters::redis::{ItemKey, KeyFrom, ListRetrofit, StreamSource};
-    use brokerfence::adapters::{ConsumerConfig, Detail};
+    use brokerfence::adapters::redis::{
+        ItemKey, KeyFrom, ListRetrofit, RedisConnections, StreamDelivery, StreamSource,
+    };
+    use brokerfence::adapters::{ConsumerConfig, Detail, Incoming, ReceiveContext, Source, SourceError};
     use brokerfence::fence::{
         Claim, ClaimedJob, DbTime, FailOutcome, FenceError, FenceStore, Heartbeat, JobContext, JobError, JobKey,
         JobRecord, JobState, Lease, LeaseDuration, LossReason, Outcome, Owner, PgFence, QueueName, RetryPolicy,
@@ -503,6 +505,185 @@ mod edges {
         let row = env.job(&stream, "job-1").await.expect("row");
         assert_eq!((row.state, row.epoch), (JobState::Completed, 1));
         assert_eq!(pending_count(&mut env.conn(), &stream, "g").await, 0);
+        env.cleanup().await;
+    }
+
+    fn lease_of(queue: &str, key: &str, owner: &str, epoch: i64) -> Lease {
+        Lease {
+            queue: QueueName::new(queue).expect("queue"),
+            key: JobKey::new(key).expect("key"),
+            epoch,
+            owner: Owner::new(owner).expect("owner"),
+            lease_until: DbTime(0),
+            ttl: Duration::from_secs(3),
+            attempts: epoch,
+        }
+    }
+
+    fn receive_ctx(owner: &str) -> ReceiveContext {
+        ReceiveContext { owner: Owner::new(owner).expect("owner"), lease: lease(3) }
+    }
+
+    /// The one delivery a receive returned.
+    fn only_delivery(got: Vec<Incoming<StreamDelivery>>) -> StreamDelivery {
+        assert_eq!(got.len(), 1, "{got:?}");
+        match got.into_iter().next() {
+            Some(Incoming::Unclaimed { delivery, .. }) => delivery,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The consumer that holds entry `id` in group `g`.
+    async fn holder_of(env: &Env, stream: &str, id: &str) -> Option<String> {
+        pending_rows(&mut env.conn(), stream, "g").await.into_iter().find(|r| r.0 == id).map(|r| r.1)
+    }
+
+    /// Issue #12 §4 bullet 2 (Redis part). Guard: the stream source's extend (the heartbeat's
+    /// `XCLAIM … JUSTID`) is never applied for a lease that is no longer the newest. A worker that
+    /// froze between the database's renewal answer and its `XCLAIM` sends it after another
+    /// consumer auto-claimed the entry and the database gave that consumer epoch 2: the entry stays
+    /// with the new holder, whether the new holder's lease key is set yet or not. The live holder
+    /// still takes its entry back from a rival that only held it back (`Busy`). Before the fix the
+    /// stale `XCLAIM` moved the entry back to the stale worker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_stream_extend_skips_a_stale_lease_after_a_takeover() {
+        let env = Env::new().await;
+        let stream = env.name("takeover");
+        let id = xadd_job(&mut env.conn(), &stream, "job-1", "x").await;
+        let old_src = stream_source(&env, &stream);
+        let d_old = only_delivery(old_src.receive(10, &receive_ctx("old")).await.expect("receive"));
+        let l1 = lease_of(&stream, "job-1", "old", 1);
+        old_src.extend(&[(l1.clone(), d_old.clone())]).await.expect("extend");
+        let lease_key = d_old.lease_key().expect("lease key").to_owned();
+        assert_eq!(old_src.leases().holder(&lease_key).await.expect("GET").as_deref(), Some("old:1"));
+
+        // The old worker freezes; its lease and its lease key run out; a new consumer auto-claims
+        // the entry and the database hands it epoch 2.
+        let _: i64 = client::cmd("DEL").arg(&lease_key).query_async(&mut env.conn()).await.expect("DEL");
+        let new_src = stream_source(&env, &stream).visibility(Duration::from_millis(50));
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let d_new = only_delivery(new_src.receive(10, &receive_ctx("new")).await.expect("autoclaim"));
+        assert_eq!(d_new.id(), id);
+        assert_eq!(holder_of(&env, &stream, &id).await.as_deref(), Some("new"));
+
+        // The frozen worker wakes up and sends the XCLAIM of its renewal answer (epoch 1).
+        let _ = old_src.extend(&[(l1.clone(), d_old.clone())]).await;
+        assert_eq!(
+            holder_of(&env, &stream, &id).await.as_deref(),
+            Some("new"),
+            "a stale XCLAIM (epoch 1, before the new holder's first renewal) took the entry back"
+        );
+        let l2 = lease_of(&stream, "job-1", "new", 2);
+        new_src.extend(&[(l2.clone(), d_new.clone())]).await.expect("extend");
+        assert_eq!(new_src.leases().holder(&lease_key).await.expect("GET").as_deref(), Some("new:2"));
+        let _ = old_src.extend(&[(l1.clone(), d_old.clone())]).await;
+        assert_eq!(
+            holder_of(&env, &stream, &id).await.as_deref(),
+            Some("new"),
+            "a stale XCLAIM (epoch 1, after the new holder's renewal) took the entry back"
+        );
+        assert_eq!(new_src.leases().holder(&lease_key).await.expect("GET").as_deref(), Some("new:2"));
+
+        // A rival that found the job Busy holds the entry back (XCLAIM to itself); the live holder
+        // takes it back on its next renewal.
+        let _: client::Value = client::cmd("XCLAIM")
+            .arg(&stream)
+            .arg("g")
+            .arg("rival")
+            .arg(0)
+            .arg(&id)
+            .arg("JUSTID")
+            .query_async(&mut env.conn())
+            .await
+            .expect("XCLAIM");
+        new_src.extend(&[(l2, d_new)]).await.expect("extend");
+        assert_eq!(holder_of(&env, &stream, &id).await.as_deref(), Some("new"), "the live holder keeps its entry");
+        env.cleanup().await;
+    }
+
+    /// Issue #12 §1 bullet 2 (Redis part). Guard: a blocking read against a stalled Redis (a
+    /// private server under SIGSTOP: connections open, no answers) fails with a timeout error after
+    /// its block time plus a margin instead of waiting for ever. Before the fix the blocking
+    /// connection had no response timeout and the receive never returned.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_stream_receive_fails_fast_when_redis_stalls() {
+        let redis = PrivateRedis::start().await;
+        let conns = RedisConnections::connect(&redis.url()).await.expect("connect");
+        let source = StreamSource::new(conns, QueueName::new("stalled").expect("queue"), "stalled", "g")
+            .expect("source")
+            .block(Duration::from_millis(200))
+            .autoclaim_every(Duration::from_secs(60));
+        let ctx = receive_ctx("w");
+        assert!(source.receive(10, &ctx).await.expect("first receive").is_empty());
+        redis.pause();
+        let sent = Instant::now();
+        let got = tokio::time::timeout(Duration::from_secs(8), source.receive(10, &ctx)).await;
+        let took = sent.elapsed();
+        redis.resume();
+        let got = got.unwrap_or_else(|_| panic!("receive still waiting on a stalled Redis after {took:?}"));
+        let err = got.expect_err("a stalled Redis is an error");
+        assert!(matches!(err, SourceError::Transient(_)), "{err}");
+        assert!(err.to_string().contains("did not answer within"), "{err}");
+        assert!(took < Duration::from_millis(2500), "block 200 ms + margin 1 s, took {took:?}");
+        // And it works again once the server is back.
+        assert!(source.receive(10, &ctx).await.expect("receive after the stall").is_empty());
+    }
+
+    /// Issue #12 §1 bullet 2 (Redis part) and the rule "a slow broker may cost a hint, never a
+    /// healthy lease". Guard: Redis stalled (SIGSTOP) for 4.5 s, longer than the 3 s lease, while
+    /// a Streams consumer runs a 6 s job: the database lease is renewed on time throughout (every
+    /// Redis call on the heartbeat path gives up within a quarter of the lease), the job commits
+    /// at epoch 1, and its entry is acknowledged once Redis is back. Before the fix the heartbeat
+    /// waited on the stalled `XCLAIM` and lease-key scripts and the attempt was cancelled
+    /// `Unconfirmed` with its row still `running` under its own owner.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn edges_redis_stall_longer_than_the_lease_costs_no_database_lease() {
+        let redis = PrivateRedis::start().await;
+        let env = Env::on(&redis.url()).await;
+        let stream = env.name("stall");
+        xadd_job(&mut env.conn(), &stream, "job-1", "x").await;
+        let started = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&started);
+        let c = spawn_consumer(
+            stream_source(&env, &stream),
+            env.store(),
+            "holder",
+            consumer_config(3, 2),
+            move |_ctx: JobContext| {
+                let flag = Arc::clone(&flag);
+                async move {
+                    flag.store(true, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(6)).await;
+                    Ok(b"done".to_vec())
+                }
+            },
+        );
+        wait_for("the job to start", Duration::from_secs(5), || {
+            let s = started.load(Ordering::SeqCst);
+            async move { s.then_some(()) }
+        })
+        .await;
+        redis.pause();
+        tokio::time::sleep(Duration::from_millis(4500)).await;
+        let during = c.snapshot();
+        redis.resume();
+        wait_for("the commit, or a lost lease", Duration::from_secs(10), || {
+            let s = c.snapshot();
+            async move { (s.completions == 1 || s.lease_losses > 0).then_some(()) }
+        })
+        .await;
+        let s = c.snapshot();
+        assert_eq!(s.lease_losses, 0, "a Redis stall cost a healthy database lease: {s} (during the stall: {during})");
+        assert_eq!(s.completions, 1, "{s}");
+        wait_for("the entry acknowledged", Duration::from_secs(10), || {
+            let env = &env;
+            let stream = stream.clone();
+            async move { (pending_count(&mut env.conn(), &stream, "g").await == 0).then_some(()) }
+        })
+        .await;
+        c.shutdown(Duration::from_secs(5)).await;
+        let row = env.job(&stream, "job-1").await.expect("row");
+        assert_eq!((row.state, row.epoch), (JobState::Completed, 1));
         env.cleanup().await;
     }
 }
