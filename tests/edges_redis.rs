@@ -23,9 +23,10 @@ mod edges {
     use async_trait::async_trait;
     use brokerfence::adapters::redis::client;
     use brokerfence::adapters::redis::{
-        ItemKey, KeyFrom, ListRetrofit, RedisConnections, StreamDelivery, StreamSource,
+        ItemKey, KeyFrom, LeaseKeys, ListProcessed, ListRetrofit, RedisConnections, RedisError, RedisTimeouts,
+        StreamDelivery, StreamSource,
     };
-    use brokerfence::adapters::{ConsumerConfig, Detail, Incoming, ReceiveContext, Source, SourceError};
+    use brokerfence::adapters::{ConsumerConfig, Detail, Disposition, Incoming, ReceiveContext, Source, SourceError};
     use brokerfence::fence::{
         Claim, ClaimedJob, DbTime, FailOutcome, FenceError, FenceStore, Heartbeat, JobContext, JobError, JobKey,
         JobRecord, JobState, Lease, LeaseDuration, LossReason, Outcome, Owner, PgFence, QueueName, RetryPolicy,
@@ -685,5 +686,80 @@ mod edges {
         let row = env.job(&stream, "job-1").await.expect("row");
         assert_eq!((row.state, row.epoch), (JobState::Completed, 1));
         env.cleanup().await;
+    }
+
+    /// Issue #12 §1 bullet 2 (Redis part). Guard: against a stalled Redis (SIGSTOP) every kind of
+    /// call fails with the typed [`RedisError::Timeout`] within its configured bound: a lease-key
+    /// call within the response timeout, the heartbeat's renewal within a quarter of the lease,
+    /// the list retrofit's push back, a source's ack, and connecting at all.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_redis_calls_time_out_with_a_typed_error_within_their_bound() {
+        let redis = PrivateRedis::start().await;
+        let response = Duration::from_millis(300);
+        let timeouts = RedisTimeouts::default().response(response).connect(Duration::from_millis(300));
+        let conns = RedisConnections::connect_with(&redis.url(), timeouts).await.expect("connect");
+        let leases = LeaseKeys::new(conns.commands(), "stalled").with_timeout(response);
+        let stream = StreamSource::new(conns.clone(), QueueName::new("stalled").expect("queue"), "stalled", "g")
+            .expect("source")
+            .block(Duration::from_millis(100));
+        let ctx = receive_ctx("w");
+        assert!(stream.receive(10, &ctx).await.expect("receive").is_empty());
+        let _: String = client::cmd("XADD")
+            .arg("stalled")
+            .arg("*")
+            .arg("key")
+            .arg("k")
+            .arg("body")
+            .arg("x")
+            .query_async(&mut conns.commands())
+            .await
+            .expect("XADD");
+        let d = only_delivery(stream.receive(10, &ctx).await.expect("receive"));
+        redis.pause();
+        // Slack for a loaded machine: the bound plus 500 ms.
+        let within = |bound: Duration, sent: Instant| {
+            let took = sent.elapsed();
+            assert!(took < bound + Duration::from_millis(500), "took {took:?} for a bound of {bound:?}");
+        };
+
+        let sent = Instant::now();
+        let e = leases.renew(&[("k".into(), "w:1".into())], Duration::from_secs(3)).await.expect_err("stalled");
+        within(response, sent);
+        assert!(matches!(e, RedisError::Timeout { command: "EVALSHA renew", after } if after == response), "{e}");
+        assert!(e.is_timeout() && !e.is_fatal());
+
+        // The heartbeat's renewal of a 0.8 s lease gives up after 200 ms (a quarter of it).
+        let mut short = lease_of("stalled", "k", "w", 1);
+        short.ttl = Duration::from_millis(800);
+        let sent = Instant::now();
+        let e = leases.confirm(&[("k".into(), &short)]).await.expect_err("stalled");
+        within(Duration::from_millis(200), sent);
+        assert!(matches!(e, RedisError::Timeout { after, .. } if after == Duration::from_millis(200)), "{e}");
+
+        let sent = Instant::now();
+        let e = stream.ack(vec![d]).await.expect_err("stalled");
+        within(response, sent);
+        assert!(matches!(e, SourceError::Transient(_)) && e.to_string().contains("did not answer"), "{e}");
+
+        let store: Arc<dyn FenceStore> = Arc::new(PgFence::connect(&database_url()).await.expect("pg"));
+        let fence = ListRetrofit::new(
+            store,
+            QueueName::new("stalled").expect("queue"),
+            SupervisorConfig::new(lease(3)),
+            conns.commands(),
+            "stalled-list",
+        )
+        .command_timeout(response);
+        let unsettled = ListProcessed { disposition: Disposition::Abandon, detail: None, lease_key: None };
+        let sent = Instant::now();
+        let e = fence.requeue_popped(b"k|x", &unsettled).await.expect_err("stalled");
+        within(response, sent);
+        assert!(matches!(e, RedisError::Timeout { command: "LPUSH", .. }), "{e}");
+
+        let sent = Instant::now();
+        let e = RedisConnections::connect_with(&redis.url(), timeouts).await.expect_err("stalled");
+        within(Duration::from_millis(900), sent);
+        assert!(e.is_timeout(), "{e}");
+        redis.resume();
     }
 }

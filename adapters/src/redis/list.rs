@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use fence::{FenceStore, JobContext, JobKey, JobState, Lease, Owner, QueueName, SupervisorConfig};
 use tokio::time::Instant;
 
-use super::conn::RedisConnections;
+use super::conn::{RedisConnections, bounded};
 use super::error::RedisError;
 use super::keys::{sibling_key, token};
 use super::lease::{LeaseKeyHook, LeaseKeys};
@@ -184,7 +184,7 @@ impl ReliableList {
             return Err(RedisError::Config("list name must not be empty".into()));
         }
         Ok(Self {
-            leases: LeaseKeys::new(conns.commands(), list.clone()),
+            leases: LeaseKeys::new(conns.commands(), list.clone()).with_timeout(conns.timeouts().response_timeout()),
             processing: sibling_key(&list, ":processing"),
             dead: sibling_key(&list, ":dead"),
             conns,
@@ -250,6 +250,10 @@ impl ReliableList {
         &self.leases
     }
 
+    fn response(&self) -> Duration {
+        self.conns.timeouts().response_timeout()
+    }
+
     fn lease_key_of(&self, item: &[u8]) -> String {
         match self.item_key.lease_job(item) {
             Some(k) => self.leases.key(&self.queue, &k),
@@ -262,13 +266,9 @@ impl ReliableList {
     /// previous one go back on the queue. Returns how many went back.
     pub async fn reap(&self) -> Result<usize, RedisError> {
         let scan = i64::try_from(self.reap_scan).unwrap_or(i64::MAX);
-        let v: Value = ::redis::cmd("LRANGE")
-            .arg(&self.processing)
-            .arg(-scan)
-            .arg(-1)
-            .query_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("LRANGE"))?;
+        let mut lrange = ::redis::cmd("LRANGE");
+        lrange.arg(&self.processing).arg(-scan).arg(-1);
+        let v: Value = bounded("LRANGE", self.response(), lrange.query_async(&mut self.conns.commands())).await?;
         let items = reply::bulks(v).map_err(|e| RedisError::reply("LRANGE", e))?;
         let suspects = self.state.lock().map(|s| s.suspects.clone()).unwrap_or_default();
         if items.is_empty() {
@@ -285,8 +285,7 @@ impl ReliableList {
         for item in &items {
             inv.arg(if suspects.contains(item) { "1" } else { "0" });
         }
-        let v: Value =
-            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA reap"))?;
+        let v: Value = bounded("EVALSHA reap", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA reap", e))?;
         let mut next = HashSet::new();
         let mut reaped = 0;
@@ -309,26 +308,20 @@ impl ReliableList {
     }
 
     async fn take(&self, max: usize) -> Result<Vec<Vec<u8>>, RedisError> {
-        let v: Value = SCRIPTS
-            .list_take
-            .prepare_invoke()
-            .key(&self.list)
-            .key(&self.processing)
-            .arg(max)
-            .invoke_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("EVALSHA take"))?;
+        let mut take = SCRIPTS.list_take.prepare_invoke();
+        take.key(&self.list).key(&self.processing).arg(max);
+        let v: Value = bounded("EVALSHA take", self.response(), take.invoke_async(&mut self.conns.commands())).await?;
         let mut items = reply::bulks(v).map_err(|e| RedisError::reply("EVALSHA take", e))?;
         if items.is_empty() {
-            let v: Value = ::redis::cmd("BLMOVE")
+            let mut blmove = ::redis::cmd("BLMOVE");
+            blmove
                 .arg(&self.list)
                 .arg(&self.processing)
                 .arg("RIGHT")
                 .arg("LEFT")
-                .arg(format!("{:.3}", self.block.as_secs_f64()))
-                .query_async(&mut self.conns.blocking())
-                .await
-                .map_err(RedisError::command("BLMOVE"))?;
+                .arg(format!("{:.3}", self.block.as_secs_f64()));
+            let limit = self.conns.timeouts().blocking(self.block);
+            let v: Value = bounded("BLMOVE", limit, blmove.query_async(&mut self.conns.blocking())).await?;
             items.extend(reply::bytes(v));
         }
         Ok(items)
@@ -406,7 +399,7 @@ impl Source for ReliableList {
             inv.arg(t.as_str());
         }
         let removed: i64 =
-            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA list ack"))?;
+            bounded("EVALSHA list ack", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         tracing::debug!(removed, n = deliveries.len(), "items acknowledged");
         Ok(())
     }
@@ -422,35 +415,24 @@ impl Source for ReliableList {
 
     async fn abandon(&self, delivery: ListDelivery) -> Result<(), SourceError> {
         let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
-        let _: i64 = SCRIPTS
-            .list_requeue
-            .prepare_invoke()
-            .key(&self.processing)
-            .key(&self.list)
-            .key(delivery.lease_key())
-            .arg(delivery.item())
-            .arg(tok)
-            .invoke_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("EVALSHA requeue"))?;
+        let mut inv = SCRIPTS.list_requeue.prepare_invoke();
+        inv.key(&self.processing).key(&self.list).key(delivery.lease_key()).arg(delivery.item()).arg(tok);
+        let _: i64 = bounded("EVALSHA requeue", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         Ok(())
     }
 
     async fn dead_letter(&self, delivery: ListDelivery, reason: &str) -> Result<(), SourceError> {
         let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
-        let _: i64 = SCRIPTS
-            .list_dead
-            .prepare_invoke()
-            .key(&self.processing)
+        let mut inv = SCRIPTS.list_dead.prepare_invoke();
+        inv.key(&self.processing)
             .key(&self.dead)
             .key(delivery.lease_key())
             .arg(delivery.item())
             .arg(tok)
             .arg(reason)
-            .arg(&self.list)
-            .invoke_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("EVALSHA list dead-letter"))?;
+            .arg(&self.list);
+        let _: i64 =
+            bounded("EVALSHA list dead-letter", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         tracing::warn!(%reason, dead = %self.dead, "item dead-lettered");
         Ok(())
     }
@@ -544,6 +526,27 @@ impl ListRetrofit {
     /// How items map to job keys (default: content hash).
     pub fn item_key(mut self, item_key: ItemKey) -> Self {
         self.item_key = item_key;
+        self
+    }
+
+    /// The response timeout of this fence's Redis calls (default 2 s): lease keys, the push back
+    /// and the dead letter of [`requeue_popped`](Self::requeue_popped). The heartbeat's lease-key
+    /// renewals get at most a quarter of the lease ([`LeaseKeys::hint_timeout`]). A call that
+    /// times out fails with [`RedisError::Timeout`]. Use the value of your connection's response
+    /// timeout, or lower.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>, redis: adapters::redis::RedisConnections) -> fence::Result<()> {
+    /// use std::time::Duration;
+    /// use adapters::redis::ListRetrofit;
+    /// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
+    ///     .command_timeout(Duration::from_millis(500));
+    /// assert_eq!(fence.leases().timeout(), Duration::from_millis(500));
+    /// # Ok(()) }
+    /// ```
+    pub fn command_timeout(self, timeout: Duration) -> Self {
+        self.leases.set_timeout(timeout);
         self
     }
 
@@ -670,18 +673,17 @@ impl ListRetrofit {
         let push_now = match &done.disposition {
             Disposition::Ack => return Ok(()),
             Disposition::DeadLetter(reason) => {
-                let _: Value = ::redis::cmd("XADD")
-                    .arg(&self.dead)
+                let mut xadd = ::redis::cmd("XADD");
+                xadd.arg(&self.dead)
                     .arg("*")
                     .arg("dead.reason")
                     .arg(reason.as_str())
                     .arg("dead.list")
                     .arg(&self.list)
                     .arg("item")
-                    .arg(item)
-                    .query_async(&mut self.conn.clone())
-                    .await
-                    .map_err(RedisError::command("XADD"))?;
+                    .arg(item);
+                let mut conn = self.conn.clone();
+                let _: Value = bounded("XADD", self.leases.timeout(), xadd.query_async(&mut conn)).await?;
                 return Ok(());
             }
             Disposition::RetryLater(d) | Disposition::Hold(d) => Some(*d),
@@ -690,15 +692,12 @@ impl ListRetrofit {
             Disposition::Leave => return Ok(()),
         };
         let push = {
-            let (mut conn, list, item) = (self.conn.clone(), self.list.clone(), item.to_vec());
+            let (mut conn, list, item, limit) =
+                (self.conn.clone(), self.list.clone(), item.to_vec(), self.leases.timeout());
             async move {
-                ::redis::cmd("LPUSH")
-                    .arg(&list)
-                    .arg(item)
-                    .query_async::<i64>(&mut conn)
-                    .await
-                    .map(|_| ())
-                    .map_err(RedisError::command("LPUSH"))
+                let mut lpush = ::redis::cmd("LPUSH");
+                lpush.arg(&list).arg(item);
+                bounded("LPUSH", limit, lpush.query_async::<i64>(&mut conn)).await.map(|_| ())
             }
         };
         match push_now {

@@ -41,7 +41,7 @@ mod stream;
 /// The `redis` client crate this adapter is built on (same version), for your own commands.
 pub use ::redis as client;
 
-pub use conn::RedisConnections;
+pub use conn::{RedisConnections, RedisTimeouts};
 pub use error::RedisError;
 pub use keys::{lease_key, sibling_key, slot_part, token};
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
