@@ -426,7 +426,7 @@ mod edges {
             row.attempts,
             dead.iter().map(|(_, f)| field_of(f, "dead.reason")).collect::<Vec<_>>()
         );
-        assert_eq!(row.state, JobState::Failed, "still retryable");
+        assert!(row.state != JobState::Dead && row.attempts < 3, "still retryable: {row:?}");
 
         // Out of attempts: the database says dead, and the entry moves once, with its reason.
         wait_for("the job dead and its entry dead-lettered", Duration::from_secs(15), || {

@@ -466,6 +466,11 @@ impl ListProcessed {
 /// heartbeat the database confirmed (a [`LeaseKeyHook`] on the supervisor), and released by
 /// compare-and-set when the attempt ends.
 ///
+/// A destructive pop has one copy: [`requeue_popped`](Self::requeue_popped) puts the item back
+/// unless the database settled its job (committed, done, dead, or a newer epoch holds it). Every
+/// Redis call of the fence is bounded ([`command_timeout`](Self::command_timeout)); bound your own
+/// blocking read too, as below ([`RedisTimeouts::blocking`](super::RedisTimeouts::blocking)).
+///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
 /// use adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
@@ -474,11 +479,15 @@ impl ListProcessed {
 /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
 ///     .item_key(ItemKey::Split(b'|'));
 /// let mut conn = redis.blocking();
+/// let block = std::time::Duration::from_secs(5);
 /// loop {
-///     // your loop, as before:
-///     let popped: Option<(String, Vec<u8>)> = adapters::redis::client::cmd("BRPOP").arg("mail").arg(5)
-///         .query_async(&mut conn).await?;
-///     let Some((_, item)) = popped else { continue };
+///     // your loop, as before, with the blocking read bounded (block time + margin: a stalled
+///     // Redis must not hang it for ever; the blocking connection has no response timeout):
+///     let mut brpop = adapters::redis::client::cmd("BRPOP");
+///     brpop.arg("mail").arg(block.as_secs());
+///     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
+///     let Ok(popped) = tokio::time::timeout(redis.timeouts().blocking(block), read).await else { continue };
+///     let Some((_, item)) = popped? else { continue };
 ///     let done = fence.process(&item, |ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }).await;
 ///     fence.requeue_popped(&item, &done).await?; // puts back what must run again
 /// }
