@@ -355,6 +355,25 @@ impl PrivateRedis {
         self.spawn().await;
     }
 
+    /// Freezes it (SIGSTOP): it keeps its connections and its data, and answers nothing (the
+    /// kernel still accepts new connections) until [`resume`](Self::resume).
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a paused server run again (SIGCONT): it then works through what was sent meanwhile.
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: i32) {
+        let pid = self.child.as_ref().and_then(|c| c.id()).expect("private redis-server is running");
+        let pid = i32::try_from(pid).expect("pid");
+        // SAFETY: kill(2) with a pid of a child this test spawned and still owns.
+        let rc = unsafe { libc::kill(pid, sig) };
+        assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
+    }
+
     /// `INFO commandstats` as (command, calls).
     pub async fn command_calls(&self) -> std::collections::HashMap<String, u64> {
         let mut c = connect(&self.url()).await;

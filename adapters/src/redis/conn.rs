@@ -1,14 +1,138 @@
 //! The two connections a Redis source needs: one for short commands (heartbeat scripts, acks),
 //! one for blocking reads. A blocked `XREADGROUP … BLOCK` or `BLMOVE` holds its connection on the
 //! server, so sharing it would delay every heartbeat by up to the block time.
+//!
+//! Every call this adapter makes is bounded ([`RedisTimeouts`]): a stalled Redis costs hints and
+//! reads, never a database lease, and nothing waits on it for ever.
 
+use std::future::Future;
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::error::RedisError;
 
-/// A pair of auto-reconnecting connections to one Redis server.
+/// How long this adapter waits for Redis.
+///
+/// - `connect` (default 2 s): to (re)connect, on both connections.
+/// - `response` (default 2 s): for the answer to a short command (acks, dead letters, reads that
+///   do not block, the reaper). It is also the response timeout of the command connection that
+///   [`RedisConnections::connect`] builds.
+/// - Hint calls made for the heartbeat (the stream's `XCLAIM … JUSTID` with its lease keys, the
+///   lease-key renewals of [`LeaseKeyHook`](super::LeaseKeyHook)) get
+///   [`hint`](Self::hint)`(lease)`: `response`, but at most a quarter of the lease, so that even a
+///   hook the heartbeat awaits inline leaves the database renewal on time (the heartbeat runs
+///   every lease/3, and the worker gives up on a lease a tenth of it before its end). A hint
+///   that times out is skipped; the next heartbeat sends the newest one.
+/// - Blocking reads (`XREADGROUP … BLOCK`, `BLMOVE`) get their block time plus `block_margin`
+///   (default 1 s) ([`blocking`](Self::blocking)); the blocking connection itself has no response
+///   timeout, since its block time is the source's.
+///
+/// A call that times out fails with [`RedisError::Timeout`]; sources report it as a transient
+/// error and the consumer retries with backoff. The command may still run on the server once it
+/// answers again (a paused server works through what it was sent); every call this adapter makes
+/// is safe to run late (compare-and-set scripts, idempotent acks, claims that check the lease key).
+///
+/// If you build your own connections ([`RedisConnections::from_managers`]), give the command
+/// connection a response timeout of about `response` and the blocking one none (or one longer
+/// than your longest block time plus the margin), and pass the same values here with
+/// [`RedisConnections::with_timeouts`].
+///
+/// ```
+/// use std::time::Duration;
+/// use adapters::redis::RedisTimeouts;
+/// let t = RedisTimeouts::default().response(Duration::from_millis(500));
+/// assert_eq!(t.response_timeout(), Duration::from_millis(500));
+/// // With a 30 s lease hint calls get the whole response timeout; with a 1.2 s one, a quarter of it.
+/// assert_eq!(t.hint(Duration::from_secs(30)), Duration::from_millis(500));
+/// assert_eq!(t.hint(Duration::from_millis(1200)), Duration::from_millis(300));
+/// assert_eq!(t.blocking(Duration::from_secs(2)), Duration::from_secs(3));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisTimeouts {
+    connect: Duration,
+    response: Duration,
+    block_margin: Duration,
+}
+
+impl Default for RedisTimeouts {
+    fn default() -> Self {
+        Self { connect: Duration::from_secs(2), response: Duration::from_secs(2), block_margin: Duration::from_secs(1) }
+    }
+}
+
+impl RedisTimeouts {
+    /// The connection timeout (default 2 s, at least 1 ms).
+    pub fn connect(mut self, timeout: Duration) -> Self {
+        self.connect = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The response timeout of short commands (default 2 s, at least 1 ms).
+    pub fn response(mut self, timeout: Duration) -> Self {
+        self.response = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How much longer than its block time a blocking read may take (default 1 s).
+    pub fn block_margin(mut self, margin: Duration) -> Self {
+        self.block_margin = margin;
+        self
+    }
+
+    /// The connection timeout.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect
+    }
+
+    /// The response timeout of short commands.
+    pub fn response_timeout(&self) -> Duration {
+        self.response
+    }
+
+    /// The margin of blocking reads.
+    pub fn block_margin_length(&self) -> Duration {
+        self.block_margin
+    }
+
+    /// The bound of a hint call for a lease of `lease`: the response timeout, at most a quarter
+    /// of the lease (and at least 1 ms).
+    pub fn hint(&self, lease: Duration) -> Duration {
+        self.response.min(lease / 4).max(Duration::from_millis(1))
+    }
+
+    /// The bound of a blocking read that blocks for `block`.
+    pub fn blocking(&self, block: Duration) -> Duration {
+        block.saturating_add(self.block_margin)
+    }
+}
+
+/// Runs one Redis call with a bound: its own error, or [`RedisError::Timeout`] once `limit` passed
+/// (or the connection's own response timeout struck first).
+pub(crate) async fn bounded<T>(
+    command: &'static str,
+    limit: Duration,
+    call: impl Future<Output = Result<T, ::redis::RedisError>>,
+) -> Result<T, RedisError> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if e.is_timeout() => Err(RedisError::Timeout { command, after: limit }),
+        Ok(Err(e)) => Err(RedisError::Command { command, source: e }),
+        Err(_) => Err(RedisError::Timeout { command, after: limit }),
+    }
+}
+
+/// [`bounded`] for a call that already maps its errors.
+pub(crate) async fn bounded_op<T>(
+    command: &'static str,
+    limit: Duration,
+    call: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, RedisError> {
+    tokio::time::timeout(limit, call).await.unwrap_or(Err(RedisError::Timeout { command, after: limit }))
+}
+
+/// A pair of auto-reconnecting connections to one Redis server, and the timeouts the sources
+/// built on them apply ([`RedisTimeouts`]).
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), adapters::redis::RedisError> {
@@ -23,46 +147,81 @@ use super::error::RedisError;
 pub struct RedisConnections {
     commands: ConnectionManager,
     blocking: ConnectionManager,
+    timeouts: RedisTimeouts,
 }
 
 impl std::fmt::Debug for RedisConnections {
     // Never prints the URL: it may carry a password.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConnections").finish_non_exhaustive()
+        f.debug_struct("RedisConnections").field("timeouts", &self.timeouts).finish_non_exhaustive()
     }
 }
 
 impl RedisConnections {
-    /// Connects both connections to `url` (`redis://[user:password@]host:port[/db]`).
-    ///
-    /// Commands time out after 2 s; the blocking connection waits as long as a read blocks.
-    /// Both reconnect by themselves after the server restarts.
+    /// Connects both connections to `url` (`redis://[user:password@]host:port[/db]`) with the
+    /// default [`RedisTimeouts`]. Both reconnect by themselves after the server restarts.
     pub async fn connect(url: &str) -> Result<Self, RedisError> {
-        let client = ::redis::Client::open(url).map_err(RedisError::command("connect"))?;
-        Self::from_client(client).await
+        Self::connect_with(url, RedisTimeouts::default()).await
     }
 
-    /// Connects both connections with a client you configured (TLS, credentials, protocol).
+    /// Like [`connect`](Self::connect) with your timeouts.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), adapters::redis::RedisError> {
+    /// use std::time::Duration;
+    /// use adapters::redis::{RedisConnections, RedisTimeouts};
+    /// let timeouts = RedisTimeouts::default().response(Duration::from_millis(500));
+    /// let redis = RedisConnections::connect_with("redis://127.0.0.1:6379", timeouts).await?;
+    /// assert_eq!(redis.timeouts().response_timeout(), Duration::from_millis(500));
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(url: &str, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
+        let client = ::redis::Client::open(url).map_err(RedisError::command("connect"))?;
+        Self::from_client_with(client, timeouts).await
+    }
+
+    /// Connects both connections with a client you configured (TLS, credentials, protocol) and
+    /// the default [`RedisTimeouts`].
     pub async fn from_client(client: ::redis::Client) -> Result<Self, RedisError> {
+        Self::from_client_with(client, RedisTimeouts::default()).await
+    }
+
+    /// Like [`from_client`](Self::from_client) with your timeouts.
+    pub async fn from_client_with(client: ::redis::Client, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
         let base = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_connection_timeout(Some(timeouts.connect))
             .set_max_delay(Duration::from_secs(2))
             .set_number_of_retries(4);
-        let commands = client
-            .get_connection_manager_with_config(base.clone().set_response_timeout(Some(Duration::from_secs(2))))
-            .await
-            .map_err(RedisError::command("connect"))?;
-        let blocking = client
-            .get_connection_manager_with_config(base.set_response_timeout(None))
-            .await
-            .map_err(RedisError::command("connect"))?;
-        Ok(Self { commands, blocking })
+        let connect = timeouts.connect.saturating_mul(2).saturating_add(timeouts.response);
+        let commands = bounded(
+            "connect",
+            connect,
+            client.get_connection_manager_with_config(base.clone().set_response_timeout(Some(timeouts.response))),
+        )
+        .await?;
+        // The sources bound each blocking read by its own block time plus the margin.
+        let blocking =
+            bounded("connect", connect, client.get_connection_manager_with_config(base.set_response_timeout(None)))
+                .await?;
+        Ok(Self { commands, blocking, timeouts })
     }
 
-    /// Uses connections you built yourself. `blocking` must not time out responses sooner than
-    /// the block time of the source that uses it.
+    /// Uses connections you built yourself, with the default [`RedisTimeouts`] (change them with
+    /// [`with_timeouts`](Self::with_timeouts)). `blocking` must not time out responses sooner than
+    /// the block time of the source that uses it plus the margin.
     pub fn from_managers(commands: ConnectionManager, blocking: ConnectionManager) -> Self {
-        Self { commands, blocking }
+        Self { commands, blocking, timeouts: RedisTimeouts::default() }
+    }
+
+    /// The timeouts the sources built on these connections apply.
+    pub fn with_timeouts(mut self, timeouts: RedisTimeouts) -> Self {
+        self.timeouts = timeouts;
+        self
+    }
+
+    /// The timeouts.
+    pub fn timeouts(&self) -> RedisTimeouts {
+        self.timeouts
     }
 
     /// The connection for short commands (a cheap clone).

@@ -1,5 +1,7 @@
 //! Typed errors of the Redis adapter.
 
+use std::time::Duration;
+
 use crate::source::SourceError;
 
 /// What went wrong talking to Redis.
@@ -20,6 +22,16 @@ pub enum RedisError {
         /// The client's error.
         #[source]
         source: ::redis::RedisError,
+    },
+    /// Redis did not answer within the bound this adapter sets for the call (see
+    /// [`RedisTimeouts`](super::RedisTimeouts)): the server is stalled, overloaded or unreachable.
+    /// The call may still run on the server later; every call this adapter makes is safe then.
+    #[error("redis {command} did not answer within {after:?}")]
+    Timeout {
+        /// The command or script that timed out.
+        command: &'static str,
+        /// The bound it was given.
+        after: Duration,
     },
     /// Redis answered with a shape this adapter does not understand.
     #[error("unexpected reply to redis {command}: {detail}")]
@@ -51,12 +63,29 @@ impl RedisError {
         }
     }
 
+    /// True when Redis did not answer in time: a [`RedisError::Timeout`], or the client's own
+    /// response or connection timeout.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let e = adapters::redis::RedisError::Timeout { command: "XCLAIM", after: Duration::from_millis(750) };
+    /// assert!(e.is_timeout() && !e.is_fatal());
+    /// assert_eq!(e.to_string(), "redis XCLAIM did not answer within 750ms");
+    /// ```
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            RedisError::Timeout { .. } => true,
+            RedisError::Command { source, .. } => source.is_timeout(),
+            _ => false,
+        }
+    }
+
     /// True when retrying cannot help: bad configuration, authentication, permissions, or a key
     /// of the wrong type.
     pub fn is_fatal(&self) -> bool {
         match self {
             RedisError::Config(_) => true,
-            RedisError::Reply { .. } => false,
+            RedisError::Reply { .. } | RedisError::Timeout { .. } => false,
             RedisError::Command { source, .. } => {
                 matches!(
                     source.kind(),

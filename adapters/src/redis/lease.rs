@@ -1,6 +1,7 @@
 //! The Redis lease key: a hint of who holds a job, following the database lease.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -8,6 +9,7 @@ use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
 use fence::{JobKey, Lease, LeaseHook, Owner, QueueName};
 
+use super::conn::{RedisTimeouts, bounded, bounded_op};
 use super::error::RedisError;
 use super::keys;
 use super::reply;
@@ -50,6 +52,8 @@ pub(crate) fn millis(d: Duration) -> u64 {
 /// process set, so that a settled delivery can release its key by compare-and-set.
 ///
 /// Every method is one round trip however many keys it is given, and sends nothing for none.
+/// Each call gives up after the [`timeout`](Self::timeout) with [`RedisError::Timeout`];
+/// [`confirm`](Self::confirm), made for the heartbeat, within a quarter of the lease at most.
 ///
 /// ```no_run
 /// # async fn demo(redis: adapters::redis::RedisConnections) -> Result<(), adapters::redis::RedisError> {
@@ -67,6 +71,8 @@ pub(crate) fn millis(d: Duration) -> u64 {
 pub struct LeaseKeys {
     conn: ConnectionManager,
     anchor: Arc<str>,
+    /// The response timeout in milliseconds, shared by every clone (a hook holds one).
+    timeout_ms: Arc<AtomicU64>,
     /// Lease key → (token this process set, when it last set or renewed it).
     held: Arc<Mutex<HashMap<String, (String, Instant)>>>,
 }
@@ -80,7 +86,37 @@ impl std::fmt::Debug for LeaseKeys {
 impl LeaseKeys {
     /// Lease keys named after `anchor` (they share its cluster slot).
     pub fn new(conn: ConnectionManager, anchor: impl Into<String>) -> Self {
-        Self { conn, anchor: Arc::from(anchor.into()), held: Arc::new(Mutex::new(HashMap::new())) }
+        let timeout = millis(RedisTimeouts::default().response_timeout());
+        Self {
+            conn,
+            anchor: Arc::from(anchor.into()),
+            timeout_ms: Arc::new(AtomicU64::new(timeout)),
+            held: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Sets the response timeout of every call (default 2 s, the default
+    /// [`RedisTimeouts::response_timeout`]), for this value and every clone of it (a
+    /// [`LeaseKeyHook`] built from it included).
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        self.set_timeout(timeout);
+        self
+    }
+
+    /// Like [`with_timeout`](Self::with_timeout), through a shared reference.
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ms.store(millis(timeout), Ordering::Relaxed);
+    }
+
+    /// The response timeout of every call.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// The bound of a call made for the heartbeat of leases of `lease`: the timeout, at most a
+    /// quarter of the lease ([`RedisTimeouts::hint`]).
+    pub fn hint_timeout(&self, lease: Duration) -> Duration {
+        RedisTimeouts::default().response(self.timeout()).hint(lease)
     }
 
     /// The anchor key.
@@ -103,7 +139,7 @@ impl LeaseKeys {
         self.held.lock().ok()?.get(key).map(|(t, _)| t.clone())
     }
 
-    fn remember(&self, key: &str, token: &str) {
+    pub(crate) fn remember(&self, key: &str, token: &str) {
         if let Ok(mut h) = self.held.lock() {
             h.insert(key.to_owned(), (token.to_owned(), Instant::now()));
         }
@@ -116,7 +152,7 @@ impl LeaseKeys {
     /// Forgets tokens not set or renewed for `age`: their keys expired in Redis long ago (an
     /// attempt whose commit was fenced or failed is never settled with the broker, so nothing
     /// else would remove them).
-    fn prune(&self, age: Duration) {
+    pub(crate) fn prune(&self, age: Duration) {
         if let Ok(mut h) = self.held.lock() {
             h.retain(|_, (_, at)| at.elapsed() < age);
         }
@@ -124,12 +160,8 @@ impl LeaseKeys {
 
     /// The value of `key` (its holder's token), for inspection.
     pub async fn holder(&self, key: &str) -> Result<Option<String>, RedisError> {
-        let v: Option<String> = ::redis::cmd("GET")
-            .arg(key)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(RedisError::command("GET"))?;
-        Ok(v)
+        let mut conn = self.conn.clone();
+        bounded("GET", self.timeout(), ::redis::cmd("GET").arg(key).query_async::<Option<String>>(&mut conn)).await
     }
 
     /// Acquires lease keys: `(key, token, epoch)` each, expiring after `ttl`. A key held by an older
@@ -146,8 +178,8 @@ impl LeaseKeys {
         for (_, _, e) in items {
             inv.arg(*e);
         }
-        let v: ::redis::Value =
-            inv.invoke_async(&mut self.conn.clone()).await.map_err(RedisError::command("EVALSHA acquire"))?;
+        let mut conn = self.conn.clone();
+        let v: ::redis::Value = bounded("EVALSHA acquire", self.timeout(), inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA acquire", e))?;
         let out: Vec<Acquired> = codes
             .into_iter()
@@ -178,8 +210,8 @@ impl LeaseKeys {
         for (k, t) in items {
             inv.key(k.as_str()).arg(t.as_str());
         }
-        let v: ::redis::Value =
-            inv.invoke_async(&mut self.conn.clone()).await.map_err(RedisError::command("EVALSHA renew"))?;
+        let mut conn = self.conn.clone();
+        let v: ::redis::Value = bounded("EVALSHA renew", self.timeout(), inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA renew", e))?;
         Ok(codes
             .into_iter()
@@ -206,8 +238,8 @@ impl LeaseKeys {
         for (k, t) in items {
             inv.key(k.as_str()).arg(t.as_str());
         }
-        let v: ::redis::Value =
-            inv.invoke_async(&mut self.conn.clone()).await.map_err(RedisError::command("EVALSHA release"))?;
+        let mut conn = self.conn.clone();
+        let v: ::redis::Value = bounded("EVALSHA release", self.timeout(), inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA release", e))?;
         Ok(codes.into_iter().map(|c| c == 1).collect())
     }
@@ -224,7 +256,16 @@ impl LeaseKeys {
     /// already holds with the same token, and acquire the rest (first confirmation, a key that
     /// vanished with a server restart, a reservation to upgrade). Each key expires after its
     /// lease's remaining time on the database clock. At most two round trips; one in steady state.
+    ///
+    /// Made for the heartbeat: the whole call gives up after
+    /// [`hint_timeout`](Self::hint_timeout) of the longest lease (a quarter of the lease at most)
+    /// with [`RedisError::Timeout`]; the next confirmed heartbeat sends the newest renewal.
     pub async fn confirm(&self, leases: &[(String, &Lease)]) -> Result<(), RedisError> {
+        let longest = leases.iter().map(|(_, l)| l.ttl).max().unwrap_or_default();
+        bounded_op("lease key renewal", self.hint_timeout(longest), self.confirm_unbounded(leases)).await
+    }
+
+    async fn confirm_unbounded(&self, leases: &[(String, &Lease)]) -> Result<(), RedisError> {
         let mut renew = Vec::new();
         let mut renew_meta = Vec::new();
         let mut acquire = Vec::new();
@@ -278,10 +319,12 @@ impl LeaseKeys {
 
     /// Releases the keys of leases the database found lost (compare-and-set on their own tokens,
     /// so a newer holder's key is never touched).
+    /// Made for the heartbeat: bounded like [`confirm`](Self::confirm).
     pub async fn release_lost(&self, leases: &[(String, &Lease)]) -> Result<(), RedisError> {
         let items: Vec<(String, String)> =
             leases.iter().map(|(k, l)| (k.clone(), keys::token(&l.owner, l.epoch))).collect();
-        self.release(&items).await.map(|_| ())
+        let longest = leases.iter().map(|(_, l)| l.ttl).max().unwrap_or_default();
+        bounded_op("lease key release", self.hint_timeout(longest), self.release(&items)).await.map(|_| ())
     }
 }
 

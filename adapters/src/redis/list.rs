@@ -2,16 +2,17 @@
 //! source ([`ReliableList`]).
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ::redis::Value;
 use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
-use fence::{FenceStore, JobContext, JobKey, Lease, Owner, QueueName, SupervisorConfig};
+use fence::{FenceStore, JobContext, JobKey, JobState, Lease, Owner, QueueName, SupervisorConfig};
 use tokio::time::Instant;
 
-use super::conn::RedisConnections;
+use super::conn::{RedisConnections, bounded};
 use super::error::RedisError;
 use super::keys::{sibling_key, token};
 use super::lease::{LeaseKeyHook, LeaseKeys};
@@ -183,7 +184,7 @@ impl ReliableList {
             return Err(RedisError::Config("list name must not be empty".into()));
         }
         Ok(Self {
-            leases: LeaseKeys::new(conns.commands(), list.clone()),
+            leases: LeaseKeys::new(conns.commands(), list.clone()).with_timeout(conns.timeouts().response_timeout()),
             processing: sibling_key(&list, ":processing"),
             dead: sibling_key(&list, ":dead"),
             conns,
@@ -249,6 +250,10 @@ impl ReliableList {
         &self.leases
     }
 
+    fn response(&self) -> Duration {
+        self.conns.timeouts().response_timeout()
+    }
+
     fn lease_key_of(&self, item: &[u8]) -> String {
         match self.item_key.lease_job(item) {
             Some(k) => self.leases.key(&self.queue, &k),
@@ -261,13 +266,9 @@ impl ReliableList {
     /// previous one go back on the queue. Returns how many went back.
     pub async fn reap(&self) -> Result<usize, RedisError> {
         let scan = i64::try_from(self.reap_scan).unwrap_or(i64::MAX);
-        let v: Value = ::redis::cmd("LRANGE")
-            .arg(&self.processing)
-            .arg(-scan)
-            .arg(-1)
-            .query_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("LRANGE"))?;
+        let mut lrange = ::redis::cmd("LRANGE");
+        lrange.arg(&self.processing).arg(-scan).arg(-1);
+        let v: Value = bounded("LRANGE", self.response(), lrange.query_async(&mut self.conns.commands())).await?;
         let items = reply::bulks(v).map_err(|e| RedisError::reply("LRANGE", e))?;
         let suspects = self.state.lock().map(|s| s.suspects.clone()).unwrap_or_default();
         if items.is_empty() {
@@ -284,8 +285,7 @@ impl ReliableList {
         for item in &items {
             inv.arg(if suspects.contains(item) { "1" } else { "0" });
         }
-        let v: Value =
-            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA reap"))?;
+        let v: Value = bounded("EVALSHA reap", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA reap", e))?;
         let mut next = HashSet::new();
         let mut reaped = 0;
@@ -308,26 +308,20 @@ impl ReliableList {
     }
 
     async fn take(&self, max: usize) -> Result<Vec<Vec<u8>>, RedisError> {
-        let v: Value = SCRIPTS
-            .list_take
-            .prepare_invoke()
-            .key(&self.list)
-            .key(&self.processing)
-            .arg(max)
-            .invoke_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("EVALSHA take"))?;
+        let mut take = SCRIPTS.list_take.prepare_invoke();
+        take.key(&self.list).key(&self.processing).arg(max);
+        let v: Value = bounded("EVALSHA take", self.response(), take.invoke_async(&mut self.conns.commands())).await?;
         let mut items = reply::bulks(v).map_err(|e| RedisError::reply("EVALSHA take", e))?;
         if items.is_empty() {
-            let v: Value = ::redis::cmd("BLMOVE")
+            let mut blmove = ::redis::cmd("BLMOVE");
+            blmove
                 .arg(&self.list)
                 .arg(&self.processing)
                 .arg("RIGHT")
                 .arg("LEFT")
-                .arg(format!("{:.3}", self.block.as_secs_f64()))
-                .query_async(&mut self.conns.blocking())
-                .await
-                .map_err(RedisError::command("BLMOVE"))?;
+                .arg(format!("{:.3}", self.block.as_secs_f64()));
+            let limit = self.conns.timeouts().blocking(self.block);
+            let v: Value = bounded("BLMOVE", limit, blmove.query_async(&mut self.conns.blocking())).await?;
             items.extend(reply::bytes(v));
         }
         Ok(items)
@@ -405,7 +399,7 @@ impl Source for ReliableList {
             inv.arg(t.as_str());
         }
         let removed: i64 =
-            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA list ack"))?;
+            bounded("EVALSHA list ack", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         tracing::debug!(removed, n = deliveries.len(), "items acknowledged");
         Ok(())
     }
@@ -421,35 +415,24 @@ impl Source for ReliableList {
 
     async fn abandon(&self, delivery: ListDelivery) -> Result<(), SourceError> {
         let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
-        let _: i64 = SCRIPTS
-            .list_requeue
-            .prepare_invoke()
-            .key(&self.processing)
-            .key(&self.list)
-            .key(delivery.lease_key())
-            .arg(delivery.item())
-            .arg(tok)
-            .invoke_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("EVALSHA requeue"))?;
+        let mut inv = SCRIPTS.list_requeue.prepare_invoke();
+        inv.key(&self.processing).key(&self.list).key(delivery.lease_key()).arg(delivery.item()).arg(tok);
+        let _: i64 = bounded("EVALSHA requeue", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         Ok(())
     }
 
     async fn dead_letter(&self, delivery: ListDelivery, reason: &str) -> Result<(), SourceError> {
         let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
-        let _: i64 = SCRIPTS
-            .list_dead
-            .prepare_invoke()
-            .key(&self.processing)
+        let mut inv = SCRIPTS.list_dead.prepare_invoke();
+        inv.key(&self.processing)
             .key(&self.dead)
             .key(delivery.lease_key())
             .arg(delivery.item())
             .arg(tok)
             .arg(reason)
-            .arg(&self.list)
-            .invoke_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("EVALSHA list dead-letter"))?;
+            .arg(&self.list);
+        let _: i64 =
+            bounded("EVALSHA list dead-letter", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         tracing::warn!(%reason, dead = %self.dead, "item dead-lettered");
         Ok(())
     }
@@ -458,7 +441,11 @@ impl Source for ReliableList {
 /// What [`ListRetrofit::process`] did with one item.
 #[derive(Debug)]
 pub struct ListProcessed {
-    /// What to do with the item.
+    /// What to do with the item. When the attempt ended without a verdict of its own (lease lost
+    /// or unconfirmed, commit fenced or unknown), it is what the database says of the job now:
+    /// [`Disposition::Ack`] (completed), [`Disposition::DeadLetter`] (dead),
+    /// [`Disposition::Leave`] (a newer epoch holds or finished it) or, in every other case,
+    /// [`Disposition::Abandon`] (put the item back now).
     pub disposition: Disposition,
     /// What the fence saw; `None` when the item could not be decoded (then the disposition is
     /// [`Disposition::DeadLetter`] with the reason).
@@ -479,6 +466,11 @@ impl ListProcessed {
 /// heartbeat the database confirmed (a [`LeaseKeyHook`] on the supervisor), and released by
 /// compare-and-set when the attempt ends.
 ///
+/// A destructive pop has one copy: [`requeue_popped`](Self::requeue_popped) puts the item back
+/// unless the database settled its job (committed, done, dead, or a newer epoch holds it). Every
+/// Redis call of the fence is bounded ([`command_timeout`](Self::command_timeout)); bound your own
+/// blocking read too, as below ([`RedisTimeouts::blocking`](super::RedisTimeouts::blocking)).
+///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
 /// use adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
@@ -487,11 +479,15 @@ impl ListProcessed {
 /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
 ///     .item_key(ItemKey::Split(b'|'));
 /// let mut conn = redis.blocking();
+/// let block = std::time::Duration::from_secs(5);
 /// loop {
-///     // your loop, as before:
-///     let popped: Option<(String, Vec<u8>)> = adapters::redis::client::cmd("BRPOP").arg("mail").arg(5)
-///         .query_async(&mut conn).await?;
-///     let Some((_, item)) = popped else { continue };
+///     // your loop, as before, with the blocking read bounded (block time + margin: a stalled
+///     // Redis must not hang it for ever; the blocking connection has no response timeout):
+///     let mut brpop = adapters::redis::client::cmd("BRPOP");
+///     brpop.arg("mail").arg(block.as_secs());
+///     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
+///     let Ok(popped) = tokio::time::timeout(redis.timeouts().blocking(block), read).await else { continue };
+///     let Some((_, item)) = popped? else { continue };
 ///     let done = fence.process(&item, |ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }).await;
 ///     fence.requeue_popped(&item, &done).await?; // puts back what must run again
 /// }
@@ -542,6 +538,27 @@ impl ListRetrofit {
         self
     }
 
+    /// The response timeout of this fence's Redis calls (default 2 s): lease keys, the push back
+    /// and the dead letter of [`requeue_popped`](Self::requeue_popped). The heartbeat's lease-key
+    /// renewals get at most a quarter of the lease ([`LeaseKeys::hint_timeout`]). A call that
+    /// times out fails with [`RedisError::Timeout`]. Use the value of your connection's response
+    /// timeout, or lower.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>, redis: adapters::redis::RedisConnections) -> fence::Result<()> {
+    /// use std::time::Duration;
+    /// use adapters::redis::ListRetrofit;
+    /// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
+    ///     .command_timeout(Duration::from_millis(500));
+    /// assert_eq!(fence.leases().timeout(), Duration::from_millis(500));
+    /// # Ok(()) }
+    /// ```
+    pub fn command_timeout(self, timeout: Duration) -> Self {
+        self.leases.set_timeout(timeout);
+        self
+    }
+
     /// The underlying retrofit (supervisor, metrics).
     pub fn retrofit(&self) -> &Retrofit {
         &self.retrofit
@@ -569,11 +586,15 @@ impl ListRetrofit {
         };
         let lease_key = self.leases.key(self.retrofit.queue(), &key);
         let ours: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        // The epoch this worker claimed (0: the handler never started).
+        let claimed = Arc::new(AtomicI64::new(0));
         let wrapped = {
-            let (leases, lease_key, ours) = (self.leases.clone(), lease_key.clone(), Arc::clone(&ours));
+            let (leases, lease_key, ours, claimed) =
+                (self.leases.clone(), lease_key.clone(), Arc::clone(&ours), Arc::clone(&claimed));
             move |ctx: JobContext| {
                 let (handler, leases, lease_key, ours) =
                     (handler.clone(), leases.clone(), lease_key.clone(), ours.clone());
+                claimed.store(ctx.epoch(), Ordering::SeqCst);
                 async move {
                     let l = ctx.lease();
                     let tok = token(&l.owner, l.epoch);
@@ -599,50 +620,93 @@ impl ListRetrofit {
         {
             tracing::warn!(error = %e, "could not release the lease key (it expires)");
         }
-        ListProcessed { disposition: done.disposition, detail: Some(done.detail), lease_key: Some(lease_key) }
+        let disposition = match done.disposition {
+            Disposition::Leave => self.settle_unknown(&key, claimed.load(Ordering::SeqCst), &done.detail).await,
+            other => other,
+        };
+        ListProcessed { disposition, detail: Some(done.detail), lease_key: Some(lease_key) }
+    }
+
+    /// The disposition of an item whose attempt ended without a verdict of its own (lease lost,
+    /// commit fenced or unknown, claim failed), from what the database says of the job now. A
+    /// popped item has no other copy, so it goes back ([`Disposition::Abandon`]) unless the
+    /// database settled the job: completed ([`Disposition::Ack`]), dead at this worker's epoch
+    /// ([`Disposition::DeadLetter`]), or taken by a newer epoch, whose holder has its own copy
+    /// ([`Disposition::Leave`]). When the database cannot be asked, the item goes back and the
+    /// fence deduplicates it.
+    async fn settle_unknown(&self, key: &JobKey, epoch: i64, detail: &Detail) -> Disposition {
+        if epoch == 0 || matches!(detail, Detail::ClaimFailed(_)) {
+            // No claim answered: the claim may even have committed unseen. The fence sorts it out.
+            return Disposition::Abandon;
+        }
+        let store = self.retrofit.supervisor().store();
+        let limit = self.retrofit.supervisor().config().lease().heartbeat_interval();
+        match tokio::time::timeout(limit, store.job(self.retrofit.queue(), key)).await {
+            Ok(Ok(Some(job))) => {
+                let verdict = match job.state {
+                    JobState::Completed => Disposition::Ack,
+                    _ if job.epoch > epoch => Disposition::Leave,
+                    JobState::Dead => Disposition::DeadLetter(
+                        job.last_error.unwrap_or_else(|| format!("job is dead (buried at epoch {})", job.epoch)),
+                    ),
+                    _ => Disposition::Abandon,
+                };
+                tracing::info!(%key, epoch, db_epoch = job.epoch, db_state = %job.state, ?verdict, "attempt ended without a verdict; the database decides the item's fate");
+                verdict
+            }
+            Ok(Ok(None)) => Disposition::Abandon,
+            Ok(Err(e)) => {
+                tracing::warn!(%key, error = %e, "cannot read the job after a lost lease; pushing the item back");
+                Disposition::Abandon
+            }
+            Err(_) => {
+                tracing::warn!(%key, ?limit, "reading the job after a lost lease timed out; pushing the item back");
+                Disposition::Abandon
+            }
+        }
     }
 
     /// For a loop that popped `item` destructively (`BRPOP`): puts back what must run again and
-    /// dead-letters what must not. A retry or hold is pushed back after its delay by a task of this
-    /// process (an item popped destructively lives only in memory until then: use
-    /// [`ReliableList`] where that matters); an item whose fate is unknown (the claim or the commit
-    /// could not reach the database) is pushed back at once, and the fence deduplicates it.
+    /// dead-letters what must not. A popped item has no other copy, so it is pushed back unless the
+    /// database settled its job: a confirmed commit or a completed job ([`Disposition::Ack`]), a
+    /// dead job ([`Disposition::DeadLetter`], moved to [`dead_stream`](Self::dead_stream)), or a
+    /// newer epoch that holds or finished the job from its own copy ([`Disposition::Leave`], which
+    /// [`process`](Self::process) answers only when the database said so).
+    ///
+    /// A retry or hold is pushed back after its delay by a task of this process (an item popped
+    /// destructively lives only in memory until then: use [`ReliableList`] where that matters).
+    /// Everything else — a lease lost or unconfirmed, a commit fenced with no newer holder, a claim
+    /// or commit whose fate is unknown, a release at shutdown — is pushed back at once, and the
+    /// fence deduplicates it.
     pub async fn requeue_popped(&self, item: &[u8], done: &ListProcessed) -> Result<(), RedisError> {
         let push_now = match &done.disposition {
             Disposition::Ack => return Ok(()),
             Disposition::DeadLetter(reason) => {
-                let _: Value = ::redis::cmd("XADD")
-                    .arg(&self.dead)
+                let mut xadd = ::redis::cmd("XADD");
+                xadd.arg(&self.dead)
                     .arg("*")
                     .arg("dead.reason")
                     .arg(reason.as_str())
                     .arg("dead.list")
                     .arg(&self.list)
                     .arg("item")
-                    .arg(item)
-                    .query_async(&mut self.conn.clone())
-                    .await
-                    .map_err(RedisError::command("XADD"))?;
+                    .arg(item);
+                let mut conn = self.conn.clone();
+                let _: Value = bounded("XADD", self.leases.timeout(), xadd.query_async(&mut conn)).await?;
                 return Ok(());
             }
             Disposition::RetryLater(d) | Disposition::Hold(d) => Some(*d),
             Disposition::Abandon => None,
-            Disposition::Leave => match &done.detail {
-                Some(Detail::ClaimFailed(_)) | Some(Detail::Ran(fence::Outcome::StoreError(_))) => None,
-                // Lost or fenced: a newer epoch holds the job (from another copy of the item).
-                _ => return Ok(()),
-            },
+            // The database confirmed a newer epoch: its holder has its own copy of the item.
+            Disposition::Leave => return Ok(()),
         };
         let push = {
-            let (mut conn, list, item) = (self.conn.clone(), self.list.clone(), item.to_vec());
+            let (mut conn, list, item, limit) =
+                (self.conn.clone(), self.list.clone(), item.to_vec(), self.leases.timeout());
             async move {
-                ::redis::cmd("LPUSH")
-                    .arg(&list)
-                    .arg(item)
-                    .query_async::<i64>(&mut conn)
-                    .await
-                    .map(|_| ())
-                    .map_err(RedisError::command("LPUSH"))
+                let mut lpush = ::redis::cmd("LPUSH");
+                lpush.arg(&list).arg(item);
+                bounded("LPUSH", limit, lpush.query_async::<i64>(&mut conn)).await.map(|_| ())
             }
         };
         match push_now {

@@ -10,8 +10,11 @@
 //!   confirmed.
 //! - **Streams** ([`StreamSource`]): `XREADGROUP` with a group created idempotently, `XAUTOCLAIM`
 //!   for entries idle past the visibility hint, `XCLAIM … JUSTID` on every confirmed heartbeat so a
-//!   live job is never auto-claimed, `XACK` only after a fenced commit, and a dead-letter stream for
-//!   entries that cannot be decoded or were delivered too often.
+//!   live job is never auto-claimed (and never for a lease a newer epoch took over), `XACK` only
+//!   after a fenced commit, and a dead-letter stream for entries that cannot be decoded or whose
+//!   job the database says is dead (a delivery count is only a hint).
+//! - **Timeouts** ([`RedisTimeouts`]): every call is bounded; the heartbeat's hints within a
+//!   quarter of the lease, so a stalled Redis costs hints, never a database lease.
 //! - **Lists**: [`ListRetrofit`] puts the fence around a handler inside a `BRPOP`/`BLMOVE` loop you
 //!   already own; [`ReliableList`] is a source that `BLMOVE`s items to a processing list and puts an
 //!   item whose lease key lapsed back on the queue.
@@ -41,7 +44,7 @@ mod stream;
 /// The `redis` client crate this adapter is built on (same version), for your own commands.
 pub use ::redis as client;
 
-pub use conn::RedisConnections;
+pub use conn::{RedisConnections, RedisTimeouts};
 pub use error::RedisError;
 pub use keys::{lease_key, sibling_key, slot_part, token};
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};

@@ -144,11 +144,6 @@ pub(crate) fn ints(v: Value) -> Result<Vec<i64>, String> {
         .collect()
 }
 
-/// An array of strings (ids).
-pub(crate) fn strings(v: Value) -> Result<Vec<String>, String> {
-    items(v).ok_or("reply is not an array")?.into_iter().map(|x| string(x).ok_or("not a string".to_owned())).collect()
-}
-
 /// An array of bulk strings (list items).
 pub(crate) fn bulks(v: Value) -> Result<Vec<Vec<u8>>, String> {
     items(v)

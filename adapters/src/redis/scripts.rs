@@ -73,12 +73,16 @@ end
 return out
 ";
 
-/// Dead-letter one stream entry: copy it to the dead-letter stream with the reason, `XACK` it, and
-/// release its lease key if it is ours.
+/// Dead-letter one stream entry: `XACK` it and, only if that acknowledged it (it was still pending:
+/// an entry is moved once, however many deliveries of it are dead-lettered), copy it to the
+/// dead-letter stream with the reason; release its lease key if it is ours.
 /// KEYS[1]: stream; KEYS[2]: dead-letter stream; KEYS[3] (optional): lease key.
 /// ARGV[1]: group; ARGV[2]: entry id; ARGV[3]: reason; ARGV[4]: lease token (with KEYS[3]).
 /// Returns the number of entries acknowledged (0 or 1).
 const STREAM_DEAD: &str = r"
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
+if acked == 0 then return 0 end
 local args = {KEYS[2], '*', 'dead.reason', ARGV[3], 'dead.stream', KEYS[1], 'dead.group', ARGV[1], 'dead.id', ARGV[2]}
 local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
 if e[1] and e[1][2] then
@@ -94,9 +98,56 @@ else
   args[#args + 1] = 'entry no longer in the stream'
 end
 redis.call('XADD', unpack(args))
-local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[4] then redis.call('DEL', KEYS[3]) end
 return acked
+";
+
+/// The heartbeat of stream entries whose leases the database just confirmed: per entry, take or
+/// renew its lease key, then `XCLAIM … JUSTID` it to this consumer (idle back to 0) — but only
+/// for a lease that is still the newest Redis knows of, so that a stale renewal (a worker that
+/// froze between the database's answer and this call, while another consumer took the entry
+/// over) never takes the entry back.
+/// KEYS[1]: stream; KEYS[1+i]: lease key of entry i (n = #KEYS - 1).
+/// ARGV[1]: group; ARGV[2]: consumer; ARGV[3]: ttl in ms; ARGV[3+i]: entry id i;
+/// ARGV[3+n+i]: token i (`<owner>:<epoch>`); ARGV[3+2n+i]: epoch i.
+/// Per entry:
+///  1 = the key held this token: renewed, entry claimed (from whichever consumer had it: a rival
+///      that found the job busy only held it back);
+///  2 = the key was missing or held an older epoch: taken, and the entry claimed if this consumer
+///      still has it;
+///  3 = as 2, but another consumer has the entry now (it took it over): the key is taken, the
+///      entry is left alone (a live holder claims it on its next heartbeat, when the key is its
+///      own; a stale one is found lost by the database first);
+///  0 = the key holds the same or a newer epoch of another token: nothing touched;
+/// -1 = the key is ours but the entry is no longer pending (acknowledged, or the group is gone).
+const STREAM_EXTEND: &str = r"
+local n = #KEYS - 1
+local out = {}
+for i = 1, n do
+  local key, id, token = KEYS[1 + i], ARGV[3 + i], ARGV[3 + n + i]
+  local epoch = tonumber(ARGV[3 + 2 * n + i])
+  local cur = redis.call('GET', key)
+  local held = cur == token
+  local take = held or not cur
+  if not take then
+    local other = tonumber(string.match(cur, ':(%-?%d+)$'))
+    take = other ~= nil and epoch ~= nil and other < epoch
+  end
+  if not take then
+    out[i] = 0
+  else
+    redis.call('SET', key, token, 'PX', ARGV[3])
+    local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+    if type(p) ~= 'table' or p.err or #p == 0 then
+      out[i] = -1
+    elseif held or p[1][2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+      if held then out[i] = 1 else out[i] = 2 end
+    else
+      out[i] = 3
+    end
+  end
+end
+return out
 ";
 
 /// Move up to ARGV[1] items from the queue (right end) to the processing list (left end).
@@ -175,6 +226,7 @@ pub(crate) struct Scripts {
     pub renew: Script,
     pub release: Script,
     pub stream_dead: Script,
+    pub stream_extend: Script,
     pub list_take: Script,
     pub list_ack: Script,
     pub list_requeue: Script,
@@ -187,6 +239,7 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     renew: Script::new(RENEW),
     release: Script::new(RELEASE),
     stream_dead: Script::new(STREAM_DEAD),
+    stream_extend: Script::new(STREAM_EXTEND),
     list_take: Script::new(LIST_TAKE),
     list_ack: Script::new(LIST_ACK),
     list_requeue: Script::new(LIST_REQUEUE),

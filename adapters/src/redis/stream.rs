@@ -8,9 +8,9 @@ use async_trait::async_trait;
 use fence::{JobKey, Lease, QueueName};
 use tokio::time::Instant;
 
-use super::conn::RedisConnections;
+use super::conn::{RedisConnections, bounded};
 use super::error::RedisError;
-use super::keys::sibling_key;
+use super::keys::{sibling_key, token};
 use super::lease::{LeaseKeys, millis};
 use super::reply::{self, RawEntry};
 use super::scripts::SCRIPTS;
@@ -61,11 +61,18 @@ struct State {
 ///   when the server lost it (a restart without persistence).
 /// - `receive`: `XAUTOCLAIM` of entries idle longer than the visibility hint (every
 ///   [`autoclaim_every`](Self::autoclaim_every)), then `XREADGROUP … BLOCK` for new ones. An entry
-///   delivered more than [`max_deliveries`](Self::max_deliveries) times, or one that cannot be
-///   decoded, goes to the dead-letter stream with the reason.
-/// - `extend` (a heartbeat the database confirmed): `XCLAIM … JUSTID` of every in-flight entry to
-///   this consumer (idle back to 0: no one auto-claims a live job) and the lease keys renewed, in
-///   parallel.
+///   that cannot be decoded goes to the dead-letter stream with the reason; any other entry goes
+///   there only when the database says its job is dead (the delivery count is a hint, see
+///   [`max_deliveries`](Self::max_deliveries)), and only once (the move is a script that copies
+///   the entry only if its `XACK` acknowledged it).
+/// - `extend` (a heartbeat the database confirmed): one script that renews (or takes) each
+///   in-flight job's lease key and `XCLAIM … JUSTID`s its entry to this consumer (idle back to 0:
+///   no one auto-claims a live job) — only while the lease is the newest Redis knows of, so a
+///   stale renewal after a takeover never takes the entry back. It gives up after
+///   [`RedisTimeouts::hint`](super::RedisTimeouts::hint) (a quarter of the lease at most): a
+///   stalled Redis costs hints, never the database lease.
+/// - Every other call is bounded too: short commands by the response timeout, the blocking read
+///   by its block time plus a margin ([`RedisTimeouts`](super::RedisTimeouts)).
 /// - `ack` (a fenced commit succeeded): `XACK` in batches, lease keys released by compare-and-set.
 ///   `XACK` does not check the consumer, which is why nothing else ever calls it.
 ///
@@ -126,7 +133,7 @@ impl StreamSource {
         if stream.is_empty() || group.is_empty() {
             return Err(RedisError::Config("stream and group names must not be empty".into()));
         }
-        let leases = LeaseKeys::new(conns.commands(), stream.clone());
+        let leases = LeaseKeys::new(conns.commands(), stream.clone()).with_timeout(conns.timeouts().response_timeout());
         Ok(Self {
             dead: sibling_key(&stream, ":dead"),
             conns,
@@ -189,9 +196,13 @@ impl StreamSource {
         self
     }
 
-    /// Deliveries after which an entry is dead-lettered instead of claimed (default 10). Every
-    /// auto-claim counts one, including those of an entry held back by a retry backoff longer than
-    /// the visibility hint.
+    /// Deliveries after which an entry is logged as suspicious (default 10). The delivery count is
+    /// a hint, like visibility: every auto-claim counts one, including those of an entry held back
+    /// by a retry backoff longer than the visibility hint and those of an entry a live holder has,
+    /// so it never dead-letters anything. An entry goes to the dead-letter stream only when the
+    /// database says its job is dead: its claim answers [`Claim::Dead`](fence::Claim::Dead), or a
+    /// fenced failure finds it out of attempts ([`RetryPolicy`](fence::RetryPolicy)), or `retry =
+    /// false`; the reason is the database's (the job's last error).
     pub fn max_deliveries(mut self, n: u32) -> Self {
         self.max_deliveries = i64::from(n.max(1));
         self
@@ -224,6 +235,10 @@ impl StreamSource {
         &self.leases
     }
 
+    fn response(&self) -> Duration {
+        self.conns.timeouts().response_timeout()
+    }
+
     fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> Option<T> {
         self.state.lock().ok().map(|mut s| f(&mut s))
     }
@@ -240,18 +255,14 @@ impl StreamSource {
         if self.with_state(|s| s.group_ready).unwrap_or(false) {
             return Ok(());
         }
-        let r: Result<Value, _> = ::redis::cmd("XGROUP")
-            .arg("CREATE")
-            .arg(&self.stream)
-            .arg(&self.group)
-            .arg(&self.start_id)
-            .arg("MKSTREAM")
-            .query_async(&mut self.conns.commands())
-            .await;
+        let mut create = ::redis::cmd("XGROUP");
+        create.arg("CREATE").arg(&self.stream).arg(&self.group).arg(&self.start_id).arg("MKSTREAM");
+        let mut conn = self.conns.commands();
+        let r = bounded("XGROUP CREATE", self.response(), create.query_async::<Value>(&mut conn)).await;
         match r {
             Ok(_) => tracing::info!(stream = %self.stream, group = %self.group, "consumer group created"),
             Err(e) if e.code() == Some("BUSYGROUP") => {}
-            Err(e) => return Err(RedisError::Command { command: "XGROUP CREATE", source: e }),
+            Err(e) => return Err(e),
         }
         self.with_state(|s| s.group_ready = true);
         Ok(())
@@ -276,17 +287,10 @@ impl StreamSource {
             Some(v) => v,
             None => return Ok(Vec::new()),
         };
-        let v: Value = ::redis::cmd("XAUTOCLAIM")
-            .arg(&self.stream)
-            .arg(&self.group)
-            .arg(consumer)
-            .arg(millis(visibility))
-            .arg(&cursor)
-            .arg("COUNT")
-            .arg(max)
-            .query_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("XAUTOCLAIM"))?;
+        let mut cmd = ::redis::cmd("XAUTOCLAIM");
+        cmd.arg(&self.stream).arg(&self.group).arg(consumer).arg(millis(visibility)).arg(&cursor).arg("COUNT").arg(max);
+        let mut conn = self.conns.commands();
+        let v: Value = bounded("XAUTOCLAIM", self.response(), cmd.query_async(&mut conn)).await?;
         let (next, claimed, deleted) = reply::autoclaim(v).map_err(|e| RedisError::reply("XAUTOCLAIM", e))?;
         let every = self.autoclaim_every;
         self.with_state(|s| {
@@ -320,16 +324,15 @@ impl StreamSource {
     ) -> Result<Vec<(String, String, i64)>, RedisError> {
         let ids: Vec<(u64, u64)> = entries.iter().filter_map(|e| parse_id(&e.id)).collect();
         let (Some(lo), Some(hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(Vec::new()) };
-        let v: Value = ::redis::cmd("XPENDING")
-            .arg(&self.stream)
+        let mut cmd = ::redis::cmd("XPENDING");
+        cmd.arg(&self.stream)
             .arg(&self.group)
             .arg(format!("{}-{}", lo.0, lo.1))
             .arg(format!("{}-{}", hi.0, hi.1))
             .arg(entries.len().saturating_mul(4).max(1000))
-            .arg(consumer)
-            .query_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("XPENDING"))?;
+            .arg(consumer);
+        let mut conn = self.conns.commands();
+        let v: Value = bounded("XPENDING", self.response(), cmd.query_async(&mut conn)).await?;
         reply::pending(v).map_err(|e| RedisError::reply("XPENDING", e))
     }
 
@@ -340,8 +343,12 @@ impl StreamSource {
             cmd.arg("BLOCK").arg(millis(self.block));
         }
         cmd.arg("STREAMS").arg(&self.stream).arg(">");
-        let mut conn = if block { self.conns.blocking() } else { self.conns.commands() };
-        let v: Value = cmd.query_async(&mut conn).await.map_err(RedisError::command("XREADGROUP"))?;
+        let (mut conn, limit) = if block {
+            (self.conns.blocking(), self.conns.timeouts().blocking(self.block))
+        } else {
+            (self.conns.commands(), self.response())
+        };
+        let v: Value = bounded("XREADGROUP", limit, cmd.query_async(&mut conn)).await?;
         reply::read_group(v).map_err(|e| RedisError::reply("XREADGROUP", e))
     }
 
@@ -352,7 +359,16 @@ impl StreamSource {
             reason,
         };
         if let Some(n) = deliveries.filter(|n| *n > self.max_deliveries) {
-            return bad(format!("delivered {n} times, more than the limit of {}", self.max_deliveries));
+            // A hint, like visibility: auto-claims also count a retry backoff longer than the
+            // visibility and a live holder's entry. Only the database dead-letters (its claim
+            // answers `Dead`, or a fenced failure finds the job out of attempts).
+            tracing::warn!(
+                id = %entry.id,
+                deliveries = n,
+                max_deliveries = self.max_deliveries,
+                stream = %self.stream,
+                "entry delivered more often than expected; the database decides whether it is dead"
+            );
         }
         if entry.fields.is_none() {
             return bad("entry has no data (deleted from the stream)".into());
@@ -380,18 +396,17 @@ impl StreamSource {
     async fn reclaim_after(&self, d: &StreamDelivery, after: Duration) -> Result<(), RedisError> {
         let Some(consumer) = self.consumer() else { return Ok(()) };
         let idle = self.effective_visibility().saturating_sub(after);
-        let _: Value = ::redis::cmd("XCLAIM")
-            .arg(&self.stream)
+        let mut cmd = ::redis::cmd("XCLAIM");
+        cmd.arg(&self.stream)
             .arg(&self.group)
             .arg(consumer)
             .arg(0)
             .arg(d.id())
             .arg("IDLE")
             .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX))
-            .arg("JUSTID")
-            .query_async(&mut self.conns.commands())
-            .await
-            .map_err(RedisError::command("XCLAIM"))?;
+            .arg("JUSTID");
+        let mut conn = self.conns.commands();
+        let _: Value = bounded("XCLAIM", self.response(), cmd.query_async(&mut conn)).await?;
         Ok(())
     }
 
@@ -401,6 +416,78 @@ impl StreamSource {
         {
             tracing::warn!(error = %e, "could not release a lease key (it expires)");
         }
+    }
+}
+
+impl StreamSource {
+    /// The heartbeat's hint for entries whose leases the database just confirmed: one script
+    /// call ([`SCRIPTS.stream_extend`](super::scripts)) that, per job, takes or renews the lease
+    /// key and `XCLAIM`s the entry (`JUSTID`, idle back to 0) only while the lease is still the
+    /// newest Redis knows of: a lease key holding a newer epoch, or (for a key this worker did
+    /// not hold) an entry another consumer has taken over since, means this renewal is stale and
+    /// the entry is left alone. Only the newest lease per job is used (the highest epoch; the last
+    /// delivery given for it). Bounded by [`RedisTimeouts::hint`](super::RedisTimeouts::hint).
+    async fn extend_newest(&self, leases: &[(Lease, StreamDelivery)]) -> Result<(), RedisError> {
+        // The newest (lease, delivery) per lease key.
+        let mut newest: Vec<(&str, &Lease, &StreamDelivery)> = Vec::with_capacity(leases.len());
+        for (l, d) in leases {
+            let Some(k) = d.lease_key() else { continue };
+            match newest.iter_mut().find(|(key, _, _)| *key == k) {
+                Some(slot) if slot.1.epoch <= l.epoch => *slot = (k, l, d),
+                Some(_) => {}
+                None => newest.push((k, l, d)),
+            }
+        }
+        let Some((_, first, _)) = newest.first() else { return Ok(()) };
+        let consumer = first.owner.as_str().to_owned();
+        let longest = newest.iter().map(|(_, l, _)| l.ttl).max().unwrap_or_default();
+        let ttl = longest.max(Duration::from_millis(1));
+        let mut inv = SCRIPTS.stream_extend.prepare_invoke();
+        inv.key(&self.stream).arg(&self.group).arg(&consumer).arg(millis(ttl));
+        for (k, _, d) in &newest {
+            inv.key(*k).arg(d.id());
+        }
+        let tokens: Vec<String> = newest.iter().map(|(_, l, _)| token(&l.owner, l.epoch)).collect();
+        for t in &tokens {
+            inv.arg(t.as_str());
+        }
+        for (_, l, _) in &newest {
+            inv.arg(l.epoch);
+        }
+        let limit = self.conns.timeouts().hint(longest);
+        let mut conn = self.conns.commands();
+        let v: Value = bounded("EVALSHA stream extend", limit, inv.invoke_async(&mut conn)).await?;
+        let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA stream extend", e))?;
+        let (mut stale, mut taken_over, mut gone) = (0, 0, 0);
+        for (((k, l, d), t), code) in newest.iter().zip(&tokens).zip(codes) {
+            match code {
+                0 => {
+                    stale += 1;
+                    self.leases.forget(k);
+                    tracing::warn!(id = d.id(), key = %l.key, epoch = l.epoch, "lease key holds a newer epoch: this renewal is stale, the entry is left alone");
+                }
+                3 => {
+                    taken_over += 1;
+                    self.leases.remember(k, t);
+                }
+                -1 => {
+                    gone += 1;
+                    self.leases.remember(k, t);
+                }
+                _ => self.leases.remember(k, t),
+            }
+        }
+        if stale + taken_over + gone > 0 {
+            tracing::debug!(
+                stale,
+                taken_over,
+                gone,
+                in_flight = newest.len(),
+                "some in-flight entries were not claimed"
+            );
+        }
+        self.leases.prune(ttl.saturating_mul(4).max(Duration::from_secs(60)));
+        Ok(())
     }
 }
 
@@ -456,26 +543,7 @@ impl Source for StreamSource {
     }
 
     async fn extend(&self, leases: &[(Lease, StreamDelivery)]) -> Result<(), SourceError> {
-        let Some((first, _)) = leases.first() else { return Ok(()) };
-        let mut xclaim = ::redis::cmd("XCLAIM");
-        xclaim.arg(&self.stream).arg(&self.group).arg(first.owner.as_str()).arg(0);
-        for (_, d) in leases {
-            xclaim.arg(d.id());
-        }
-        xclaim.arg("JUSTID");
-        let keyed: Vec<(String, &Lease)> =
-            leases.iter().filter_map(|(l, d)| d.lease_key().map(|k| (k.to_owned(), l))).collect();
-        let mut conn = self.conns.commands();
-        let (claimed, keys) = tokio::join!(xclaim.query_async::<Value>(&mut conn), self.leases.confirm(&keyed));
-        if let Err(e) = keys {
-            tracing::warn!(error = %e, "could not renew lease keys (the database lease stands)");
-        }
-        let claimed = claimed.map_err(RedisError::command("XCLAIM"))?;
-        let kept = reply::strings(claimed).map(|v| v.len()).unwrap_or(0);
-        if kept < leases.len() {
-            tracing::debug!(kept, in_flight = leases.len(), "some in-flight entries are no longer pending");
-        }
-        Ok(())
+        self.extend_newest(leases).await.map_err(Into::into)
     }
 
     async fn lost(&self, leases: &[(Lease, StreamDelivery)]) -> Result<(), SourceError> {
@@ -495,11 +563,14 @@ impl Source for StreamSource {
         }
         let keys: Vec<String> = deliveries.iter().filter_map(|d| d.lease_key().map(str::to_owned)).collect();
         let mut conn = self.conns.commands();
-        let (acked, released) = tokio::join!(xack.query_async::<i64>(&mut conn), self.leases.release_held(&keys));
+        let (acked, released) = tokio::join!(
+            bounded("XACK", self.response(), xack.query_async::<i64>(&mut conn)),
+            self.leases.release_held(&keys)
+        );
         if let Err(e) = released {
             tracing::warn!(error = %e, "could not release lease keys (they expire)");
         }
-        let acked = acked.map_err(RedisError::command("XACK"))?;
+        let acked = acked?;
         tracing::debug!(acked, n = deliveries.len(), "entries acknowledged");
         Ok(())
     }
@@ -517,13 +588,17 @@ impl Source for StreamSource {
         {
             inv.key(k).arg(tok);
         }
-        let acked: i64 =
-            inv.invoke_async(&mut self.conns.commands()).await.map_err(RedisError::command("EVALSHA dead-letter"))?;
+        let mut conn = self.conns.commands();
+        let acked: i64 = bounded("EVALSHA dead-letter", self.response(), inv.invoke_async(&mut conn)).await?;
         if let Some(k) = delivery.lease_key() {
             // The script released it by compare-and-set.
             self.leases.forget(k);
         }
-        tracing::warn!(id = delivery.id(), %reason, dead = %self.dead, acked, "entry dead-lettered");
+        if acked == 1 {
+            tracing::warn!(id = delivery.id(), %reason, dead = %self.dead, "entry dead-lettered");
+        } else {
+            tracing::info!(id = delivery.id(), %reason, "entry no longer pending (moved or acknowledged before); not moved again");
+        }
         Ok(())
     }
 
