@@ -204,7 +204,9 @@ impl Task {
 
     /// One hook call, cut after the timeout. False when the supervisor stopped meanwhile.
     async fn call(&self, call: Call, leases: Vec<Lease>) -> bool {
-        let span = tracing::debug_span!(
+        // Info level, like the attempt span: the hook's own logs and the timeout warning carry
+        // the job (queue, key, epoch) or, for a batch, the first few leases.
+        let span = tracing::info_span!(
             "lease_hook",
             hook = self.index,
             call = call.name(),

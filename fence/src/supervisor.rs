@@ -2,6 +2,11 @@
 //! statement per tick, cancels a handler the moment its lease is lost, and finishes every attempt
 //! through the fenced commit.
 //!
+//! A finished attempt stays in the heartbeat set until the database has answered its commit (or
+//! failure record, or release), so a slow commit never outlives its lease. Broker hooks
+//! ([`LeaseHook`]) run beside the heartbeat, each in a task of its own with a timeout of at most
+//! lease/3: a slow broker costs a visibility extension, never a renewal.
+//!
 //! A handler is never polled again once its lease is lost or its monotonic deadline has passed:
 //! the [`Guarded`] wrapper checks both before every poll, so a worker resumed after a long stall
 //! (a GC pause, a SIGSTOP) cannot take one more step before it notices.
