@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::{Receiver, UnboundedReceiver};
 use tokio::time::Instant;
 
 /// Hands out the requests a channel delivers in groups, one statement's worth each.
@@ -24,6 +24,10 @@ use tokio::time::Instant;
 ///
 /// Not cancellation-safe: dropping [`next`](Self::next) while it waits out the window drops the
 /// requests it has gathered. Run it in a loop of its own.
+///
+/// Reads an unbounded channel ([`new`](Self::new)) or a bounded one ([`bounded`](Self::bounded)):
+/// with a bounded channel, senders wait while it is full, so requests pile up in the senders
+/// (backpressure) and never without limit in the channel.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -54,7 +58,7 @@ use tokio::time::Instant;
 /// # }
 /// ```
 pub struct Grouper<T> {
-    rx: UnboundedReceiver<T>,
+    rx: Inbox<T>,
     max: usize,
     window: Duration,
     busy: Option<Box<dyn Fn() -> bool + Send + Sync>>,
@@ -72,11 +76,53 @@ impl<T> std::fmt::Debug for Grouper<T> {
     }
 }
 
+/// The channel a [`Grouper`] reads.
+enum Inbox<T> {
+    Unbounded(UnboundedReceiver<T>),
+    Bounded(Receiver<T>),
+}
+
+impl<T> Inbox<T> {
+    async fn recv(&mut self) -> Option<T> {
+        match self {
+            Inbox::Unbounded(rx) => rx.recv().await,
+            Inbox::Bounded(rx) => rx.recv().await,
+        }
+    }
+
+    fn try_recv(&mut self) -> Option<T> {
+        match self {
+            Inbox::Unbounded(rx) => rx.try_recv().ok(),
+            Inbox::Bounded(rx) => rx.try_recv().ok(),
+        }
+    }
+}
+
 impl<T> Grouper<T> {
     /// Groups of at most `max` (at least one) requests from `rx`, at most one per `window` while
     /// busy.
     pub fn new(rx: UnboundedReceiver<T>, max: usize, window: Duration) -> Self {
-        Self { rx, max: max.max(1), window, busy: None, last: None }
+        Self { rx: Inbox::Unbounded(rx), max: max.max(1), window, busy: None, last: None }
+    }
+
+    /// [`new`](Self::new) over a bounded channel: its senders wait while `capacity` requests are
+    /// queued, so the requests waiting for a group stay bounded.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use std::time::Duration;
+    /// let (tx, rx) = tokio::sync::mpsc::channel(2);
+    /// let mut groups = fence::Grouper::bounded(rx, 100, Duration::from_millis(20));
+    /// tx.send(1).await.unwrap();
+    /// tx.send(2).await.unwrap();
+    /// assert!(tx.try_send(3).is_err()); // full: a sender waits (backpressure), nothing is dropped
+    /// assert_eq!(groups.next().await, Some(vec![1, 2]));
+    /// tx.send(3).await.unwrap();
+    /// # }
+    /// ```
+    pub fn bounded(rx: Receiver<T>, max: usize, window: Duration) -> Self {
+        Self { rx: Inbox::Bounded(rx), max: max.max(1), window, busy: None, last: None }
     }
 
     /// Tells the grouper whether more requests can come within the window: a request behind a
@@ -109,8 +155,8 @@ impl<T> Grouper<T> {
     fn take_queued(&mut self, group: &mut Vec<T>) {
         while group.len() < self.max {
             match self.rx.try_recv() {
-                Ok(request) => group.push(request),
-                Err(_) => break,
+                Some(request) => group.push(request),
+                None => break,
             }
         }
     }

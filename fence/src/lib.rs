@@ -22,6 +22,7 @@
 mod error;
 mod group;
 mod guards;
+mod hook_runner;
 mod key;
 pub mod ledger;
 mod metrics;

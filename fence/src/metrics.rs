@@ -99,4 +99,10 @@ counters!(
     acks => Acks,
     /// Leases given back (shutdown).
     releases => Releases,
+    /// Broker hook calls ([`LeaseHook`](crate::LeaseHook)) cut by their timeout; the database
+    /// lease stands, only the broker hint was missed.
+    hook_timeouts => HookTimeouts,
+    /// Leases left out of a hook's `confirmed` call because, when the call went out, their attempt
+    /// had ended or their worker-side deadline had passed (a stale lease is never extended).
+    hook_skips => HookSkips,
 );

@@ -2,6 +2,11 @@
 //! statement per tick, cancels a handler the moment its lease is lost, and finishes every attempt
 //! through the fenced commit.
 //!
+//! A finished attempt stays in the heartbeat set until the database has answered its commit (or
+//! failure record, or release), so a slow commit never outlives its lease. Broker hooks
+//! ([`LeaseHook`]) run beside the heartbeat, each in a task of its own with a timeout of at most
+//! lease/3: a slow broker costs a visibility extension, never a renewal.
+//!
 //! A handler is never polled again once its lease is lost or its monotonic deadline has passed:
 //! the [`Guarded`] wrapper checks both before every poll, so a worker resumed after a long stall
 //! (a GC pause, a SIGSTOP) cannot take one more step before it notices.
@@ -9,7 +14,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -21,6 +26,7 @@ use tracing::Instrument;
 
 use crate::error::{FenceError, Result};
 use crate::group::Grouper;
+use crate::hook_runner::{HookRunner, LiveCheck};
 use crate::metrics::{Counter, Metrics};
 use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
 use crate::store::FenceStore;
@@ -35,6 +41,8 @@ use crate::{JobKey, Owner, QueueName};
 ///     .attempt_timeout(Duration::from_secs(120));
 /// assert_eq!(config.lease().heartbeat_interval(), Duration::from_secs(10));
 /// assert_eq!(config.commit_window_length(), fence::DEFAULT_COMMIT_WINDOW);
+/// assert_eq!(config.hook_timeout_length(), Duration::from_secs(10)); // lease/3
+/// assert_eq!(config.settle_timeout_length(), Duration::from_secs(60)); // 2 × lease, at least 30 s
 /// ```
 #[derive(Debug, Clone)]
 pub struct SupervisorConfig {
@@ -42,6 +50,8 @@ pub struct SupervisorConfig {
     retry: RetryPolicy,
     attempt_timeout: Option<Duration>,
     commit_window: Duration,
+    hook_timeout: Option<Duration>,
+    settle_timeout: Option<Duration>,
     cancel_on_loss: bool,
 }
 
@@ -57,8 +67,58 @@ impl SupervisorConfig {
             retry: RetryPolicy::default(),
             attempt_timeout: None,
             commit_window: DEFAULT_COMMIT_WINDOW,
+            hook_timeout: None,
+            settle_timeout: None,
             cancel_on_loss: true,
         }
+    }
+
+    /// How long one call of a broker hook ([`LeaseHook`]) may take before it is dropped (a
+    /// warning, and [`Counter::HookTimeouts`]; the database lease stands). Never more than the
+    /// heartbeat interval, lease/3, which is also the default: a longer value is cut to it.
+    ///
+    /// Hooks run beside the heartbeat in tasks of their own, so a slow broker costs a visibility
+    /// extension, never a renewal.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap());
+    /// assert_eq!(config.clone().hook_timeout(Duration::from_secs(2)).hook_timeout_length(), Duration::from_secs(2));
+    /// assert_eq!(config.hook_timeout(Duration::from_secs(60)).hook_timeout_length(), Duration::from_secs(10));
+    /// ```
+    pub fn hook_timeout(mut self, timeout: Duration) -> Self {
+        self.hook_timeout = Some(timeout);
+        self
+    }
+
+    /// The [`hook_timeout`](Self::hook_timeout) in force: at most lease/3.
+    pub fn hook_timeout_length(&self) -> Duration {
+        let most = self.lease.heartbeat_interval();
+        self.hook_timeout.map_or(most, |t| t.min(most))
+    }
+
+    /// How long a finished attempt waits for the database's verdict on its commit, failure record
+    /// or release (its lease is renewed all the while). Past it the outcome is
+    /// [`Outcome::StoreError`] with [`FenceError::CommitUnconfirmed`]: never acknowledged, and a
+    /// redelivery finds the job committed or claimable. Default: twice the lease, at least 30 s.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(5).unwrap());
+    /// assert_eq!(config.settle_timeout_length(), Duration::from_secs(30));
+    /// let config = config.settle_timeout(Duration::from_secs(12));
+    /// assert_eq!(config.settle_timeout_length(), Duration::from_secs(12));
+    /// ```
+    pub fn settle_timeout(mut self, timeout: Duration) -> Self {
+        self.settle_timeout = Some(timeout);
+        self
+    }
+
+    /// The [`settle_timeout`](Self::settle_timeout) in force.
+    pub fn settle_timeout_length(&self) -> Duration {
+        self.settle_timeout.unwrap_or_else(|| (self.lease.get() * 2).max(Duration::from_secs(30)))
     }
 
     /// How long completions may gather into one commit statement while the committer is busy.
@@ -212,9 +272,32 @@ impl Outcome {
 
 /// Broker-side follow-up of the heartbeat, e.g. extending SQS visibility or a Redis lease key.
 /// Called only with leases the database has just confirmed (or found lost).
+///
+/// Hooks never hold up the heartbeat: each runs in a task of its own, one call at a time, and a
+/// call is dropped after [`SupervisorConfig::hook_timeout`] (at most lease/3). While a call is
+/// out, later heartbeats' answers replace the waiting ones, so the next call carries only the
+/// newest lease per job. Right before a `confirmed` call goes out, leases whose attempt has ended
+/// or whose worker-side deadline has passed are left out, and each lease's `ttl` is what is left
+/// of it at that moment: extend the broker by `ttl`, never by the full lease length. A lease whose
+/// handler has returned keeps being confirmed until its commit has a verdict.
+///
+/// ```
+/// use async_trait::async_trait;
+/// use fence::{Lease, LeaseHook};
+/// struct Visibility;
+/// #[async_trait]
+/// impl LeaseHook for Visibility {
+///     async fn confirmed(&self, leases: &[Lease]) {
+///         for l in leases {
+///             // e.g. ChangeMessageVisibility(handle of l, l.ttl), with the client's own timeout
+///             println!("extend {} epoch {} by {:?}", l.key, l.epoch, l.ttl);
+///         }
+///     }
+/// }
+/// ```
 #[async_trait]
 pub trait LeaseHook: Send + Sync + 'static {
-    /// The database confirmed and extended these leases.
+    /// The database confirmed and extended these leases (`ttl`: the time left now).
     async fn confirmed(&self, leases: &[Lease]);
     /// The database found these leases lost.
     async fn lost(&self, _leases: &[Lease]) {}
@@ -312,6 +395,9 @@ struct SlotState {
     /// Monotonic deadline, in nanoseconds after the supervisor's base instant.
     deadline: AtomicU64,
     loss: Mutex<Option<LossReason>>,
+    /// The handler has returned; the attempt waits for the verdict on its commit, failure or
+    /// release. Its lease is still renewed, but there is nothing left to cancel.
+    settling: AtomicBool,
 }
 
 impl SlotState {
@@ -339,12 +425,17 @@ struct Inner {
     metrics: Arc<Metrics>,
     base: Instant,
     next_id: AtomicU64,
+    /// Every attempt holding a lease: running handlers and finished ones awaiting their verdict.
     inflight: Mutex<HashMap<u64, Slot>>,
-    hooks: RwLock<Vec<Arc<dyn LeaseHook>>>,
+    /// Handlers running now (the registry minus the attempts awaiting their verdict).
+    running: AtomicUsize,
+    hooks: RwLock<Vec<HookRunner>>,
+    /// Where hook tasks run.
+    runtime: tokio::runtime::Handle,
     stop: CancellationToken,
     draining: CancellationToken,
     idle: tokio::sync::Notify,
-    committer: tokio::sync::mpsc::UnboundedSender<CommitRequest>,
+    committer: tokio::sync::mpsc::Sender<CommitRequest>,
 }
 
 /// A result waiting for the group commit, and where to send the verdict.
@@ -352,6 +443,10 @@ type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
 
 /// Most completions committed by one statement.
 const MAX_COMMIT_BATCH: usize = 256;
+
+/// Completions that may wait for a commit statement; past it, a completing attempt waits to
+/// enqueue (its lease still renewed) instead of the queue growing.
+const COMMIT_QUEUE: usize = 4 * MAX_COMMIT_BATCH;
 
 /// Commit statements in flight at once. Two rather than more: completions that arrive while
 /// both are busy make the next statement larger, so fewer statements carry the same commits
@@ -423,6 +518,7 @@ impl std::fmt::Debug for Supervisor {
             .field("owner", &self.inner.owner)
             .field("config", &self.inner.config)
             .field("in_flight", &self.in_flight())
+            .field("leases_held", &self.leases_held())
             .finish()
     }
 }
@@ -446,7 +542,7 @@ impl Supervisor {
         config: SupervisorConfig,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let (committer, commits) = tokio::sync::mpsc::unbounded_channel();
+        let (committer, commits) = tokio::sync::mpsc::channel(COMMIT_QUEUE);
         let inner = Arc::new(Inner {
             committer,
             store,
@@ -456,15 +552,18 @@ impl Supervisor {
             base: Instant::now(),
             next_id: AtomicU64::new(0),
             inflight: Mutex::new(HashMap::new()),
+            running: AtomicUsize::new(0),
             hooks: RwLock::new(Vec::new()),
+            runtime: tokio::runtime::Handle::current(),
             stop: CancellationToken::new(),
             draining: CancellationToken::new(),
             idle: tokio::sync::Notify::new(),
         });
-        // A completion waits the window out only while other attempts run: only their
-        // completions can join it. Jobs handled one at a time wait for nothing.
+        // A completion waits the window out only while other handlers run: only their
+        // completions can join it (attempts awaiting their own verdict do not count). Jobs
+        // handled one at a time wait for nothing.
         let running = Arc::downgrade(&inner);
-        let groups = Grouper::new(commits, MAX_COMMIT_BATCH, inner.config.commit_window)
+        let groups = Grouper::bounded(commits, MAX_COMMIT_BATCH, inner.config.commit_window)
             .busy(move || running.upgrade().is_some_and(|inner| inner.in_flight() > 0));
         tokio::spawn(commit_loop(Arc::clone(&inner.store), Arc::clone(&inner.metrics), groups));
         let interval = inner.config.lease.heartbeat_interval();
@@ -472,10 +571,27 @@ impl Supervisor {
         Self { inner }
     }
 
-    /// Adds a broker-side hook run after every confirmed heartbeat.
+    /// Adds a broker-side hook, called after every heartbeat in a task of its own (see
+    /// [`LeaseHook`]: each call bounded by [`SupervisorConfig::hook_timeout`], only the newest
+    /// lease per job, never a lease past its deadline).
     pub fn add_hook(&self, hook: Arc<dyn LeaseHook>) {
-        if let Ok(mut hooks) = self.inner.hooks.write() {
-            hooks.push(hook);
+        let inner = &self.inner;
+        let registry = Arc::downgrade(inner);
+        let live: LiveCheck = Arc::new(move |leases: &[Lease]| match registry.upgrade() {
+            Some(inner) => inner.live(leases),
+            None => vec![false; leases.len()],
+        });
+        if let Ok(mut hooks) = inner.hooks.write() {
+            let runner = HookRunner::spawn(
+                &inner.runtime,
+                hook,
+                hooks.len(),
+                inner.config.hook_timeout_length(),
+                live,
+                Arc::clone(&inner.metrics),
+                inner.stop.clone(),
+            );
+            hooks.push(runner);
         }
     }
 
@@ -499,9 +615,22 @@ impl Supervisor {
         &self.inner.metrics
     }
 
-    /// Attempts running now.
+    /// Handlers running now. Attempts whose handler has returned and that wait for the verdict
+    /// on their commit are not counted (see [`leases_held`](Self::leases_held)).
     pub fn in_flight(&self) -> usize {
         self.inner.in_flight()
+    }
+
+    /// Leases this supervisor renews now: running handlers, and finished attempts waiting for
+    /// the verdict on their commit, failure record or release (a lease is renewed until then).
+    ///
+    /// ```no_run
+    /// # fn demo(sup: fence::Supervisor) {
+    /// assert!(sup.leases_held() >= sup.in_flight());
+    /// # }
+    /// ```
+    pub fn leases_held(&self) -> usize {
+        self.inner.leases_held()
     }
 
     /// True once [`shutdown`](Self::shutdown) began: take no more work.
@@ -589,15 +718,17 @@ impl Supervisor {
             token: CancellationToken::new(),
             deadline: AtomicU64::new(inner.nanos(claimed_at + lease.ttl.saturating_sub(margin))),
             loss: Mutex::new(None),
+            settling: AtomicBool::new(false),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {
             map.insert(id, Slot { lease: lease.clone(), state: Arc::clone(&state) });
         }
+        inner.running.fetch_add(1, Ordering::AcqRel);
         // Leaves the in-flight registry however this attempt ends: normally, by a panic in the
         // handler, or because the caller dropped this future. Otherwise the heartbeat would keep
         // renewing the lease of an attempt nobody runs any more, and the job would be stuck.
-        let mut registered = Registered { inner, id: Some(id) };
+        let mut registered = Registered { inner, id: Some(id), state: Arc::clone(&state), running: true };
         let ctx = JobContext {
             lease: lease.clone(),
             payload: payload.into(),
@@ -615,10 +746,12 @@ impl Supervisor {
         };
         let guarded = Guarded::new(work, Arc::clone(&state), inner.base, inner.config.cancel_on_loss);
         let result = guarded.await;
-        registered.leave();
+        // The handler is done, but the lease stays registered, and renewed, until the database's
+        // verdict on what follows: a commit that outlives the lease would let the job run again.
+        registered.settle();
 
-        match result {
-            Err(LossReason::Shutdown) => match inner.store.release(&lease).await {
+        let outcome = match result {
+            Err(LossReason::Shutdown) => match inner.settled(inner.store.release(&lease)).await {
                 Ok(()) => {
                     inner.metrics.incr(Counter::Releases);
                     tracing::info!("lease released at shutdown");
@@ -627,6 +760,7 @@ impl Supervisor {
                 Err(e) => inner.commit_error(e),
             },
             Err(reason) => {
+                registered.leave();
                 inner.metrics.incr(Counter::LeaseLosses);
                 inner.log_loss(&lease, reason).await;
                 Outcome::LeaseLost { reason }
@@ -644,7 +778,9 @@ impl Supervisor {
                 Err(e) => inner.commit_error(e),
             },
             Ok(Ok(Err(job_error))) => inner.fail(&lease, job_error).await,
-        }
+        };
+        registered.leave();
+        outcome
     }
 
     /// Graceful shutdown: stop taking work ([`is_draining`](Self::is_draining)), wait up to `grace`
@@ -653,35 +789,58 @@ impl Supervisor {
         let inner = &self.inner;
         inner.draining.cancel();
         let deadline = Instant::now() + grace;
-        while self.in_flight() > 0 && Instant::now() < deadline {
+        while self.leases_held() > 0 && Instant::now() < deadline {
             let _ = tokio::time::timeout_at(
                 deadline.min(Instant::now() + Duration::from_millis(100)),
                 inner.idle.notified(),
             )
             .await;
         }
-        let left: Vec<Arc<SlotState>> =
-            inner.inflight.lock().map(|m| m.values().map(|s| Arc::clone(&s.state)).collect()).unwrap_or_default();
+        // Attempts awaiting their verdict have nothing left to cancel: they settle on their own.
+        let left: Vec<Arc<SlotState>> = inner
+            .inflight
+            .lock()
+            .map(|m| {
+                m.values().filter(|s| !s.state.settling.load(Ordering::Acquire)).map(|s| Arc::clone(&s.state)).collect()
+            })
+            .unwrap_or_default();
         for s in &left {
             s.lose(LossReason::Shutdown);
         }
         // Give the cancelled attempts a moment to release their leases.
         let release_deadline = Instant::now() + Duration::from_secs(10);
-        while self.in_flight() > 0 && Instant::now() < release_deadline {
+        while self.leases_held() > 0 && Instant::now() < release_deadline {
             let _ = tokio::time::timeout(Duration::from_millis(50), inner.idle.notified()).await;
         }
         inner.stop.cancel();
     }
 }
 
-/// Removes an attempt from the in-flight registry when dropped (or at [`leave`](Self::leave)).
+/// Removes an attempt from the in-flight registry when dropped (or at [`leave`](Self::leave)),
+/// and keeps the count of running handlers.
 struct Registered<'a> {
     inner: &'a Inner,
     id: Option<u64>,
+    state: Arc<SlotState>,
+    running: bool,
 }
 
 impl Registered<'_> {
+    /// The handler has returned: the attempt stays registered (its lease renewed) but no longer
+    /// counts as running, and nothing cancels it any more.
+    fn settle(&mut self) {
+        self.state.settling.store(true, Ordering::Release);
+        self.stop_running();
+    }
+
+    fn stop_running(&mut self) {
+        if std::mem::take(&mut self.running) {
+            self.inner.running.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     fn leave(&mut self) {
+        self.stop_running();
         if let Some(id) = self.id.take() {
             self.inner.remove(id);
         }
@@ -699,7 +858,29 @@ impl Drop for Registered<'_> {
 
 impl Inner {
     fn in_flight(&self) -> usize {
+        self.running.load(Ordering::Acquire)
+    }
+
+    fn leases_held(&self) -> usize {
         self.inflight.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// For each lease, whether a broker may still be told to extend it: its attempt is
+    /// registered, not cancelled, and before its worker-side deadline.
+    fn live(&self, leases: &[Lease]) -> Vec<bool> {
+        let now = self.nanos(Instant::now());
+        let Ok(map) = self.inflight.lock() else { return vec![false; leases.len()] };
+        let held: HashMap<(&str, &str, i64), bool> = map
+            .values()
+            .map(|s| {
+                let live = !s.state.token.is_cancelled() && s.state.deadline.load(Ordering::Acquire) > now;
+                ((s.lease.queue.as_str(), s.lease.key.as_str(), s.lease.epoch), live)
+            })
+            .collect();
+        leases
+            .iter()
+            .map(|l| held.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)).copied().unwrap_or(false))
+            .collect()
     }
 
     /// Logs a lost lease with both epochs: ours and, when the database answers quickly, the one
@@ -740,7 +921,11 @@ impl Inner {
         let now = self.nanos(Instant::now());
         if let Ok(map) = self.inflight.lock() {
             for slot in map.values() {
-                if !slot.state.token.is_cancelled() && slot.state.deadline.load(Ordering::Acquire) <= now {
+                // An attempt awaiting its verdict has no handler left to stop: its commit decides.
+                if !slot.state.token.is_cancelled()
+                    && !slot.state.settling.load(Ordering::Acquire)
+                    && slot.state.deadline.load(Ordering::Acquire) <= now
+                {
                     tracing::warn!(key = %slot.lease.key, epoch = slot.lease.epoch, "lease unconfirmed past its deadline; cancelling");
                     slot.state.lose(LossReason::Unconfirmed);
                 }
@@ -761,15 +946,32 @@ impl Inner {
         }
     }
 
-    /// Commits a result through the group commit (the fenced compare-and-set, batched).
+    /// Commits a result through the group commit (the fenced compare-and-set, batched). While
+    /// the commit queue is full the attempt waits to enqueue (backpressure; its lease is still
+    /// renewed); nothing is dropped.
     async fn commit(&self, lease: &Lease, result: Vec<u8>) -> Result<()> {
         let (reply, verdict) = tokio::sync::oneshot::channel();
-        if let Err(tokio::sync::mpsc::error::SendError((lease, result, _))) =
-            self.committer.send((lease.clone(), result, reply))
-        {
-            return self.store.complete(&lease, &result).await;
-        }
-        verdict.await.unwrap_or_else(|_| Err(FenceError::CommitUnconfirmed("the committer stopped".into())))
+        self.settled(async {
+            match self.committer.send((lease.clone(), result, reply)).await {
+                Ok(()) => {
+                    verdict.await.unwrap_or_else(|_| Err(FenceError::CommitUnconfirmed("the committer stopped".into())))
+                }
+                Err(tokio::sync::mpsc::error::SendError((lease, result, _))) => {
+                    self.store.complete(&lease, &result).await
+                }
+            }
+        })
+        .await
+    }
+
+    /// Waits for the database's verdict on a commit, failure record or release, at most
+    /// [`SupervisorConfig::settle_timeout`]: past it the fate is unknown
+    /// ([`FenceError::CommitUnconfirmed`]), so the delivery is not acknowledged.
+    async fn settled<T>(&self, verdict: impl Future<Output = Result<T>>) -> Result<T> {
+        let limit = self.config.settle_timeout_length();
+        tokio::time::timeout(limit, verdict).await.unwrap_or_else(|_| {
+            Err(FenceError::CommitUnconfirmed(format!("no verdict from the database within {limit:?}")))
+        })
     }
 
     fn commit_error(&self, e: FenceError) -> Outcome {
@@ -784,7 +986,7 @@ impl Inner {
     }
 
     async fn fail(&self, lease: &Lease, error: JobError) -> Outcome {
-        match self.store.fail(lease, &error.message, error.retry, &self.config.retry).await {
+        match self.settled(self.store.fail(lease, &error.message, error.retry, &self.config.retry)).await {
             Ok(FailOutcome::Retry { retry_in }) => {
                 self.metrics.incr(Counter::Failures);
                 tracing::info!(error = %error.message, ?retry_in, "attempt failed; will retry");
@@ -836,13 +1038,21 @@ impl Inner {
             }
         }
         self.metrics.add(Counter::Renewals, hb.renewed.len() as u64);
+        let mut lost = Vec::with_capacity(hb.lost.len());
         for l in &hb.lost {
             if let Some((_, s)) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
+                if s.settling.load(Ordering::Acquire) {
+                    // Usually its own commit landed first; otherwise the commit is fenced. Either
+                    // way the verdict decides, and the source hears of it through the outcome.
+                    tracing::debug!(queue = %l.queue, key = %l.key, epoch = l.epoch, "lease ended while its verdict was pending");
+                    continue;
+                }
                 tracing::warn!(queue = %l.queue, key = %l.key, epoch = l.epoch, "heartbeat found lease lost; cancelling");
                 if self.config.cancel_on_loss {
                     s.lose(LossReason::Superseded);
                 }
             }
+            lost.push(l.clone());
         }
         if let Ok(mut map) = self.inflight.lock() {
             for l in &hb.renewed {
@@ -853,13 +1063,10 @@ impl Inner {
                 }
             }
         }
-        let hooks: Vec<Arc<dyn LeaseHook>> = self.hooks.read().map(|h| h.clone()).unwrap_or_default();
-        for hook in hooks {
-            if !hb.renewed.is_empty() {
-                hook.confirmed(&hb.renewed).await;
-            }
-            if !hb.lost.is_empty() {
-                hook.lost(&hb.lost).await;
+        // The broker hooks run in tasks of their own: posting never waits on a broker.
+        if let Ok(hooks) = self.hooks.read() {
+            for hook in hooks.iter() {
+                hook.submit(sent, &hb.renewed, &lost);
             }
         }
         true
@@ -935,6 +1142,10 @@ impl<F: Future> Future for Guarded<F> {
         this.inner.as_mut().poll(cx).map(Ok)
     }
 }
+
+#[cfg(test)]
+#[path = "supervisor_edges.rs"]
+mod edges;
 
 #[cfg(test)]
 mod tests {
@@ -1052,6 +1263,7 @@ mod tests {
         .await;
         assert!(joined.is_err_and(|e| e.is_panic()));
         assert_eq!(sup.in_flight(), 0, "a panicked attempt must not be renewed forever");
+        assert_eq!(sup.leases_held(), 0, "a panicked attempt must not be renewed forever");
     }
 
     #[tokio::test]
@@ -1060,6 +1272,7 @@ mod tests {
         let run = sup.run(lease, Vec::new(), None, |_ctx| std::future::pending());
         assert!(tokio::time::timeout(Duration::from_millis(50), run).await.is_err());
         assert_eq!(sup.in_flight(), 0, "a dropped attempt must not be renewed forever");
+        assert_eq!(sup.leases_held(), 0, "a dropped attempt must not be renewed forever");
     }
 
     #[tokio::test]
