@@ -684,6 +684,35 @@ mod edges {
         );
     }
 
+    /// Issue #12 §1 bullet 5 (rolling deploys): migrations are a deploy step, so a consumer never
+    /// migrates; on a schema older than the build needs it refuses to start, naming the versions,
+    /// before it receives or claims anything. Guard: `Consumer::run`'s schema check (without it
+    /// the consumer runs on the unmigrated schema and the run does not end with this error).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn edges_a_consumer_refuses_to_start_on_an_old_schema() {
+        let store: Arc<dyn FenceStore> = Arc::new(common::pg_unmigrated().await);
+        let queue = QueueName::new("old-schema").expect("queue");
+        let config = ConsumerConfig::new(SupervisorConfig::new(common::lease(3)));
+        let consumer = Consumer::new(TableQueue::new(Arc::clone(&store), queue), store, config);
+        let ran = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&ran);
+        let handler = move |_ctx: JobContext| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            async move { Ok(Vec::new()) }
+        };
+        let outcome = tokio::time::timeout(Duration::from_secs(10), consumer.run(handler, CancellationToken::new()))
+            .await
+            .expect("a consumer on an old schema must return at once, not run");
+        match outcome {
+            Err(SourceError::Fatal(msg)) => {
+                assert!(msg.contains("migrat"), "the refusal should say to run migrations: {msg}");
+            }
+            other => panic!("expected a fatal refusal, got {other:?}"),
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 0);
+        assert_eq!(consumer.metrics().snapshot().claim_statements, 0);
+    }
+
     /// The same on a real broker: SQS (LocalStack), DeleteMessageBatch held.
     #[cfg(feature = "sqs")]
     mod sqs {

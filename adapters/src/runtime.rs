@@ -290,6 +290,25 @@ impl<S: Source> Consumer<S> {
         &self.source
     }
 
+    async fn check_schema(&self) -> Result<(), SourceError> {
+        let store = self.supervisor.store();
+        match tokio::time::timeout(SCHEMA_CHECK_TIMEOUT, store.check_schema()).await {
+            Ok(Err(e @ fence::FenceError::SchemaTooOld { .. })) => {
+                tracing::error!(error = %e, "schema too old; consumer refuses to start");
+                Err(SourceError::Fatal(e.to_string()))
+            }
+            Ok(Ok(())) | Ok(Err(fence::FenceError::Unsupported(_))) => Ok(()),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not check the schema; starting anyway");
+                Ok(())
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?SCHEMA_CHECK_TIMEOUT, "schema check timed out; starting anyway");
+                Ok(())
+            }
+        }
+    }
+
     /// Unsettled places taken now: deliveries received and not yet settled at the broker, plus
     /// the places a receive in progress reserved. A gauge that never exceeds
     /// [`ConsumerConfig::unsettled_limit`].
@@ -319,7 +338,14 @@ impl<S: Source> Consumer<S> {
     /// period, and what it returned is given back (jobs claimed by the source released without spending an attempt, deliveries
     /// abandoned). Jobs claimed but not started (waiting for their claim, or for a handler slot
     /// when prefetching) are released the same way.
+    ///
+    /// Before anything is received, the store's schema is checked
+    /// ([`FenceStore::check_schema`](fence::FenceStore::check_schema)): a schema older than this
+    /// build needs ends the run at once with [`SourceError::Fatal`] naming the versions, since
+    /// migrations are a deploy step of their own and never run here. A store that cannot answer
+    /// yet (database down) is not a reason to refuse: the loop starts and retries as usual.
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
+        self.check_schema().await?;
         let places = self.config.places();
         // Every queued acknowledgement holds an unsettled place, so the channel never fills
         // before the receive loop stops; a sender waits when it does (an ack is never dropped).
@@ -514,6 +540,9 @@ struct Places {
     /// Its unsettled place, returned once the broker was told.
     unsettled: OwnedSemaphorePermit,
 }
+
+/// How long [`Consumer::run`] waits for the schema check before starting anyway.
+const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long the receive loop waits for more free slots to fill a batch once it has one.
 const BATCH_FILL_LINGER: Duration = Duration::from_millis(2);
