@@ -42,7 +42,7 @@
 //! `--flaky-every K` (every K-th job fails its first attempt), `--slow-every S` and `--slow-ms T`
 //! (every S-th job also waits T ms, cancellably, so it needs heartbeats: default lease + 1 s;
 //! stalls only bite attempts that are in flight), `--faults LIST`, `--stall-ms D`, `--seed S`,
-//! `--keep-logs`, `--quiet`.
+//! `--max-faults N` (stop injecting after N), `--keep-logs`, `--quiet`.
 //! PostgreSQL comes from `DATABASE_URL` (else `localstack/.env`), SQS from the AWS environment,
 //! Redis is a private `redis-server` the runner starts on a free port (never the shared one).
 //! Exit code 0 when every invariant holds, 1 when one is violated, 2 on a setup error.
@@ -194,6 +194,8 @@ pub struct ChaosConfig {
     pub faults: Vec<FaultKind>,
     /// How long a broker or PostgreSQL stall lasts (default lease + 2 s).
     pub stall: Option<Duration>,
+    /// Stop injecting after this many faults (the rest of the run drains in peace).
+    pub max_faults: Option<usize>,
     /// Seed of the fault schedule.
     pub seed: u64,
     /// PostgreSQL URL.
@@ -230,6 +232,7 @@ impl ChaosConfig {
             slow_work: None,
             faults: FaultKind::CLASSIC.to_vec(),
             stall: None,
+            max_faults: None,
             seed: rand::random(),
             database_url,
             launcher,
@@ -257,23 +260,26 @@ impl ChaosConfig {
         }
     }
 
-    /// A small instance for the edge faults (broker and PostgreSQL stalls): only `faults`, each
-    /// about every 7 s, one stall at a time, on jobs of which every fourth waits past the lease
-    /// in its handler (a stall finds attempts in flight that need their heartbeats). About
-    /// 30–45 s on a loaded 2-core machine.
+    /// A small instance for the edge faults (broker and PostgreSQL stalls): only `faults`, the
+    /// first after 3 s, then one every 6 s or so (one stall of lease + 2 s at a time, four in
+    /// all: a fault schedule without end would stall the last long job forever), on jobs
+    /// of which every fourth waits 6 s (twice the lease) in its handler, so that a stall finds
+    /// attempts in flight that live on their heartbeats. About 20–40 s here.
     pub fn edges(source: SourceKind, faults: &[FaultKind], database_url: String, launcher: Launcher) -> Self {
         Self {
             workers: 3,
-            jobs: 72,
+            jobs: 60,
             concurrency: 2,
             batch: 2,
             work: Duration::from_millis(100),
-            fault_every: Duration::from_millis(7000),
+            fault_every: Duration::from_millis(6000),
             deadline: Duration::from_secs(50),
             poison_every: 0,
             flaky_every: 0,
             slow_every: 4,
+            slow_work: Some(Duration::from_secs(6)),
             faults: faults.to_vec(),
+            max_faults: Some(4),
             verbose: false,
             ..Self::new(source, database_url, launcher)
         }
@@ -327,6 +333,7 @@ fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, String> {
             "--slow-ms" => c.slow_work = Some(Duration::from_millis(num(value)?)),
             "--faults" => c.faults = FaultKind::parse_list(value)?,
             "--stall-ms" => c.stall = Some(Duration::from_millis(num(value)?)),
+            "--max-faults" => c.max_faults = Some(num(value)? as usize),
             "--seed" => c.seed = num(value)?,
             "--database-url" => c.database_url = value.clone(),
             "--guards" => c.worker_guards = value.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
@@ -439,6 +446,8 @@ pub struct Report {
     pub stall_secs: f64,
     /// The lease.
     pub lease_secs: u64,
+    /// Faults injected (counting each injection once).
+    pub faults_injected: usize,
     /// Lost attempts, judged by the rule of [`faults`].
     pub losses: faults::LossSummary,
     /// Worker incarnations that stopped cleanly whose reported lost attempts do not add up to
@@ -511,7 +520,13 @@ impl std::fmt::Display for Report {
             self.source, self.jobs, self.workers, self.seed
         )?;
         let names: Vec<&str> = self.faults.iter().map(|k| k.name()).collect();
-        writeln!(f, "  faults selected: {} (lease {} s, stalls {:.1} s)", names.join(","), self.lease_secs, self.stall_secs)?;
+        writeln!(
+            f,
+            "  faults selected: {} (lease {} s, stalls {:.1} s)",
+            names.join(","),
+            self.lease_secs,
+            self.stall_secs
+        )?;
         for na in &self.not_applicable {
             writeln!(f, "  not applicable: {na}")?;
         }
@@ -815,6 +830,9 @@ impl Broker {
 
     /// Poison deliveries found in the broker's dead-letter place, when it has one.
     async fn dead_letters(&self, poison: &HashSet<String>) -> Result<Option<usize>, String> {
+        if poison.is_empty() {
+            return Ok(None);
+        }
         match self {
             Broker::Table => {
                 let _ = poison;
@@ -975,9 +993,8 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let mut not_applicable = Vec::new();
     for &k in &c.faults {
         match k {
-            FaultKind::RedisRestart if !broker.can_restart_server() => not_applicable.push(
-                "redis-restart: only the Redis source runs a private server that can be restarted".to_owned(),
-            ),
+            FaultKind::RedisRestart if !broker.can_restart_server() => not_applicable
+                .push("redis-restart: only the Redis source runs a private server that can be restarted".to_owned()),
             FaultKind::BrokerStall if broker.upstream().is_none() => not_applicable.push(match c.source {
                 SourceKind::Table => "broker-stall: the table queue has no broker (its receive is a PostgreSQL \
                                       statement: pg-lock and pg-pause stall that path)"
@@ -1075,7 +1092,8 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         ..Default::default()
     };
     let log = FaultLog::default();
-    let ctx = FaultCtx { c: &c, store: &store, queue: &queue, run_id: &run_id, lease, log: &log, proxy: proxy.as_ref() };
+    let ctx =
+        FaultCtx { c: &c, store: &store, queue: &queue, run_id: &run_id, lease, log: &log, proxy: proxy.as_ref() };
     // Every kind of fault early on (a second SIGSTOP at the end of the round), then at random.
     let mut schedule: Vec<FaultKind> = FaultKind::ALL.iter().copied().filter(|k| kinds.contains(k)).collect();
     if kinds.contains(&FaultKind::SigStop) {
@@ -1117,7 +1135,8 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             say("deadline reached with jobs unfinished".into());
             break;
         }
-        if now >= next_fault && !kinds.is_empty() {
+        let injected = report.faults_injected;
+        if now >= next_fault && !kinds.is_empty() && c.max_faults.is_none_or(|m| injected < m) {
             let fault = schedule.pop().unwrap_or_else(|| {
                 let mut weighted = kinds.clone();
                 if kinds.contains(&FaultKind::SigStop) {
@@ -1126,8 +1145,15 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
                 weighted[rng.random_range(0..weighted.len())]
             });
             if inject(&ctx, fault, &mut fleet, &mut broker, &mut rng, &mut report, &say).await? {
-                let jitter = rng.random_range(0.5..1.5);
-                next_fault = Instant::now() + c.fault_every.mul_f64(jitter);
+                report.faults_injected += 1;
+                // The first round comes at even steps, so every kind is injected early on.
+                let jitter = if schedule.is_empty() { rng.random_range(0.5..1.5) } else { 1.0 };
+                let mut gap = c.fault_every.mul_f64(jitter);
+                if matches!(fault, FaultKind::BrokerStall | FaultKind::PgLock | FaultKind::PgPause) {
+                    // One stall at a time, with a second of calm between two.
+                    gap = gap.max(c.stall() + Duration::from_secs(1));
+                }
+                next_fault = Instant::now() + gap;
             } else {
                 // Not possible right now (nothing to stall, a stall still in force): soon again.
                 schedule.push(fault);
@@ -1137,6 +1163,11 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     report.drain_secs = drained_at.unwrap_or_else(Instant::now).duration_since(first_start).as_secs_f64();
+    // A broker stall still in force ends now: the workers need their broker to stop cleanly.
+    if let Some(p) = &proxy {
+        p.resume();
+        log.cut_short(FaultKind::BrokerStall);
+    }
 
     // Let every paused worker resume and finish its zombie attempts, let every stall end, then
     // stop the workers gracefully.
@@ -1397,9 +1428,15 @@ async fn inject(
             if fault == FaultKind::PgLock {
                 let prefix = owner_prefix(index, pid);
                 let id = log.open(FaultKind::PgLock, Target::Worker(index), format!("owner {prefix}…:"));
-                let schema = x.store.schema().as_str().to_owned();
-                match pg_stall::lock_rows(x.store.pool(), &schema, x.queue.as_str(), &prefix, d, log.clone(), id).await
-                {
+                let app_prefix = format!("chaos-{}-w", x.run_id);
+                let target = pg_stall::LockTarget {
+                    schema: x.store.schema().as_str(),
+                    queue: x.queue.as_str(),
+                    owner_prefix: &prefix,
+                    victim: index,
+                    app_prefix: &app_prefix,
+                };
+                match pg_stall::lock_rows(x.store.pool(), target, d, log.clone(), id).await {
                     Ok(n) => {
                         say(format!("pg-lock: {n} running rows of worker {index} locked for {:.1} s", d.as_secs_f64()));
                         if n == 0 {
@@ -1420,7 +1457,10 @@ async fn inject(
                 let id = log.open(FaultKind::PgPause, Target::Worker(index), format!("backends of {app}:"));
                 match pg_stall::pause_backends(x.store.pool().clone(), app, d, log.clone(), id).await {
                     Ok(n) => {
-                        say(format!("pg-pause: {n} backends of worker {index} SIGSTOPped for {:.1} s", d.as_secs_f64()));
+                        say(format!(
+                            "pg-pause: {n} backends of worker {index} SIGSTOPped for {:.1} s",
+                            d.as_secs_f64()
+                        ));
                         if n == 0 {
                             // The task ends the (empty) pause by itself; try again soon.
                             return Ok(false);
@@ -1461,18 +1501,21 @@ fn owner_prefix(index: usize, pid: i32) -> String {
     format!("w{index}-{pid}-")
 }
 
-/// The worker (not paused, not already under a PostgreSQL stall) that holds the most running
-/// rows; `None` when none holds any.
+/// The worker (not paused, not already under a PostgreSQL stall) that holds running rows under
+/// a live lease and was stalled the fewest times so far (then: the most rows); `None` when none
+/// holds any. Taking turns keeps one worker's long jobs from being stalled again and again.
 async fn pg_victim(x: &FaultCtx<'_>, fleet: &Fleet) -> Result<Option<usize>, String> {
     let s = x.store.schema().as_str();
     let owners: Vec<(Option<String>, i64)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT owner, count(*) FROM {s}.jobs WHERE queue = $1 AND state = 'running' GROUP BY owner"
+        "SELECT owner, count(*) FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
+         AND lease_until > clock_timestamp() GROUP BY owner"
     )))
     .bind(x.queue.as_str().to_owned())
     .fetch_all(x.store.pool())
     .await
     .map_err(|e| format!("running rows by owner: {e}"))?;
-    let mut best: Option<(usize, i64)> = None;
+    let timeline = x.log.snapshot();
+    let mut best: Option<(usize, (usize, i64))> = None;
     for (i, w) in fleet.workers.iter().enumerate() {
         if w.stopped_until.is_some() || x.log.open_on(w.index, &[FaultKind::PgLock, FaultKind::PgPause]) {
             continue;
@@ -1480,8 +1523,14 @@ async fn pg_victim(x: &FaultCtx<'_>, fleet: &Fleet) -> Result<Option<usize>, Str
         let prefix = owner_prefix(w.index, w.pid);
         let n: i64 =
             owners.iter().filter(|(o, _)| o.as_deref().is_some_and(|o| o.starts_with(&prefix))).map(|(_, n)| n).sum();
-        if n > 0 && best.is_none_or(|(_, m)| n > m) {
-            best = Some((i, n));
+        let stalled = timeline
+            .iter()
+            .filter(|r| matches!(r.kind, FaultKind::PgLock | FaultKind::PgPause) && r.target == Target::Worker(w.index))
+            .count();
+        // Fewest stalls first, then most rows.
+        let rank = (usize::MAX - stalled, n);
+        if n > 0 && best.is_none_or(|(_, r)| rank > r) {
+            best = Some((i, rank));
         }
     }
     Ok(best.map(|(i, _)| i))
@@ -1650,8 +1699,8 @@ pub fn worker_main(args: Vec<String>) -> i32 {
             .with_ansi(false)
             .with_filter(tracing_subscriber::EnvFilter::from_default_env());
         // Every lost attempt, whatever RUST_LOG says, as an EVENT line for the runner.
-        let losses = faults::LossLayer { emit: |line| event(line) }
-            .with_filter(tracing_subscriber::filter::LevelFilter::WARN);
+        let losses =
+            faults::LossLayer { emit: |line| event(line) }.with_filter(tracing_subscriber::filter::LevelFilter::WARN);
         let _ = tracing_subscriber::registry().with(log).with(losses).try_init();
     }
     let opts = match parse_worker_args(&args) {

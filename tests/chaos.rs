@@ -114,6 +114,9 @@ mod edges {
             config.seed = seed.parse().expect("CHAOS_SEED is a number");
         }
         config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
+        // The schema and the worker logs of a failed run stay only when asked for (CHAOS_KEEP).
+        config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
+        config.keep_logs = config.keep_on_failure;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
         let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
         println!("{report}");
@@ -256,7 +259,8 @@ mod edges {
     /// workers' `lease_losses`).
     #[test]
     fn edges_chaos_loss_event_parses() {
-        let l = LossEvent::parse(2, 1, "key=job-000007 epoch=3 reason=Unconfirmed at_ms=1700000000123").expect("parses");
+        let l =
+            LossEvent::parse(2, 1, "key=job-000007 epoch=3 reason=Unconfirmed at_ms=1700000000123").expect("parses");
         assert_eq!((l.worker, l.incarnation, l.key.as_str(), l.epoch), (2, 1, "job-000007", 3));
         assert_eq!((l.reason.as_str(), l.at_ms), ("Unconfirmed", 1_700_000_000_123));
         assert!(LossEvent::parse(0, 0, "key=job epoch=x reason=R at_ms=1").is_none());

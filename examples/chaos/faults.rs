@@ -18,7 +18,7 @@
 //! |---|---|---|
 //! | `sigstop` | the paused worker | its holder was not running |
 //! | `pg-terminate` | the workers whose connections were cut | the database was unreachable for them |
-//! | `pg-lock` | the worker whose running rows were locked | its heartbeat renews all of its leases in one statement, so one locked row stalls every renewal of that worker until the lock goes; other workers are not excused |
+//! | `pg-lock` | the worker whose running rows were locked, and any worker seen waiting on that lock (`pg_blocking_pids`, from when it was seen) | the heartbeat renews all of a worker's leases in one statement, so one locked row stalls every renewal of that worker until the lock goes; another worker's claim of a locked job whose lease ran out waits on the lock too. Workers not seen waiting are not excused |
 //! | `pg-pause` | the worker whose idle PostgreSQL backends were SIGSTOPped | the database was unreachable for it |
 //! | `broker-stall` | nobody | a slow broker may cost a visibility hint, never a healthy lease (issue #12, item 1) |
 //! | `redis-restart` | nobody | the same: the broker is not the authority |
@@ -183,6 +183,18 @@ impl FaultLog {
         let mut log = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = log.get_mut(id) {
             r.end_ms.get_or_insert(now_ms());
+        }
+    }
+
+    /// Ends every fault of `kind` still in force now.
+    pub fn cut_short(&self, kind: FaultKind) {
+        let now = now_ms();
+        let mut log = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        for r in log.iter_mut().filter(|r| r.kind == kind) {
+            if r.end_ms.is_none_or(|e| e > now) {
+                r.end_ms = Some(now);
+                r.detail.push_str(" (ended early: the jobs were drained)");
+            }
         }
     }
 

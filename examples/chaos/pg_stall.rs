@@ -17,21 +17,39 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgPool};
 
-use super::faults::FaultLog;
+use super::faults::{FaultKind, FaultLog, Target};
 
-/// Locks the running rows of this queue whose owner starts with `owner_prefix`, in a
-/// transaction of its own, and keeps them locked for `hold` in a background task that then rolls
-/// back and closes fault `id` in `log`. Returns how many rows were locked (0: nothing was held,
-/// and the fault is closed at once).
+/// Which rows to lock, and whom the lock stalls.
+pub struct LockTarget<'a> {
+    /// The run's schema.
+    pub schema: &'a str,
+    /// The run's queue.
+    pub queue: &'a str,
+    /// How the victim's owner ids begin.
+    pub owner_prefix: &'a str,
+    /// The victim's index.
+    pub victim: usize,
+    /// `application_name` of the workers without their index (`chaos-RUN-w`).
+    pub app_prefix: &'a str,
+}
+
+/// Locks the rows of this queue that the victim is running under a live lease, in a transaction
+/// of its own, and keeps them locked for `hold` in a background task that then rolls back and
+/// closes fault `id` in `log`. Returns how many rows were locked (0: nothing was held, and the
+/// fault is closed at once).
+///
+/// While it holds them, the task looks every 150 ms for statements of other workers that wait
+/// on this lock (`pg_blocking_pids`: a claim of a locked job whose lease ran out meanwhile) and
+/// records a `pg-lock` fault on each such worker too, from when it was seen until the lock goes:
+/// the database was stalled for that worker as well.
 pub async fn lock_rows(
     pool: &PgPool,
-    schema: &str,
-    queue: &str,
-    owner_prefix: &str,
+    target: LockTarget<'_>,
     hold: Duration,
     log: FaultLog,
     id: usize,
 ) -> Result<usize, String> {
+    let LockTarget { schema, queue, owner_prefix, victim, app_prefix } = target;
     let err = |e: sqlx::Error| format!("pg-lock: {e}");
     let mut tx = pool.begin().await.map_err(err)?;
     // Never wait long for a row another statement is changing right now (SKIP LOCKED below), and
@@ -39,9 +57,10 @@ pub async fn lock_rows(
     sqlx::query("SET LOCAL lock_timeout = '2s'").execute(&mut *tx).await.map_err(err)?;
     let idle_limit = format!("SET LOCAL idle_in_transaction_session_timeout = '{}ms'", (hold * 2).as_millis());
     sqlx::query(AssertSqlSafe(idle_limit)).execute(&mut *tx).await.map_err(err)?;
+    let lock_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await.map_err(err)?;
     let keys: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT key FROM {schema}.jobs WHERE queue = $1 AND state = 'running' AND owner LIKE $2 \
-         ORDER BY key FOR UPDATE SKIP LOCKED"
+         AND lease_until > clock_timestamp() ORDER BY key FOR UPDATE SKIP LOCKED"
     )))
     .bind(queue.to_owned())
     .bind(format!("{owner_prefix}%"))
@@ -54,9 +73,35 @@ pub async fn lock_rows(
         return Ok(0);
     }
     log.annotate(id, &format!(" {} rows locked ({})", keys.len(), keys.join(" ")));
+    let (pool, app_prefix) = (pool.clone(), app_prefix.to_owned());
     tokio::spawn(async move {
-        tokio::time::sleep(hold).await;
+        let until = tokio::time::Instant::now() + hold;
+        let mut blocked: Vec<(usize, usize)> = Vec::new();
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                break;
+            }
+            tokio::time::sleep((until - now).min(Duration::from_millis(150))).await;
+            let waiting: Vec<Option<String>> = sqlx::query_scalar(
+                "SELECT DISTINCT application_name FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(lock_pid)
+            .fetch_all(&pool)
+            .await
+            .unwrap_or_default();
+            for app in waiting.into_iter().flatten() {
+                let Some(w) = app.strip_prefix(&app_prefix).and_then(|n| n.parse::<usize>().ok()) else { continue };
+                if w != victim && !blocked.iter().any(|(b, _)| *b == w) {
+                    let detail = format!("a statement of worker {w} waited on the rows locked for worker {victim}");
+                    blocked.push((w, log.open(FaultKind::PgLock, Target::Worker(w), detail)));
+                }
+            }
+        }
         let _ = tx.rollback().await;
+        for (_, b) in blocked {
+            log.close(b);
+        }
         log.close(id);
     });
     Ok(keys.len())
@@ -140,7 +185,12 @@ pub async fn pause_backends(
 
 /// One round: SIGSTOP every idle backend not yet paused; resume at once any that turns out not
 /// idle. Returns how many it left paused.
-async fn pause_round(pool: &PgPool, application_name: &str, paused: &mut Paused, left: Duration) -> Result<usize, String> {
+async fn pause_round(
+    pool: &PgPool,
+    application_name: &str,
+    paused: &mut Paused,
+    left: Duration,
+) -> Result<usize, String> {
     let mut n = 0;
     for pid in idle_backends(pool, application_name).await? {
         if paused.0.contains(&pid) {
