@@ -532,20 +532,23 @@ impl std::fmt::Display for Report {
         }
         writeln!(
             f,
-            "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts, \
-             {} broker stalls, {} pg row locks ({} rows), {} pg backend pauses ({} backends); \
-             {} attempts in flight when stalls began",
-            self.sigstops,
-            self.sigkills,
-            self.connections_terminated,
-            self.redis_restarts,
-            self.broker_stalls,
-            self.pg_locks,
-            self.pg_locked_rows,
-            self.pg_pauses,
-            self.pg_paused_backends,
-            self.stalled_attempts
+            "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts",
+            self.sigstops, self.sigkills, self.connections_terminated, self.redis_restarts,
         )?;
+        let stalls = [FaultKind::BrokerStall, FaultKind::PgLock, FaultKind::PgPause];
+        if self.faults.iter().any(|k| stalls.contains(k)) {
+            writeln!(
+                f,
+                "  stalls: {} broker stalls, {} pg row locks ({} rows), {} pg backend pauses ({} backends); \
+                 {} attempts in flight when they began",
+                self.broker_stalls,
+                self.pg_locks,
+                self.pg_locked_rows,
+                self.pg_pauses,
+                self.pg_paused_backends,
+                self.stalled_attempts
+            )?;
+        }
         if !self.timeline.is_empty() {
             writeln!(f, "  timeline (s after start):")?;
             for r in &self.timeline {
