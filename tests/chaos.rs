@@ -172,20 +172,24 @@ mod edges {
         broker_stall(SourceKind::Redis);
     }
 
-    /// Issue #12, "Done when" (PostgreSQL stall), table queue: one worker's running rows are
-    /// locked, and later its idle backends SIGSTOPped, each for lease + 2 s. Its own attempts may
-    /// be lost (excused: the database was stalled for it); no job is lost or committed twice,
-    /// and no other worker loses a lease (guards: fenced commits; the other workers' heartbeats
-    /// share nothing with the stalled worker's statements).
+    /// Issue #12, "Done when" (PostgreSQL stall), table queue: one worker's live rows are
+    /// locked, and later another worker's idle backends SIGSTOPped, each for lease + 2 s (the
+    /// victims take turns). A victim's own attempts may be lost (excused: the database was
+    /// stalled for it, and so for a worker seen waiting on the lock); no job is lost or
+    /// committed twice, and no other worker loses a lease (guards: fenced commits and claims;
+    /// the other workers' heartbeats share no statement and no connection with the victim's).
+    /// On today's code this holds: a stalled worker's attempts end `LeaseLost { Unconfirmed }`
+    /// or, when the stall caught them in their commit, `Fenced` after a takeover.
     #[test]
     fn edges_pg_stall_table_queue() {
         pg_stall(SourceKind::Table);
     }
 
     /// Issue #12, "Done when" (PostgreSQL stall), SQS: as for the table queue; in addition the
-    /// stalled worker's messages become visible again and other workers' claims of them wait on
-    /// the locked rows, which must not cost those workers their own leases (item 1 bullet 3: the
-    /// heartbeat does not queue behind claims).
+    /// stalled worker's messages become visible again (no confirmed heartbeat, no visibility
+    /// extension) and other workers receive them: their claims of a locked row wait on the lock
+    /// (those workers are excused while seen waiting), and no worker's heartbeat may queue behind
+    /// such a claim (item 1 bullet 3).
     #[cfg(feature = "sqs")]
     #[test]
     fn edges_pg_stall_sqs() {
