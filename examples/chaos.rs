@@ -40,8 +40,8 @@
 //! after it resumes), `--lease-secs L` (≥ 3), `--fault-every-ms F`, `--deadline-secs D`,
 //! `--poison-every P` (every P-th job is undecodable and must be dead-lettered; 0 = none),
 //! `--flaky-every K` (every K-th job fails its first attempt), `--slow-every S` and `--slow-ms T`
-//! (every S-th job also waits T ms, cancellably, so it needs heartbeats: default lease + 1 s;
-//! stalls only bite attempts that are in flight), `--faults LIST`, `--stall-ms D`, `--seed S`,
+//! (every S-th job also waits T ms, cancellably, so it needs heartbeats: default twice the
+//! lease; a stall only bites attempts in flight with more than a lease still to go), `--faults LIST`, `--stall-ms D`, `--seed S`,
 //! `--max-faults N` (stop injecting after N), `--keep-logs`, `--quiet`.
 //! PostgreSQL comes from `DATABASE_URL` (else `localstack/.env`), SQS from the AWS environment,
 //! Redis is a private `redis-server` the runner starts on a free port (never the shared one).
@@ -188,7 +188,8 @@ pub struct ChaosConfig {
     /// Every n-th job also waits [`slow_work`](Self::slow_work) (cancellably) in its handler, so
     /// that attempts live across heartbeats and a stall finds them in flight. 0 = none.
     pub slow_every: usize,
-    /// The extra wait of a slow job (default lease + 1 s).
+    /// The extra wait of a slow job (default twice the lease: a stall must find attempts with
+    /// more than a lease still to go, or it cannot cost one).
     pub slow_work: Option<Duration>,
     /// The faults injected: every one once early on, then at random.
     pub faults: Vec<FaultKind>,
@@ -277,7 +278,6 @@ impl ChaosConfig {
             poison_every: 0,
             flaky_every: 0,
             slow_every: 4,
-            slow_work: Some(Duration::from_secs(6)),
             faults: faults.to_vec(),
             max_faults: Some(4),
             verbose: false,
@@ -287,7 +287,7 @@ impl ChaosConfig {
 
     /// The wait of a slow job.
     pub fn slow_work(&self) -> Duration {
-        self.slow_work.unwrap_or(Duration::from_secs(self.lease_secs + 1))
+        self.slow_work.unwrap_or(Duration::from_secs(self.lease_secs * 2))
     }
 
     /// How long a stall lasts.
