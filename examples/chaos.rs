@@ -1,33 +1,54 @@
-//! The chaos run: N worker OS processes drain M jobs while the runner pauses them past their
-//! lease (SIGSTOP … SIGCONT), kills and restarts them (SIGKILL), cuts their database connections
-//! (`pg_terminate_backend`) and, for Redis, restarts the Redis server. An independent HTTP
-//! receiver in the runner records every call the workers make; at the end the runner checks:
+//! The chaos run: N worker OS processes drain M jobs while the runner injects faults. An
+//! independent HTTP receiver in the runner records every call the workers make; at the end the
+//! runner checks:
 //!
 //! | figure | must be |
 //! |---|---|
 //! | jobs lost (not finished, or committed without their receiver effect) | 0 |
 //! | results committed twice (an audit trigger records every commit) | 0 |
 //! | receiver accepts of an epoch lower than one it already accepted | 0 |
-//! | zombie commits rejected (`Fenced`) | ≥ 1 (the pauses really happened) |
+//! | healthy cancellations: attempts whose lease was lost while the database was reachable for their worker and the worker was running (see [`faults`] for the exact rule) | 0 |
+//! | lost attempts the workers reported vs. their `lease_losses` counters | equal |
+//! | zombie commits rejected (`Fenced`) | ≥ 1 when `sigstop` is injected (the pauses really happened) |
 //! | jobs completed or dead-lettered | all of them |
 //!
+//! The faults (`--faults`, comma-separated; default `classic` = the first four):
+//!
+//! | fault | what the runner does |
+//! |---|---|
+//! | `sigstop` | SIGSTOP a worker for lease + 1.2–2.5 s, then SIGCONT (it comes back a zombie) |
+//! | `pg-terminate` | `pg_terminate_backend` on the connections of one worker or of all |
+//! | `sigkill` | SIGKILL a worker and start it again |
+//! | `redis-restart` | kill and restart the run's private redis-server (Redis only) |
+//! | `broker-stall` | a TCP proxy between the workers and the broker (LocalStack, or the private redis-server) holds every byte, both directions, for `--stall-ms` (default lease + 2 s); not applicable to the table queue, which has no broker (the report says so) |
+//! | `pg-lock` | a runner transaction holds `FOR UPDATE` locks on the rows one worker is running, for `--stall-ms` |
+//! | `pg-pause` | the idle PostgreSQL backends of one worker (by `application_name`) are SIGSTOPped for `--stall-ms` |
+//!
+//! `pg-stall` names both PostgreSQL stalls, `all` every fault. The broker and PostgreSQL
+//! servers themselves are never paused or restarted (LocalStack, PostgreSQL and the Redis on 6379
+//! are shared); the Redis restart uses a private redis-server.
+//!
 //! ```text
-//! cargo run --release --example chaos -- --source table --workers 8 --jobs 5000
-//! cargo run --release --features sqs --example chaos -- --source sqs --workers 4 --jobs 1000
-//! cargo run --release --features redis --example chaos -- --source redis --workers 4 --jobs 2000
+//! cargo test --workspace --all-features --no-run   # builds target/debug/examples/chaos
+//! target/debug/examples/chaos --source table --workers 8 --jobs 5000
+//! target/debug/examples/chaos --source sqs --workers 4 --jobs 600 --faults all --slow-every 5
+//! target/debug/examples/chaos --source redis --workers 4 --jobs 1000 --faults all --slow-every 5
 //! ```
 //!
 //! Options: `--source table|sqs|redis`, `--workers N`, `--jobs M`, `--concurrency C` (per worker),
 //! `--batch B`, `--work-ms W` (blocking work per job: a zombie paused inside it reaches its commit
 //! after it resumes), `--lease-secs L` (≥ 3), `--fault-every-ms F`, `--deadline-secs D`,
 //! `--poison-every P` (every P-th job is undecodable and must be dead-lettered; 0 = none),
-//! `--flaky-every K` (every K-th job fails its first attempt), `--seed S`, `--keep-logs`.
+//! `--flaky-every K` (every K-th job fails its first attempt), `--slow-every S` and `--slow-ms T`
+//! (every S-th job also waits T ms, cancellably, so it needs heartbeats: default twice the
+//! lease; a stall only bites attempts in flight with more than a lease still to go), `--faults LIST`, `--stall-ms D`, `--seed S`,
+//! `--max-faults N` (stop injecting after N), `--keep-logs`, `--quiet`.
 //! PostgreSQL comes from `DATABASE_URL` (else `localstack/.env`), SQS from the AWS environment,
 //! Redis is a private `redis-server` the runner starts on a free port (never the shared one).
 //! Exit code 0 when every invariant holds, 1 when one is violated, 2 on a setup error.
 //!
-//! `tests/chaos.rs` runs a small instance of each source in CI; the worker processes are that
-//! test binary re-executed in worker mode (see [`Launcher`]), so no example binary must be built.
+//! `tests/chaos.rs` runs small instances in CI; the worker processes are that test binary
+//! re-executed in worker mode (see [`Launcher`]), so no example binary must be built.
 #![allow(dead_code)] // shared with tests/chaos.rs, which uses a subset
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -46,6 +67,16 @@ use brokerfence::fence::{
 use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[path = "chaos/faults.rs"]
+pub mod faults;
+#[path = "chaos/pg_stall.rs"]
+mod pg_stall;
+#[path = "chaos/proxy.rs"]
+pub mod proxy;
+
+pub use faults::FaultKind;
+use faults::{FaultLog, LossEvent, Target, now_ms};
 
 /// Environment variable that carries a worker's arguments when the launcher re-executes a test
 /// binary in worker mode (arguments joined by U+001F).
@@ -154,6 +185,18 @@ pub struct ChaosConfig {
     pub poison_every: usize,
     /// Every n-th job fails its first attempt (retried). 0 = none.
     pub flaky_every: usize,
+    /// Every n-th job also waits [`slow_work`](Self::slow_work) (cancellably) in its handler, so
+    /// that attempts live across heartbeats and a stall finds them in flight. 0 = none.
+    pub slow_every: usize,
+    /// The extra wait of a slow job (default twice the lease: a stall must find attempts with
+    /// more than a lease still to go, or it cannot cost one).
+    pub slow_work: Option<Duration>,
+    /// The faults injected: every one once early on, then at random.
+    pub faults: Vec<FaultKind>,
+    /// How long a broker or PostgreSQL stall lasts (default lease + 2 s).
+    pub stall: Option<Duration>,
+    /// Stop injecting after this many faults (the rest of the run drains in peace).
+    pub max_faults: Option<usize>,
     /// Seed of the fault schedule.
     pub seed: u64,
     /// PostgreSQL URL.
@@ -186,6 +229,11 @@ impl ChaosConfig {
             deadline: Duration::from_secs(300),
             poison_every: 97,
             flaky_every: 31,
+            slow_every: 0,
+            slow_work: None,
+            faults: FaultKind::CLASSIC.to_vec(),
+            stall: None,
+            max_faults: None,
             seed: rand::random(),
             database_url,
             launcher,
@@ -211,6 +259,45 @@ impl ChaosConfig {
             verbose: false,
             ..Self::new(source, database_url, launcher)
         }
+    }
+
+    /// A small instance for the edge faults (broker and PostgreSQL stalls): only `faults`, the
+    /// first after 3 s, then one every 6 s or so (one stall of lease + 2 s at a time, four in
+    /// all: a fault schedule without end would stall the last long job forever), on jobs
+    /// of which every fourth waits 6 s (twice the lease) in its handler, so that a stall finds
+    /// attempts in flight that live on their heartbeats. About 20–40 s here.
+    pub fn edges(source: SourceKind, faults: &[FaultKind], database_url: String, launcher: Launcher) -> Self {
+        Self {
+            workers: 3,
+            jobs: 60,
+            concurrency: 2,
+            batch: 2,
+            work: Duration::from_millis(100),
+            fault_every: Duration::from_millis(6000),
+            deadline: Duration::from_secs(50),
+            poison_every: 0,
+            flaky_every: 0,
+            slow_every: 4,
+            faults: faults.to_vec(),
+            max_faults: Some(4),
+            verbose: false,
+            ..Self::new(source, database_url, launcher)
+        }
+    }
+
+    /// The wait of a slow job.
+    pub fn slow_work(&self) -> Duration {
+        self.slow_work.unwrap_or(Duration::from_secs(self.lease_secs * 2))
+    }
+
+    /// How long a stall lasts.
+    pub fn stall(&self) -> Duration {
+        self.stall.unwrap_or(Duration::from_secs(self.lease_secs + 2))
+    }
+
+    /// Whether `kind` is among the faults of this run.
+    pub fn injects(&self, kind: FaultKind) -> bool {
+        self.faults.contains(&kind)
     }
 }
 
@@ -242,6 +329,11 @@ fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, String> {
             "--deadline-secs" => c.deadline = Duration::from_secs(num(value)?),
             "--poison-every" => c.poison_every = num(value)? as usize,
             "--flaky-every" => c.flaky_every = num(value)? as usize,
+            "--slow-every" => c.slow_every = num(value)? as usize,
+            "--slow-ms" => c.slow_work = Some(Duration::from_millis(num(value)?)),
+            "--faults" => c.faults = FaultKind::parse_list(value)?,
+            "--stall-ms" => c.stall = Some(Duration::from_millis(num(value)?)),
+            "--max-faults" => c.max_faults = Some(num(value)? as usize),
             "--seed" => c.seed = num(value)?,
             "--database-url" => c.database_url = value.clone(),
             "--guards" => c.worker_guards = value.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
@@ -329,6 +421,38 @@ pub struct Report {
     pub connections_terminated: u64,
     /// Redis restarts.
     pub redis_restarts: u64,
+    /// Broker stalls (the proxy held every byte for the stall length).
+    pub broker_stalls: u64,
+    /// `pg-lock` injections that locked at least one running row.
+    pub pg_locks: u64,
+    /// Rows locked by them in all.
+    pub pg_locked_rows: u64,
+    /// `pg-pause` injections that paused at least one backend.
+    pub pg_pauses: u64,
+    /// Backends paused by them (first round of each).
+    pub pg_paused_backends: u64,
+    /// Attempts in flight (rows `running` under a live lease) when the stalls began, summed:
+    /// a stall that finds none cannot cost a lease.
+    pub stalled_attempts: u64,
+    /// The faults selected for the run.
+    pub faults: Vec<FaultKind>,
+    /// Selected faults that do not apply to this source, with the reason.
+    pub not_applicable: Vec<String>,
+    /// Every fault injected, with its window.
+    pub timeline: Vec<faults::FaultRecord>,
+    /// The run's start (ms since the Unix epoch): the timeline counts from here.
+    pub t0_ms: u64,
+    /// How long each stall lasted.
+    pub stall_secs: f64,
+    /// The lease.
+    pub lease_secs: u64,
+    /// Faults injected (counting each injection once).
+    pub faults_injected: usize,
+    /// Lost attempts, judged by the rule of [`faults`].
+    pub losses: faults::LossSummary,
+    /// Worker incarnations that stopped cleanly whose reported lost attempts do not add up to
+    /// their `lease_losses` counter (the loss reports are incomplete).
+    pub loss_reports_missing: u64,
     /// Poison deliveries found in the broker's dead-letter destination (SQS DLQ / dead stream).
     pub broker_dead_letters: Option<usize>,
     /// Seconds from the first worker start to the last job finished.
@@ -358,8 +482,20 @@ impl Report {
         if self.stale_accepts > 0 {
             v.push(format!("receiver accepted a lower epoch {} times", self.stale_accepts));
         }
-        if self.zombie_commits_rejected < 1 {
+        if self.faults.contains(&FaultKind::SigStop) && self.zombie_commits_rejected < 1 {
             v.push("no zombie commit was rejected: the pauses did not bite".into());
+        }
+        if self.losses.healthy > 0 {
+            v.push(format!(
+                "healthy cancellations = {} (leases lost while the database was reachable and the holder running)",
+                self.losses.healthy
+            ));
+        }
+        if self.loss_reports_missing > 0 {
+            v.push(format!(
+                "{} worker runs reported fewer lost attempts than their lease_losses counter",
+                self.loss_reports_missing
+            ));
         }
         if self.completed + self.dead != self.jobs {
             v.push(format!("completed {} + dead {} != jobs {}", self.completed, self.dead, self.jobs));
@@ -383,14 +519,68 @@ impl std::fmt::Display for Report {
             "chaos [{}]: {} jobs, {} worker processes, seed {}",
             self.source, self.jobs, self.workers, self.seed
         )?;
+        let names: Vec<&str> = self.faults.iter().map(|k| k.name()).collect();
+        writeln!(
+            f,
+            "  faults selected: {} (lease {} s, stalls {:.1} s)",
+            names.join(","),
+            self.lease_secs,
+            self.stall_secs
+        )?;
+        for na in &self.not_applicable {
+            writeln!(f, "  not applicable: {na}")?;
+        }
         writeln!(
             f,
             "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts",
-            self.sigstops, self.sigkills, self.connections_terminated, self.redis_restarts
+            self.sigstops, self.sigkills, self.connections_terminated, self.redis_restarts,
         )?;
+        let stalls = [FaultKind::BrokerStall, FaultKind::PgLock, FaultKind::PgPause];
+        if self.faults.iter().any(|k| stalls.contains(k)) {
+            writeln!(
+                f,
+                "  stalls: {} broker stalls, {} pg row locks ({} rows), {} pg backend pauses ({} backends); \
+                 {} attempts in flight when they began",
+                self.broker_stalls,
+                self.pg_locks,
+                self.pg_locked_rows,
+                self.pg_pauses,
+                self.pg_paused_backends,
+                self.stalled_attempts
+            )?;
+        }
+        if !self.timeline.is_empty() {
+            writeln!(f, "  timeline (s after start):")?;
+            for r in &self.timeline {
+                let end = r.end_ms.unwrap_or(r.start_ms);
+                writeln!(
+                    f,
+                    "    {:>6.1} +{:>4.1} s  {:<13} {:<12} {}",
+                    faults::secs_after(self.t0_ms, r.start_ms),
+                    end.saturating_sub(r.start_ms) as f64 / 1000.0,
+                    r.kind.name(),
+                    r.target.to_string(),
+                    r.detail
+                )?;
+            }
+        }
         writeln!(f, "  jobs lost                          = {}", self.lost())?;
         writeln!(f, "  results committed twice            = {}", self.committed_twice)?;
         writeln!(f, "  receiver accepts of a lower epoch  = {}", self.stale_accepts)?;
+        writeln!(f, "  healthy cancellations              = {}", self.losses.healthy)?;
+        let excused: Vec<String> = self.losses.excused.iter().map(|(k, n)| format!("{k} {n}")).collect();
+        writeln!(
+            f,
+            "  attempts lost (lease)              = {} (excused: {})",
+            self.losses.lost_attempts,
+            if excused.is_empty() { "none".into() } else { excused.join(", ") }
+        )?;
+        for (during, n) in &self.losses.healthy_during {
+            writeln!(f, "    healthy cancellations during {during}: {n}")?;
+        }
+        for e in &self.losses.healthy_examples {
+            writeln!(f, "    e.g. {e}")?;
+        }
         writeln!(f, "  zombie commits rejected            = {}", self.zombie_commits_rejected)?;
         writeln!(f, "  completed + dead-lettered          = {} + {} of {}", self.completed, self.dead, self.jobs)?;
         if let Some(n) = self.broker_dead_letters {
@@ -514,6 +704,8 @@ enum Kind {
     Ok,
     Poison,
     Flaky,
+    /// Waits past the lease in its handler (cancellably): lives on heartbeats.
+    Slow,
 }
 
 fn job_kinds(c: &ChaosConfig) -> Vec<(String, Kind)> {
@@ -523,6 +715,8 @@ fn job_kinds(c: &ChaosConfig) -> Vec<(String, Kind)> {
                 Kind::Poison
             } else if c.flaky_every > 0 && i % c.flaky_every == 1 {
                 Kind::Flaky
+            } else if c.slow_every > 0 && i % c.slow_every == c.slow_every - 1 {
+                Kind::Slow
             } else {
                 Kind::Ok
             };
@@ -535,6 +729,7 @@ fn payload_of(kind: Kind) -> &'static [u8] {
     match kind {
         Kind::Ok => b"{\"op\":\"apply\"}",
         Kind::Flaky => b"{\"op\":\"flaky\"}",
+        Kind::Slow => b"{\"op\":\"slow\"}",
         // Not valid UTF-8 and not JSON: the handler cannot decode it.
         Kind::Poison => b"\xff\xfe{poison",
     }
@@ -579,21 +774,43 @@ impl Broker {
         }
     }
 
-    fn worker_args(&self) -> Vec<String> {
+    /// The broker's `host:port` on this machine, for a stall proxy in front of it; `None` when
+    /// there is no broker (the table queue) or it is not a plain address here.
+    fn upstream(&self) -> Option<String> {
+        match self {
+            Broker::Table => None,
+            #[cfg(feature = "sqs")]
+            Broker::Sqs(_) => sqs_chaos::endpoint_host_port(),
+            #[cfg(feature = "redis")]
+            Broker::Redis(b) => Some(format!("127.0.0.1:{}", b.port())),
+        }
+    }
+
+    /// The workers' arguments; with `proxy`, they reach the broker through it.
+    fn worker_args(&self, proxy: Option<std::net::SocketAddr>) -> Vec<String> {
+        let _ = proxy;
         match self {
             Broker::Table => Vec::new(),
             #[cfg(feature = "sqs")]
             Broker::Sqs(b) => b.worker_args(),
             #[cfg(feature = "redis")]
-            Broker::Redis(b) => b.worker_args(),
+            Broker::Redis(b) => b.worker_args(proxy.map(|a| format!("redis://{a}"))),
         }
     }
 
-    /// Environment the workers need (the AWS settings for SQS).
-    fn worker_env(&self) -> Vec<(String, String)> {
+    /// Environment the workers need (the AWS settings for SQS; with `proxy`, its endpoint).
+    fn worker_env(&self, proxy: Option<std::net::SocketAddr>) -> Vec<(String, String)> {
+        let _ = proxy;
         match self {
             #[cfg(feature = "sqs")]
-            Broker::Sqs(_) => sqs_chaos::aws_env(),
+            Broker::Sqs(_) => {
+                let mut env = sqs_chaos::aws_env();
+                if let Some(addr) = proxy {
+                    env.retain(|(k, _)| k != "AWS_ENDPOINT_URL_SQS");
+                    env.push(("AWS_ENDPOINT_URL_SQS".into(), format!("http://{addr}")));
+                }
+                env
+            }
             _ => Vec::new(),
         }
     }
@@ -616,6 +833,9 @@ impl Broker {
 
     /// Poison deliveries found in the broker's dead-letter place, when it has one.
     async fn dead_letters(&self, poison: &HashSet<String>) -> Result<Option<usize>, String> {
+        if poison.is_empty() {
+            return Ok(None);
+        }
         match self {
             Broker::Table => {
                 let _ = poison;
@@ -649,6 +869,10 @@ struct WorkerState {
     computing: AtomicI64,
     /// Last metrics line of each incarnation.
     metrics: Mutex<BTreeMap<u32, HashMap<String, u64>>>,
+    /// Attempts each incarnation reported lost.
+    losses: Mutex<Vec<LossEvent>>,
+    /// Incarnations that stopped cleanly (their last metrics line is final).
+    stopped: Mutex<HashSet<u32>>,
 }
 
 struct Worker {
@@ -658,6 +882,8 @@ struct Worker {
     pid: i32,
     state: Arc<WorkerState>,
     stopped_until: Option<Instant>,
+    /// The timeline entry of the SIGSTOP in force.
+    stop_record: Option<usize>,
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -715,12 +941,20 @@ impl Fleet {
                                 .collect();
                             state.metrics.lock().unwrap_or_else(|p| p.into_inner()).insert(incarnation, parsed);
                         }
+                        "lost" => {
+                            if let Some(loss) = LossEvent::parse(index, incarnation, fields) {
+                                state.losses.lock().unwrap_or_else(|p| p.into_inner()).push(loss);
+                            }
+                        }
+                        "stopped" => {
+                            state.stopped.lock().unwrap_or_else(|p| p.into_inner()).insert(incarnation);
+                        }
                         _ => {}
                     }
                 }
             });
         }
-        Ok(Worker { index, incarnation, child, pid, state, stopped_until: None })
+        Ok(Worker { index, incarnation, child, pid, state, stopped_until: None, stop_record: None })
     }
 
     fn metric(&self, name: &str) -> u64 {
@@ -737,18 +971,11 @@ impl Fleet {
 // The run
 // ------------------------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    Stop,
-    Kill,
-    CutConnections,
-    RestartServer,
-}
-
 /// Runs one chaos instance and returns what it found (it does not judge: see
 /// [`Report::violations`]).
 pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let started = Instant::now();
+    let t0_ms = now_ms();
     let run_id = format!("{:08x}", rand::random::<u32>());
     let schema = SchemaName::new(format!("chaos_{run_id}")).map_err(|e| e.to_string())?;
     let options: sqlx::postgres::PgConnectOptions =
@@ -763,6 +990,28 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let queue = QueueName::new(format!("chaos-{}-{run_id}", c.source.name())).map_err(|e| e.to_string())?;
     let jobs = job_kinds(&c);
     let mut broker = Broker::setup(&c, &store, &queue, &jobs).await?;
+
+    // The faults that apply to this source; the others are named in the report.
+    let mut kinds: Vec<FaultKind> = Vec::new();
+    let mut not_applicable = Vec::new();
+    for &k in &c.faults {
+        match k {
+            FaultKind::RedisRestart if !broker.can_restart_server() => not_applicable
+                .push("redis-restart: only the Redis source runs a private server that can be restarted".to_owned()),
+            FaultKind::BrokerStall if broker.upstream().is_none() => not_applicable.push(match c.source {
+                SourceKind::Table => "broker-stall: the table queue has no broker (its receive is a PostgreSQL \
+                                      statement: pg-lock and pg-pause stall that path)"
+                    .to_owned(),
+                _ => "broker-stall: the broker endpoint is not a plain address on 127.0.0.1".to_owned(),
+            }),
+            k => kinds.push(k),
+        }
+    }
+    let proxy = match broker.upstream() {
+        Some(upstream) if kinds.contains(&FaultKind::BrokerStall) => Some(proxy::StallProxy::start(upstream).await?),
+        _ => None,
+    };
+    let proxy_addr = proxy.as_ref().map(|p| p.addr());
 
     let receiver = Arc::new(Receiver {
         ledger: PgLedger::new(&store, "chaos-receiver"),
@@ -798,15 +1047,17 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         c.batch.to_string(),
         "--work-ms".into(),
         c.work.as_millis().to_string(),
+        "--slow-ms".into(),
+        c.slow_work().as_millis().to_string(),
     ];
-    base_args.extend(broker.worker_args());
+    base_args.extend(broker.worker_args(proxy_addr));
     if !c.worker_guards.is_empty() {
         base_args.extend(["--guards".to_owned(), c.worker_guards.join(",")]);
     }
     let mut fleet = Fleet {
         launcher: c.launcher.clone(),
         base_args,
-        env: broker.worker_env(),
+        env: broker.worker_env(proxy_addr),
         log_dir: log_dir.clone(),
         workers: Vec::new(),
         states: (0..c.workers).map(|_| Arc::new(WorkerState::default())).collect(),
@@ -816,6 +1067,12 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             eprintln!("[chaos {:>6.1}s] {msg}", started.elapsed().as_secs_f64());
         }
     };
+    for na in &not_applicable {
+        say(format!("not applicable: {na}"));
+    }
+    if let Some(p) = &proxy {
+        say(format!("workers reach the broker through the stall proxy on {}", p.addr()));
+    }
     let first_start = Instant::now();
     for i in 0..c.workers {
         let w = fleet.spawn(i, 0).await?;
@@ -825,14 +1082,26 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(c.seed);
     let lease = Duration::from_secs(c.lease_secs);
-    let mut report =
-        Report { source: c.source.name(), jobs: c.jobs, workers: c.workers, seed: c.seed, ..Default::default() };
-    // Every kind of fault early on, then at random.
-    let mut schedule: Vec<Fault> = vec![Fault::Stop, Fault::CutConnections, Fault::Kill];
-    if broker.can_restart_server() {
-        schedule.push(Fault::RestartServer);
+    let mut report = Report {
+        source: c.source.name(),
+        jobs: c.jobs,
+        workers: c.workers,
+        seed: c.seed,
+        faults: c.faults.clone(),
+        not_applicable,
+        t0_ms,
+        stall_secs: c.stall().as_secs_f64(),
+        lease_secs: c.lease_secs,
+        ..Default::default()
+    };
+    let log = FaultLog::default();
+    let ctx =
+        FaultCtx { c: &c, store: &store, queue: &queue, run_id: &run_id, lease, log: &log, proxy: proxy.as_ref() };
+    // Every kind of fault early on (a second SIGSTOP at the end of the round), then at random.
+    let mut schedule: Vec<FaultKind> = FaultKind::ALL.iter().copied().filter(|k| kinds.contains(k)).collect();
+    if kinds.contains(&FaultKind::SigStop) {
+        schedule.push(FaultKind::SigStop);
     }
-    schedule.push(Fault::Stop);
     schedule.reverse();
     let mut next_fault = Instant::now() + c.fault_every / 2;
     let deadline = first_start + c.deadline;
@@ -845,6 +1114,9 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             if w.stopped_until.is_some_and(|t| t <= now) {
                 signal(w.pid, libc::SIGCONT);
                 w.stopped_until = None;
+                if let Some(id) = w.stop_record.take() {
+                    log.close(id);
+                }
                 say(format!("SIGCONT worker {} (pid {})", w.index, w.pid));
             }
         }
@@ -866,23 +1138,42 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             say("deadline reached with jobs unfinished".into());
             break;
         }
-        if now >= next_fault {
+        let injected = report.faults_injected;
+        if now >= next_fault && !kinds.is_empty() && c.max_faults.is_none_or(|m| injected < m) {
             let fault = schedule.pop().unwrap_or_else(|| {
-                let mut kinds = vec![Fault::Stop, Fault::Stop, Fault::Kill, Fault::CutConnections];
-                if broker.can_restart_server() {
-                    kinds.push(Fault::RestartServer);
+                let mut weighted = kinds.clone();
+                if kinds.contains(&FaultKind::SigStop) {
+                    weighted.push(FaultKind::SigStop);
                 }
-                kinds[rng.random_range(0..kinds.len())]
+                weighted[rng.random_range(0..weighted.len())]
             });
-            inject(&c, fault, &mut fleet, &mut broker, &store, &run_id, &mut rng, lease, &mut report, &say).await?;
-            let jitter = rng.random_range(0.5..1.5);
-            next_fault = Instant::now() + c.fault_every.mul_f64(jitter);
+            if inject(&ctx, fault, &mut fleet, &mut broker, &mut rng, &mut report, &say).await? {
+                report.faults_injected += 1;
+                // The first round comes at even steps, so every kind is injected early on.
+                let jitter = if schedule.is_empty() { rng.random_range(0.5..1.5) } else { 1.0 };
+                let mut gap = c.fault_every.mul_f64(jitter);
+                if matches!(fault, FaultKind::BrokerStall | FaultKind::PgLock | FaultKind::PgPause) {
+                    // One stall at a time, with a second of calm between two.
+                    gap = gap.max(c.stall() + Duration::from_secs(1));
+                }
+                next_fault = Instant::now() + gap;
+            } else {
+                // Not possible right now (nothing to stall, a stall still in force): soon again.
+                schedule.push(fault);
+                next_fault = Instant::now() + Duration::from_millis(500);
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     report.drain_secs = drained_at.unwrap_or_else(Instant::now).duration_since(first_start).as_secs_f64();
+    // A broker stall still in force ends now: the workers need their broker to stop cleanly.
+    if let Some(p) = &proxy {
+        p.resume();
+        log.cut_short(FaultKind::BrokerStall);
+    }
 
-    // Let every paused worker resume and finish its zombie attempts, then stop them gracefully.
+    // Let every paused worker resume and finish its zombie attempts, let every stall end, then
+    // stop the workers gracefully.
     let resume_by = fleet.workers.iter().filter_map(|w| w.stopped_until).max();
     if let Some(t) = resume_by {
         tokio::time::sleep(t.saturating_duration_since(Instant::now())).await;
@@ -891,6 +1182,13 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         if w.stopped_until.take().is_some() {
             signal(w.pid, libc::SIGCONT);
         }
+        if let Some(id) = w.stop_record.take() {
+            log.close(id);
+        }
+    }
+    let stalls_end = Instant::now() + c.stall() + Duration::from_secs(3);
+    while log.any_open() && Instant::now() < stalls_end {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for w in &fleet.workers {
@@ -907,6 +1205,9 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     }
     // The stdout readers deliver the final metrics lines.
     tokio::time::sleep(Duration::from_millis(200)).await;
+    if let Some(p) = &proxy {
+        p.resume();
+    }
 
     // ---- checks ----
     let rows = final_rows(&store, &queue).await?;
@@ -963,9 +1264,29 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     report.receiver_refused = receiver.refused.load(Ordering::Relaxed);
     report.zombie_commits_rejected = fleet.metric("fenced_rejections");
     report.lease_losses = fleet.metric("lease_losses");
+
+    // Every lost attempt against the timeline; and the loss reports against the counters.
+    report.timeline = log.snapshot();
+    let mut losses: Vec<LossEvent> = Vec::new();
+    for (i, state) in fleet.states.iter().enumerate() {
+        let mine: Vec<LossEvent> = state.losses.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let metrics = state.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        for incarnation in state.stopped.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let counted = metrics.get(incarnation).and_then(|m| m.get("lease_losses")).copied().unwrap_or(0);
+            let reported = mine.iter().filter(|l| l.incarnation == *incarnation).count() as u64;
+            if reported < counted {
+                say(format!("worker {i} run {incarnation}: {reported} lost attempts reported, {counted} counted"));
+                report.loss_reports_missing += 1;
+            }
+        }
+        losses.extend(mine);
+    }
+    losses.sort_by_key(|l| l.at_ms);
+    report.losses = faults::summarize(&losses, &report.timeline, lease + Duration::from_secs(1), t0_ms);
     report.total_secs = started.elapsed().as_secs_f64();
 
     receiver_task.abort();
+    drop(proxy);
     broker.cleanup().await;
     let keep = c.keep_logs || (c.keep_on_failure && !report.violations().is_empty());
     if keep {
@@ -977,26 +1298,34 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     Ok(report)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What every fault injection needs of the run.
+struct FaultCtx<'a> {
+    c: &'a ChaosConfig,
+    store: &'a PgFence,
+    queue: &'a QueueName,
+    run_id: &'a str,
+    lease: Duration,
+    log: &'a FaultLog,
+    proxy: Option<&'a proxy::StallProxy>,
+}
+
 async fn inject(
-    c: &ChaosConfig,
-    fault: Fault,
+    x: &FaultCtx<'_>,
+    fault: FaultKind,
     fleet: &mut Fleet,
     broker: &mut Broker,
-    store: &PgFence,
-    run_id: &str,
     rng: &mut rand::rngs::StdRng,
-    lease: Duration,
     report: &mut Report,
     say: &impl Fn(String),
-) -> Result<(), String> {
+) -> Result<bool, String> {
+    let (c, log) = (x.c, x.log);
     let running: Vec<usize> =
         fleet.workers.iter().enumerate().filter(|(_, w)| w.stopped_until.is_none()).map(|(i, _)| i).collect();
     match fault {
-        Fault::Stop => {
+        FaultKind::SigStop => {
             // Keep one worker running, so the jobs of the paused one get taken over.
             if running.len() < 2 {
-                return Ok(());
+                return Ok(false);
             }
             // Prefer a worker inside its blocking work: resumed there, it reaches its commit.
             let busy: Vec<usize> = running
@@ -1006,54 +1335,208 @@ async fn inject(
                 .collect();
             let pool = if busy.is_empty() { &running } else { &busy };
             let i = pool[rng.random_range(0..pool.len())];
-            let pause = lease + Duration::from_millis(rng.random_range(1200..2500));
+            let pause = x.lease + Duration::from_millis(rng.random_range(1200..2500));
             let w = &mut fleet.workers[i];
             signal(w.pid, libc::SIGSTOP);
             w.stopped_until = Some(Instant::now() + pause);
+            w.stop_record = Some(log.open(FaultKind::SigStop, Target::Worker(w.index), format!("pid {}", w.pid)));
             report.sigstops += 1;
             say(format!("SIGSTOP worker {} (pid {}) for {:.1} s", w.index, w.pid, pause.as_secs_f64()));
         }
-        Fault::Kill => {
+        FaultKind::SigKill => {
             if running.is_empty() {
-                return Ok(());
+                return Ok(false);
             }
             let i = running[rng.random_range(0..running.len())];
-            let (index, incarnation) = {
+            let start = now_ms();
+            let (index, incarnation, old_pid) = {
                 let w = &mut fleet.workers[i];
                 let _ = w.child.start_kill();
                 let _ = w.child.wait().await;
                 say(format!("SIGKILL worker {} (pid {})", w.index, w.pid));
-                (w.index, w.incarnation + 1)
+                (w.index, w.incarnation + 1, w.pid)
             };
             report.sigkills += 1;
             tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
             fleet.workers[i] = fleet.spawn(index, incarnation).await?;
-            say(format!("restarted worker {index} (pid {})", fleet.workers[i].pid));
+            let new_pid = fleet.workers[i].pid;
+            log.record(
+                FaultKind::SigKill,
+                Target::Worker(index),
+                start,
+                now_ms(),
+                format!("pid {old_pid}, restarted as pid {new_pid}"),
+            );
+            say(format!("restarted worker {index} (pid {new_pid})"));
         }
-        Fault::CutConnections => {
-            let target = if rng.random_bool(0.5) || c.workers == 1 {
-                format!("chaos-{run_id}-w%")
+        FaultKind::PgTerminate => {
+            let (pattern, target) = if rng.random_bool(0.5) || c.workers == 1 {
+                (format!("chaos-{}-w%", x.run_id), Target::All)
             } else {
-                format!("chaos-{run_id}-w{}", rng.random_range(0..c.workers))
+                let w = rng.random_range(0..c.workers);
+                (format!("chaos-{}-w{w}", x.run_id), Target::Worker(w))
             };
+            let start = now_ms();
             let n: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                  WHERE application_name LIKE $1 AND pid <> pg_backend_pid()) t",
             )
-            .bind(target.clone())
-            .fetch_one(store.pool())
+            .bind(pattern.clone())
+            .fetch_one(x.store.pool())
             .await
             .map_err(|e| format!("pg_terminate_backend: {e}"))?;
             report.connections_terminated += u64::try_from(n).unwrap_or(0);
-            say(format!("pg_terminate_backend: {n} connections of {target}"));
+            log.record(FaultKind::PgTerminate, target, start, now_ms(), format!("{n} connections cut"));
+            say(format!("pg_terminate_backend: {n} connections of {pattern}"));
         }
-        Fault::RestartServer => {
+        FaultKind::RedisRestart => {
+            let start = now_ms();
             broker.restart_server().await?;
+            log.record(FaultKind::RedisRestart, Target::All, start, now_ms(), "private redis-server killed".into());
             report.redis_restarts += 1;
             say("redis-server restarted".into());
         }
+        FaultKind::BrokerStall => {
+            let Some(proxy) = x.proxy else { return Ok(false) };
+            if log.open_on(0, &[FaultKind::BrokerStall]) {
+                return Ok(false);
+            }
+            let in_flight = live_attempts(x, None).await?;
+            report.stalled_attempts += in_flight;
+            let d = c.stall();
+            let start = now_ms();
+            proxy.stall_for(d);
+            let conns = proxy.stats().connections.load(Ordering::Relaxed);
+            log.record(
+                FaultKind::BrokerStall,
+                Target::All,
+                start,
+                start + d.as_millis() as u64,
+                format!(
+                    "proxy {} held every byte of {conns} connections (and new ones); {in_flight} attempts in flight",
+                    proxy.addr()
+                ),
+            );
+            report.broker_stalls += 1;
+            say(format!("broker stall for {:.1} s (proxy {})", d.as_secs_f64(), proxy.addr()));
+        }
+        FaultKind::PgLock | FaultKind::PgPause => {
+            let Some(i) = pg_victim(x, fleet).await? else {
+                say(format!("{}: no running worker holds a running row now; later", fault.name()));
+                return Ok(false);
+            };
+            let (index, pid) = (fleet.workers[i].index, fleet.workers[i].pid);
+            let in_flight = live_attempts(x, Some(&owner_prefix(index, pid))).await?;
+            let d = c.stall();
+            if fault == FaultKind::PgLock {
+                let prefix = owner_prefix(index, pid);
+                let id = log.open(FaultKind::PgLock, Target::Worker(index), format!("owner {prefix}…:"));
+                let app_prefix = format!("chaos-{}-w", x.run_id);
+                let target = pg_stall::LockTarget {
+                    schema: x.store.schema().as_str(),
+                    queue: x.queue.as_str(),
+                    owner_prefix: &prefix,
+                    victim: index,
+                    app_prefix: &app_prefix,
+                };
+                match pg_stall::lock_rows(x.store.pool(), target, d, log.clone(), id).await {
+                    Ok(n) => {
+                        say(format!("pg-lock: {n} running rows of worker {index} locked for {:.1} s", d.as_secs_f64()));
+                        if n == 0 {
+                            return Ok(false);
+                        }
+                        report.pg_locks += 1;
+                        report.pg_locked_rows += n as u64;
+                        report.stalled_attempts += in_flight;
+                    }
+                    Err(e) => {
+                        log.close(id);
+                        say(format!("pg-lock failed: {e}"));
+                        return Ok(false);
+                    }
+                }
+            } else {
+                let app = format!("chaos-{}-w{index}", x.run_id);
+                let id = log.open(FaultKind::PgPause, Target::Worker(index), format!("backends of {app}:"));
+                match pg_stall::pause_backends(x.store.pool().clone(), app, d, log.clone(), id).await {
+                    Ok(n) => {
+                        say(format!(
+                            "pg-pause: {n} backends of worker {index} SIGSTOPped for {:.1} s",
+                            d.as_secs_f64()
+                        ));
+                        if n == 0 {
+                            // The task ends the (empty) pause by itself; try again soon.
+                            return Ok(false);
+                        }
+                        report.pg_pauses += 1;
+                        report.pg_paused_backends += n as u64;
+                        report.stalled_attempts += in_flight;
+                    }
+                    Err(e) => {
+                        log.close(id);
+                        say(format!("pg-pause failed: {e}"));
+                        return Ok(false);
+                    }
+                }
+            }
+        }
     }
-    Ok(())
+    Ok(true)
+}
+
+/// Rows `running` under a live lease (of owners starting with `owner_prefix`, when given).
+async fn live_attempts(x: &FaultCtx<'_>, owner_prefix: Option<&str>) -> Result<u64, String> {
+    let s = x.store.schema().as_str();
+    let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
+         AND lease_until > clock_timestamp() AND owner LIKE $2"
+    )))
+    .bind(x.queue.as_str().to_owned())
+    .bind(format!("{}%", owner_prefix.unwrap_or("")))
+    .fetch_one(x.store.pool())
+    .await
+    .map_err(|e| format!("live attempts: {e}"))?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// How the owner ids of worker `index` (process `pid`) begin (see `Owner::unique`).
+fn owner_prefix(index: usize, pid: i32) -> String {
+    format!("w{index}-{pid}-")
+}
+
+/// The worker (not paused, not already under a PostgreSQL stall) that holds running rows under
+/// a live lease and was stalled the fewest times so far (then: the most rows); `None` when none
+/// holds any. Taking turns keeps one worker's long jobs from being stalled again and again.
+async fn pg_victim(x: &FaultCtx<'_>, fleet: &Fleet) -> Result<Option<usize>, String> {
+    let s = x.store.schema().as_str();
+    let owners: Vec<(Option<String>, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT owner, count(*) FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
+         AND lease_until > clock_timestamp() GROUP BY owner"
+    )))
+    .bind(x.queue.as_str().to_owned())
+    .fetch_all(x.store.pool())
+    .await
+    .map_err(|e| format!("running rows by owner: {e}"))?;
+    let timeline = x.log.snapshot();
+    let mut best: Option<(usize, (usize, i64))> = None;
+    for (i, w) in fleet.workers.iter().enumerate() {
+        if w.stopped_until.is_some() || x.log.open_on(w.index, &[FaultKind::PgLock, FaultKind::PgPause]) {
+            continue;
+        }
+        let prefix = owner_prefix(w.index, w.pid);
+        let n: i64 =
+            owners.iter().filter(|(o, _)| o.as_deref().is_some_and(|o| o.starts_with(&prefix))).map(|(_, n)| n).sum();
+        let stalled = timeline
+            .iter()
+            .filter(|r| matches!(r.kind, FaultKind::PgLock | FaultKind::PgPause) && r.target == Target::Worker(w.index))
+            .count();
+        // Fewest stalls first, then most rows.
+        let rank = (usize::MAX - stalled, n);
+        if n > 0 && best.is_none_or(|(_, r)| rank > r) {
+            best = Some((i, rank));
+        }
+    }
+    Ok(best.map(|(i, _)| i))
 }
 
 async fn install_audit(store: &PgFence) -> Result<(), String> {
@@ -1147,6 +1630,7 @@ struct WorkerOpts {
     concurrency: usize,
     batch: usize,
     work: Duration,
+    slow: Duration,
     id: usize,
     sqs_queue_url: Option<String>,
     redis_url: Option<String>,
@@ -1166,6 +1650,7 @@ fn parse_worker_args(args: &[String]) -> Result<WorkerOpts, String> {
         concurrency: 4,
         batch: 10,
         work: Duration::from_millis(20),
+        slow: Duration::from_secs(4),
         id: 0,
         sqs_queue_url: None,
         redis_url: None,
@@ -1187,6 +1672,7 @@ fn parse_worker_args(args: &[String]) -> Result<WorkerOpts, String> {
             "--concurrency" => o.concurrency = num(&value)? as usize,
             "--batch" => o.batch = num(&value)? as usize,
             "--work-ms" => o.work = Duration::from_millis(num(&value)?),
+            "--slow-ms" => o.slow = Duration::from_millis(num(&value)?),
             "--id" => o.id = num(&value)? as usize,
             "--sqs-queue-url" => o.sqs_queue_url = Some(value),
             "--redis-url" => o.redis_url = Some(value),
@@ -1207,11 +1693,19 @@ fn event(line: impl std::fmt::Display) {
 
 /// The worker process: runs one consumer until SIGTERM. Returns the exit code.
 pub fn worker_main(args: Vec<String>) -> i32 {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
+    {
+        use tracing_subscriber::Layer as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let log = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_filter(tracing_subscriber::EnvFilter::from_default_env());
+        // Every lost attempt, whatever RUST_LOG says, as an EVENT line for the runner.
+        let losses =
+            faults::LossLayer { emit: |line| event(line) }.with_filter(tracing_subscriber::filter::LevelFilter::WARN);
+        let _ = tracing_subscriber::registry().with(log).with(losses).try_init();
+    }
     let opts = match parse_worker_args(&args) {
         Ok(o) => o,
         Err(e) => {
@@ -1241,6 +1735,7 @@ struct HandlerEnv {
     client: reqwest::Client,
     receiver: String,
     work: Duration,
+    slow: Duration,
 }
 
 /// The handler: decode, call the receiver with the fencing stamp, do blocking work, return the
@@ -1251,6 +1746,8 @@ async fn handle(env: Arc<HandlerEnv>, ctx: JobContext) -> Result<Vec<u8>, JobErr
         .map_err(|e| JobError::fatal(format!("undecodable payload: not UTF-8 ({e})")))?;
     let op = if body.contains("\"flaky\"") {
         "flaky"
+    } else if body.contains("\"slow\"") {
+        "slow"
     } else if body.contains("\"apply\"") {
         "apply"
     } else {
@@ -1268,6 +1765,11 @@ async fn handle(env: Arc<HandlerEnv>, ctx: JobContext) -> Result<Vec<u8>, JobErr
     }
     if op == "flaky" && ctx.lease().attempts == 1 {
         return Err(JobError::retry("flaky: first attempt fails on purpose"));
+    }
+    if op == "slow" {
+        // Longer than the lease, and cancellable: the attempt lives only while its heartbeats
+        // confirm the lease, so a stall that costs it the lease shows up as a lost attempt.
+        tokio::time::sleep(env.slow).await;
     }
     event(format!("compute key={} epoch={}", ctx.key(), ctx.epoch()));
     let work = env.work;
@@ -1329,6 +1831,7 @@ async fn worker(o: WorkerOpts) -> Result<(), String> {
         client: reqwest::Client::builder().timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string())?,
         receiver: o.receiver.clone(),
         work: o.work,
+        slow: o.slow,
     });
     let owner = Owner::unique(&format!("w{}", o.id));
     event(format!("ready pid={} owner={owner}", std::process::id()));
@@ -1426,6 +1929,16 @@ mod sqs_chaos {
             .iter()
             .filter_map(|n| brokerfence::services::var(n).map(|v| ((*n).to_owned(), v)))
             .collect()
+    }
+
+    /// `host:port` of a plain-HTTP SQS endpoint on this machine (LocalStack), for the stall
+    /// proxy.
+    pub fn endpoint_host_port() -> Option<String> {
+        let url = aws_env().into_iter().find(|(k, _)| k == "AWS_ENDPOINT_URL_SQS")?.1;
+        let rest = url.strip_prefix("http://")?;
+        let host_port = rest.split('/').next()?;
+        let host = host_port.rsplit_once(':').map(|(h, _)| h).unwrap_or(host_port);
+        matches!(host, "127.0.0.1" | "localhost").then(|| host_port.to_owned())
     }
 
     async fn client() -> Client {
@@ -1678,8 +2191,13 @@ mod redis_chaos {
             self.spawn().await
         }
 
-        pub fn worker_args(&self) -> Vec<String> {
-            vec!["--redis-url".into(), self.url(), "--stream".into(), self.stream.clone()]
+        pub fn port(&self) -> u16 {
+            self.port
+        }
+
+        /// With `via`, the workers connect to that URL (the stall proxy) instead.
+        pub fn worker_args(&self, via: Option<String>) -> Vec<String> {
+            vec!["--redis-url".into(), via.unwrap_or_else(|| self.url()), "--stream".into(), self.stream.clone()]
         }
 
         /// Poison jobs found in the dead-letter stream (by the `key` field the copy keeps).

@@ -4,9 +4,15 @@
 //! every call. Asserted: jobs lost = 0, results committed twice = 0, receiver accepts of a lower
 //! epoch = 0, zombie commits rejected ≥ 1, every job completed or dead-lettered.
 //!
-//! The runner is `examples/chaos.rs` (run a larger instance by hand with
-//! `cargo run --release --example chaos -- --source table --workers 8 --jobs 5000`). The worker
+//! The runner is `examples/chaos.rs` (run a larger instance by hand, after
+//! `cargo test --workspace --all-features --no-run`, with
+//! `target/debug/examples/chaos --source table --workers 8 --jobs 5000`). The worker
 //! processes are this test binary, re-executed in worker mode by [`worker_entry`].
+//!
+//! The `edges` module adds the faults of issue #12 ("Done when"): a broker that stalls for
+//! longer than the lease (a TCP proxy between the workers and LocalStack or Redis holds every
+//! byte) and a PostgreSQL stall of one worker (its running rows locked, or its backends
+//! paused), and asserts zero healthy cancellations besides zero lost and zero committed twice.
 
 #[path = "../examples/chaos.rs"]
 mod chaos;
@@ -91,4 +97,220 @@ fn chaos_notices_a_missing_commit_guard() {
     println!("{report}");
     assert!(report.committed_twice + report.effect_missing >= 1, "a missing commit guard went unnoticed\n{report}");
     assert!(!report.violations().is_empty(), "{report}");
+}
+
+/// The faults of issue #12's "Done when": broker stalls and PostgreSQL stalls, per source.
+mod edges {
+    use super::*;
+    use chaos::FaultKind;
+    use chaos::faults::{FaultRecord, Judgement, LossEvent, Target, judge, summarize};
+    use chaos::proxy::StallProxy;
+    use std::time::Duration;
+
+    fn run_edges(source: SourceKind, faults: &[FaultKind]) -> chaos::Report {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let mut config = ChaosConfig::edges(source, faults, database_url(), launcher());
+        if let Ok(seed) = std::env::var("CHAOS_SEED") {
+            config.seed = seed.parse().expect("CHAOS_SEED is a number");
+        }
+        config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
+        // The schema and the worker logs of a failed run stay only when asked for (CHAOS_KEEP).
+        config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
+        config.keep_logs = config.keep_on_failure;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
+        println!("{report}");
+        report
+    }
+
+    /// What every edge run must show: nothing lost, nothing committed twice, no stale accept,
+    /// no lease lost while the database was reachable and the holder running, and loss reports
+    /// that add up to the workers' counters.
+    fn assert_edges(report: &chaos::Report) {
+        assert_eq!(report.lost(), 0, "jobs lost\n{report}");
+        assert_eq!(report.committed_twice, 0, "results committed twice\n{report}");
+        assert_eq!(report.stale_accepts, 0, "receiver accepted a lower epoch\n{report}");
+        assert_eq!(report.loss_reports_missing, 0, "lost attempts went unreported\n{report}");
+        assert_eq!(report.completed + report.dead, report.jobs, "not every job completed or dead-lettered\n{report}");
+        assert!(report.stalled_attempts >= 1, "no stall found an attempt in flight: it proved nothing\n{report}");
+        assert_eq!(
+            report.losses.healthy, 0,
+            "attempts cancelled while the database was reachable and their holder running\n{report}"
+        );
+        assert!(report.violations().is_empty(), "{report}");
+    }
+
+    fn broker_stall(source: SourceKind) {
+        let report = run_edges(source, &[FaultKind::BrokerStall]);
+        assert!(report.broker_stalls >= 1, "no broker stall was injected\n{report}");
+        assert_edges(&report);
+    }
+
+    fn pg_stall(source: SourceKind) {
+        let report = run_edges(source, &[FaultKind::PgLock, FaultKind::PgPause]);
+        assert!(report.pg_locks >= 1 && report.pg_locked_rows >= 1, "no running row was locked\n{report}");
+        assert!(report.pg_pauses >= 1 && report.pg_paused_backends >= 1, "no backend was paused\n{report}");
+        assert_edges(&report);
+    }
+
+    /// Issue #12, "Done when" (broker stall) and item 1 bullets 1–2: the stall proxy in front of
+    /// LocalStack holds every byte for lease + 2 s while attempts that need their heartbeats are
+    /// in flight. Guard: the database heartbeat never waits on a broker call (hooks off the
+    /// heartbeat path, each bounded by a timeout), so no healthy lease is cancelled.
+    #[cfg(feature = "sqs")]
+    #[test]
+    fn edges_broker_stall_sqs() {
+        broker_stall(SourceKind::Sqs);
+    }
+
+    /// Issue #12, "Done when" (broker stall) and item 1 bullets 1–2, for Redis streams: the stall
+    /// proxy in front of the run's private redis-server holds every byte for lease + 2 s
+    /// (XCLAIM and the lease-key scripts hang). Guard: the heartbeat never waits on Redis.
+    #[cfg(feature = "redis")]
+    #[test]
+    fn edges_broker_stall_redis_stream() {
+        broker_stall(SourceKind::Redis);
+    }
+
+    /// Issue #12, "Done when" (PostgreSQL stall), table queue: one worker's live rows are
+    /// locked, and later another worker's idle backends SIGSTOPped, each for lease + 2 s (the
+    /// victims take turns). A victim's own attempts may be lost (excused: the database was
+    /// stalled for it, and so for a worker seen waiting on the lock); no job is lost or
+    /// committed twice, and no other worker loses a lease (guards: fenced commits and claims;
+    /// the other workers' heartbeats share no statement and no connection with the victim's).
+    /// On today's code this holds: a stalled worker's attempts end `LeaseLost { Unconfirmed }`
+    /// or, when the stall caught them in their commit, `Fenced` after a takeover.
+    #[test]
+    fn edges_pg_stall_table_queue() {
+        pg_stall(SourceKind::Table);
+    }
+
+    /// Issue #12, "Done when" (PostgreSQL stall), SQS: as for the table queue; in addition the
+    /// stalled worker's messages become visible again (no confirmed heartbeat, no visibility
+    /// extension) and other workers receive them: their claims of a locked row wait on the lock
+    /// (those workers are excused while seen waiting), and no worker's heartbeat may queue behind
+    /// such a claim (item 1 bullet 3).
+    #[cfg(feature = "sqs")]
+    #[test]
+    fn edges_pg_stall_sqs() {
+        pg_stall(SourceKind::Sqs);
+    }
+
+    /// Issue #12, "Done when" (PostgreSQL stall), Redis streams: as for SQS.
+    #[cfg(feature = "redis")]
+    #[test]
+    fn edges_pg_stall_redis_stream() {
+        pg_stall(SourceKind::Redis);
+    }
+
+    /// The table queue has no broker: a run asked for a broker stall says so and runs without it.
+    #[test]
+    fn edges_broker_stall_is_not_applicable_to_the_table_queue() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let mut config = ChaosConfig::edges(SourceKind::Table, &[FaultKind::BrokerStall], database_url(), launcher());
+        config.jobs = 12;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
+        println!("{report}");
+        assert!(
+            report.not_applicable.iter().any(|n| n.starts_with("broker-stall: the table queue has no broker")),
+            "{report}"
+        );
+        assert_eq!(report.broker_stalls, 0, "{report}");
+        assert!(report.to_string().contains("not applicable: broker-stall"), "{report}");
+        assert!(report.violations().is_empty(), "{report}");
+    }
+
+    fn fault(kind: FaultKind, target: Target, start_ms: u64, end_ms: u64) -> FaultRecord {
+        FaultRecord { kind, target, start_ms, end_ms: Some(end_ms), detail: String::new() }
+    }
+
+    fn loss(worker: usize, at_ms: u64) -> LossEvent {
+        LossEvent { worker, incarnation: 0, key: format!("job-{at_ms}"), epoch: 1, reason: "Unconfirmed".into(), at_ms }
+    }
+
+    /// The rule that tells a healthy cancellation from an excused one (see `chaos::faults`): a
+    /// pause or a database stall excuses only the worker it hit, within its window plus the
+    /// slack; a broker stall excuses nobody.
+    #[test]
+    fn edges_chaos_healthy_cancellation_rule() {
+        let slack = Duration::from_secs(4);
+        let faults = vec![
+            fault(FaultKind::SigStop, Target::Worker(1), 1_000, 6_000),
+            fault(FaultKind::BrokerStall, Target::All, 20_000, 25_000),
+            fault(FaultKind::PgLock, Target::Worker(2), 40_000, 45_000),
+            fault(FaultKind::PgTerminate, Target::All, 60_000, 60_010),
+        ];
+        let excused = |w, t| judge(&loss(w, t), &faults, slack);
+        assert_eq!(excused(1, 6_500), Judgement::Excused(FaultKind::SigStop));
+        assert_eq!(excused(1, 9_900), Judgement::Excused(FaultKind::SigStop));
+        assert_eq!(excused(1, 10_100), Judgement::Healthy(vec![]), "after the window and its slack");
+        assert_eq!(excused(0, 6_500), Judgement::Healthy(vec![FaultKind::SigStop]), "another worker's pause");
+        assert_eq!(excused(0, 22_000), Judgement::Healthy(vec![FaultKind::BrokerStall]));
+        assert_eq!(excused(2, 22_000), Judgement::Healthy(vec![FaultKind::BrokerStall]));
+        assert_eq!(excused(2, 44_000), Judgement::Excused(FaultKind::PgLock));
+        assert_eq!(excused(0, 44_000), Judgement::Healthy(vec![FaultKind::PgLock]), "rows of another worker");
+        assert_eq!(excused(0, 62_000), Judgement::Excused(FaultKind::PgTerminate));
+        let losses = [loss(1, 6_500), loss(0, 22_000), loss(2, 44_000), loss(0, 99_000)];
+        let s = summarize(&losses, &faults, slack, 0);
+        assert_eq!((s.lost_attempts, s.healthy), (4, 2), "{s:?}");
+        assert_eq!(s.excused.get("sigstop"), Some(&1));
+        assert_eq!(s.healthy_during.get("broker-stall"), Some(&1));
+        assert_eq!(s.healthy_during.get("no fault"), Some(&1));
+    }
+
+    /// The loss reports the workers print parse back (the runner counts them against the
+    /// workers' `lease_losses`).
+    #[test]
+    fn edges_chaos_loss_event_parses() {
+        let l =
+            LossEvent::parse(2, 1, "key=job-000007 epoch=3 reason=Unconfirmed at_ms=1700000000123").expect("parses");
+        assert_eq!((l.worker, l.incarnation, l.key.as_str(), l.epoch), (2, 1, "job-000007", 3));
+        assert_eq!((l.reason.as_str(), l.at_ms), ("Unconfirmed", 1_700_000_000_123));
+        assert!(LossEvent::parse(0, 0, "key=job epoch=x reason=R at_ms=1").is_none());
+    }
+
+    /// The stall proxy forwards both ways, and while stalled holds every byte (of open and new
+    /// connections) until the stall ends.
+    #[test]
+    fn edges_chaos_stall_proxy_holds_every_byte() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        rt.block_on(async {
+            let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let upstream = echo.local_addr().expect("addr").to_string();
+            tokio::spawn(async move {
+                while let Ok((mut s, _)) = echo.accept().await {
+                    tokio::spawn(async move {
+                        let mut buf = [0u8; 64];
+                        while let Ok(n) = s.read(&mut buf).await {
+                            if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                }
+            });
+            let proxy = StallProxy::start(upstream).await.expect("proxy");
+            let mut a = tokio::net::TcpStream::connect(proxy.addr()).await.expect("connect");
+            let mut buf = [0u8; 4];
+            a.write_all(b"ping").await.expect("write");
+            tokio::time::timeout(Duration::from_secs(5), a.read_exact(&mut buf)).await.expect("echo").expect("read");
+            assert_eq!(&buf, b"ping");
+
+            let stalled_at = std::time::Instant::now();
+            proxy.stall_for(Duration::from_millis(1500));
+            a.write_all(b"pong").await.expect("write");
+            let mut b = tokio::net::TcpStream::connect(proxy.addr()).await.expect("connect during the stall");
+            b.write_all(b"new!").await.expect("write");
+            let early = tokio::time::timeout(Duration::from_millis(900), a.read_exact(&mut buf)).await;
+            assert!(early.is_err(), "a byte went through the stalled proxy");
+            tokio::time::timeout(Duration::from_secs(5), a.read_exact(&mut buf)).await.expect("after").expect("read");
+            assert_eq!(&buf, b"pong");
+            assert!(stalled_at.elapsed() >= Duration::from_millis(1400), "released early: {:?}", stalled_at.elapsed());
+            tokio::time::timeout(Duration::from_secs(5), b.read_exact(&mut buf)).await.expect("new").expect("read");
+            assert_eq!(&buf, b"new!");
+            assert!(proxy.stats().connections.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+        });
+    }
 }
