@@ -167,6 +167,13 @@ impl FenceStore for Counting {
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> brokerfence::fence::Result<Heartbeat> {
         self.timed("heartbeat", self.inner.heartbeat(leases, lease)).await
     }
+    async fn heartbeat_unless_locked(
+        &self,
+        leases: &[Lease],
+        lease: LeaseDuration,
+    ) -> brokerfence::fence::Result<Heartbeat> {
+        self.timed("heartbeat", self.inner.heartbeat_unless_locked(leases, lease)).await
+    }
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> brokerfence::fence::Result<()> {
         self.timed("checkpoint", self.inner.checkpoint(lease, progress)).await
     }

@@ -165,6 +165,18 @@ mod bench {
             bump(&self.heartbeats);
             self.inner.heartbeat(leases, lease)
         }
+        fn heartbeat_unless_locked<'s, 'l, 'f>(
+            &'s self,
+            leases: &'l [Lease],
+            lease: LeaseDuration,
+        ) -> Fut<'f, Heartbeat>
+        where
+            's: 'f,
+            'l: 'f,
+        {
+            bump(&self.heartbeats);
+            self.inner.heartbeat_unless_locked(leases, lease)
+        }
         fn checkpoint<'s, 'l, 'p, 'f>(&'s self, lease: &'l Lease, progress: &'p [u8]) -> Fut<'f, ()>
         where
             's: 'f,

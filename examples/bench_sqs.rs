@@ -260,6 +260,10 @@ impl FenceStore for Counting {
         bump(&self.counts.heartbeat);
         self.inner.heartbeat(leases, l).await
     }
+    async fn heartbeat_unless_locked(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
+        bump(&self.counts.heartbeat);
+        self.inner.heartbeat_unless_locked(leases, l).await
+    }
     async fn checkpoint(&self, lease: &Lease, p: &[u8]) -> fence::Result<()> {
         bump(&self.counts.other);
         self.inner.checkpoint(lease, p).await

@@ -179,4 +179,78 @@ mod edges {
         let job = real.job(&q, &key).await.expect("job").expect("row");
         assert_eq!((job.state, job.epoch, job.owner.as_deref()), (JobState::Completed, 1, Some(first.as_str())));
     }
+
+    /// Guard of issue #12 §1 (the heartbeat never waits on anything but the attempts it
+    /// renews), found by the chaos run's PostgreSQL stalls: attempts awaiting their commit verdict
+    /// are still renewed (§1, fourth bullet), but by a statement of their own that skips rows
+    /// another transaction holds locked. In one statement with the running attempts, a renewal
+    /// blocked on a committing attempt's row (its commit waiting on a lock held elsewhere) made
+    /// every renewal of the worker time out, and a healthy attempt beside it was cancelled
+    /// `Unconfirmed`; a separate statement that waited on the lock still tied up the heartbeat
+    /// connections until the healthy renewal found none. Here job A's row is locked by another
+    /// session for 5 s just as A's handler returns; job B's handler runs 6 s under a 3 s lease
+    /// and must complete.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_committing_attempt_stuck_on_a_lock_costs_no_other_attempt_its_lease() {
+        let fence = common::pg().await;
+        let (q, owner) = (queue(), Owner::unique("edges"));
+        let (key_a, key_b) = (common::key("stuck-commit"), common::key("healthy-beside"));
+        let lease_a = claimed(&fence, &q, &key_a, &owner).await;
+        let lease_b = claimed(&fence, &q, &key_b, &owner).await;
+        let pool = fence.pool().clone();
+        let table = format!("{}.jobs", fence.schema().as_str());
+        let store: Arc<dyn FenceStore> = Arc::new(fence);
+        let sup = Supervisor::new(Arc::clone(&store), owner, SupervisorConfig::new(common::lease(3)));
+
+        // B: a healthy attempt that needs its lease renewed twice or more.
+        let running_b = {
+            let sup = sup.clone();
+            tokio::spawn(async move {
+                sup.run(lease_b, Vec::new(), None, |_ctx| async {
+                    tokio::time::sleep(Duration::from_secs(6)).await;
+                    Ok(b"b".to_vec())
+                })
+                .await
+            })
+        };
+        // A: returns after 1.5 s, once another session holds its row for 5 s; its commit waits.
+        let locked = Arc::new(AtomicBool::new(false));
+        let holder = {
+            let (pool, table, key, locked) = (pool.clone(), table.clone(), key_a.clone(), Arc::clone(&locked));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(1_300)).await;
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query(sqlx::AssertSqlSafe(format!("SELECT 1 FROM {table} WHERE key = $1 FOR UPDATE")))
+                    .bind(key.as_str().to_owned())
+                    .execute(&mut *tx)
+                    .await
+                    .expect("lock A's row");
+                locked.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                tx.rollback().await.expect("rollback");
+            })
+        };
+        let outcome_a = sup
+            .run(lease_a, Vec::new(), None, |_ctx| {
+                let locked = Arc::clone(&locked);
+                async move {
+                    assert!(wait_for(Duration::from_secs(5), || locked.load(Ordering::SeqCst)).await, "lock taken");
+                    Ok(b"a".to_vec())
+                }
+            })
+            .await;
+        let outcome_b = running_b.await.expect("B's task");
+        holder.await.expect("lock holder");
+        assert!(
+            outcome_b.is_completed(),
+            "a healthy attempt was cancelled because another attempt's commit waited on a lock: {outcome_b:?}"
+        );
+        // A's own fate is the database's: committed once the lock went, or unknown (not acked).
+        assert!(
+            matches!(outcome_a, brokerfence::fence::Outcome::Completed | brokerfence::fence::Outcome::StoreError(_)),
+            "{outcome_a:?}"
+        );
+        let b = store.job(&q, &key_b).await.expect("job").expect("row");
+        assert_eq!((b.state, b.epoch), (JobState::Completed, 1));
+    }
 }

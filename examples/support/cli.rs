@@ -530,6 +530,9 @@ impl FenceStore for EventStore {
     async fn heartbeat(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
         self.0.heartbeat(leases, l).await
     }
+    async fn heartbeat_unless_locked(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
+        self.0.heartbeat_unless_locked(leases, l).await
+    }
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> fence::Result<()> {
         let r = self.0.checkpoint(lease, progress).await;
         if let Err(e) = &r

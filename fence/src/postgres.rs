@@ -108,6 +108,8 @@ pub(crate) struct Statements {
     enqueue: Arc<str>,
     claim_next: Arc<str>,
     heartbeat: Arc<str>,
+    /// [`heartbeat`](Self::heartbeat) that skips rows locked by another transaction.
+    heartbeat_unless_locked: Arc<str>,
     checkpoint: Arc<str>,
     complete: Arc<str>,
     fail: Arc<str>,
@@ -318,6 +320,9 @@ impl Statements {
             claim: claim.into(),
             enqueue: enqueue.into(),
             claim_next: claim_next.into(),
+            heartbeat_unless_locked: heartbeat
+                .replace(" OFFSET 0 FOR UPDATE) t ON true)", " OFFSET 0 FOR UPDATE SKIP LOCKED) t ON true)")
+                .into(),
             heartbeat: heartbeat.into(),
             checkpoint: checkpoint.into(),
             complete: complete.into(),
@@ -1027,6 +1032,26 @@ impl FenceStore for PgFence {
             .bind(lease.as_millis_i64())
             .fetch_all(&self.heartbeat_pool)
             .await?;
+        Ok(split_heartbeat(leases, renewed))
+    }
+
+    async fn heartbeat_unless_locked(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        if leases.is_empty() {
+            return Ok(Heartbeat::default());
+        }
+        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
+        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
+        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
+        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
+        let renewed: Vec<(String, String, i64, String, i64, i64)> =
+            sqlx::query_as(sql(&self.stmts.heartbeat_unless_locked))
+                .bind(queues)
+                .bind(keys)
+                .bind(epochs)
+                .bind(owners)
+                .bind(lease.as_millis_i64())
+                .fetch_all(&self.heartbeat_pool)
+                .await?;
         Ok(split_heartbeat(leases, renewed))
     }
 

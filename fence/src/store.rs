@@ -103,6 +103,17 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Renews every given lease still matching (key, owner, epoch, running) in one statement.
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat>;
 
+    /// [`heartbeat`](Self::heartbeat) that never waits on a row another transaction holds
+    /// locked: such a lease is neither renewed nor reported renewed (it comes back in `lost`,
+    /// which for this call only means "not renewed now"). The supervisor renews attempts awaiting
+    /// their commit verdict with it: their rows are often locked by their own commit statement,
+    /// and while that statement holds the row nobody else can claim the job anyway. The default
+    /// is [`heartbeat`](Self::heartbeat) (a backend without row locks, like SQLite, never waits
+    /// on one).
+    async fn heartbeat_unless_locked(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        self.heartbeat(leases, lease).await
+    }
+
     /// Stores progress under the lease.
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()>;
 
