@@ -253,4 +253,48 @@ mod edges {
         let b = store.job(&q, &key_b).await.expect("job").expect("row");
         assert_eq!((b.state, b.epoch), (JobState::Completed, 1));
     }
+
+    /// Guard of issue #12 §1 (the heartbeat's own connections), found by the chaos run's
+    /// PostgreSQL stalls: a heartbeat the caller stops waiting for (the supervisor's timeout of
+    /// one interval) while it waits on a locked row used to be dropped mid-statement; once the
+    /// lock_timeout ended the statement, sqlx's ping of the returned connection failed and the
+    /// connection stayed lost to the pool, so after two such heartbeats every later renewal of the
+    /// worker timed out, long after the lock was gone. Statements now run detached from their
+    /// caller and end on their own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn abandoned_heartbeats_leave_the_heartbeat_connections_usable() {
+        let fence = common::pg().await;
+        let (q, owner, key) = (queue(), Owner::unique("edges"), common::key("abandoned"));
+        let lease = match fence.claim(&q, &key, &owner, common::lease(30)).await.expect("claim") {
+            Claim::Claimed(l) => l,
+            other => panic!("{other:?}"),
+        };
+        let table = format!("{}.jobs", fence.schema().as_str());
+        let mut tx = fence.pool().begin().await.expect("begin");
+        sqlx::query(sqlx::AssertSqlSafe(format!("SELECT 1 FROM {table} WHERE key = $1 FOR UPDATE")))
+            .bind(key.as_str().to_owned())
+            .execute(&mut *tx)
+            .await
+            .expect("lock the row");
+        for _ in 0..4 {
+            let waited = tokio::time::timeout(
+                Duration::from_millis(300),
+                fence.heartbeat(std::slice::from_ref(&lease), common::lease(30)),
+            )
+            .await;
+            assert!(waited.is_err(), "a heartbeat on a locked row answered within 300 ms: {waited:?}");
+        }
+        // Past the heartbeat connections' lock_timeout (1 s): the abandoned statements have ended.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        tx.rollback().await.expect("release the row");
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            fence.heartbeat(std::slice::from_ref(&lease), common::lease(30)),
+        )
+        .await;
+        assert!(
+            matches!(answer, Ok(Ok(ref hb)) if hb.renewed.len() == 1),
+            "the heartbeat connections stayed unusable after abandoned heartbeats: {answer:?}"
+        );
+    }
 }

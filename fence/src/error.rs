@@ -99,6 +99,10 @@ pub enum FenceError {
     /// timeout). It wrote nothing; retry later. See [`PgTimeouts`](crate::PgTimeouts).
     #[error("statement cancelled by statement_timeout: {0}")]
     StatementTimeout(String),
+    /// The task that ran a statement ended without its answer (the runtime shut down, or a
+    /// panic); whether the statement ran is unknown.
+    #[error("statement ended without an answer: {0}")]
+    StatementAborted(String),
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
     Database(sqlx::Error),

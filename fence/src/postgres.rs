@@ -336,6 +336,21 @@ impl Statements {
     }
 }
 
+/// Runs a statement's future in a task of its own, so that a caller who stops waiting (a
+/// timeout, a dropped future) never drops the statement mid-flight. sqlx hands a connection whose
+/// statement was dropped back to the pool only after pinging it; when the abandoned statement then
+/// ends in an error (a `lock_timeout`), the ping fails and the connection was seen to stay lost to
+/// its pool: two abandoned heartbeats left the two reserved heartbeat connections unusable, and
+/// every later renewal of the worker timed out. Detached, the statement ends on its own (bounded
+/// by the connection's `statement_timeout` and `lock_timeout`) and its connection goes back to the
+/// pool like any other.
+async fn detached<T: Send + 'static>(statement: impl Future<Output = Result<T>> + Send + 'static) -> Result<T> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => runtime.spawn(statement).await.map_err(|e| FenceError::StatementAborted(e.to_string()))?,
+        Err(_) => statement.await,
+    }
+}
+
 fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     // Every statement is rendered from constant text plus the validated schema name.
     AssertSqlSafe(Arc::clone(s))
@@ -1024,14 +1039,18 @@ impl FenceStore for PgFence {
         let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
         let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
         let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
-        let renewed: Vec<(String, String, i64, String, i64, i64)> = sqlx::query_as(sql(&self.stmts.heartbeat))
-            .bind(queues)
-            .bind(keys)
-            .bind(epochs)
-            .bind(owners)
-            .bind(lease.as_millis_i64())
-            .fetch_all(&self.heartbeat_pool)
-            .await?;
+        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
+        let renewed: Vec<(String, String, i64, String, i64, i64)> = detached(async move {
+            Ok(sqlx::query_as(statement)
+                .bind(queues)
+                .bind(keys)
+                .bind(epochs)
+                .bind(owners)
+                .bind(ms)
+                .fetch_all(&pool)
+                .await?)
+        })
+        .await?;
         Ok(split_heartbeat(leases, renewed))
     }
 
@@ -1043,15 +1062,19 @@ impl FenceStore for PgFence {
         let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
         let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
         let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
-        let renewed: Vec<(String, String, i64, String, i64, i64)> =
-            sqlx::query_as(sql(&self.stmts.heartbeat_unless_locked))
+        let (pool, statement, ms) =
+            (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat_unless_locked), lease.as_millis_i64());
+        let renewed: Vec<(String, String, i64, String, i64, i64)> = detached(async move {
+            Ok(sqlx::query_as(statement)
                 .bind(queues)
                 .bind(keys)
                 .bind(epochs)
                 .bind(owners)
-                .bind(lease.as_millis_i64())
-                .fetch_all(&self.heartbeat_pool)
-                .await?;
+                .bind(ms)
+                .fetch_all(&pool)
+                .await?)
+        })
+        .await?;
         Ok(split_heartbeat(leases, renewed))
     }
 
@@ -1148,11 +1171,10 @@ impl FenceStore for PgFence {
             Option<Vec<u8>>,
             Option<String>,
         );
-        let row: Option<Row> = sqlx::query_as(sql(&self.stmts.job))
-            .bind(queue.as_str().to_owned())
-            .bind(key.as_str().to_owned())
-            .fetch_optional(&self.pool)
-            .await?;
+        let (pool, statement) = (self.pool.clone(), sql(&self.stmts.job));
+        let (q, k) = (queue.as_str().to_owned(), key.as_str().to_owned());
+        let row: Option<Row> =
+            detached(async move { Ok(sqlx::query_as(statement).bind(q).bind(k).fetch_optional(&pool).await?) }).await?;
         row.map(
             |(state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error)| {
                 Ok(JobRecord {
