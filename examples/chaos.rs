@@ -1815,14 +1815,19 @@ async fn worker(o: WorkerOpts) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?
         .with_schema(SchemaName::new(o.schema.clone()).map_err(|e| e.to_string())?);
-    let store: Arc<dyn FenceStore> = Arc::new(without_guards(store, &o.guards)?);
-    let queue = QueueName::new(o.queue.clone()).map_err(|e| e.to_string())?;
-    let lease = LeaseDuration::from_secs(o.lease_secs).map_err(|e| e.to_string())?;
+    // The harness stalls the same long jobs again and again (a PostgreSQL stall picks the rows its
+    // victim runs, and a slow job is nearly always running), far beyond any production rate:
+    // neither failures nor takeovers may bury a job here, so both caps are out of reach. The
+    // claims cap itself is tested in tests/edges_store.rs.
     let retry = RetryPolicy {
         max_attempts: 1000,
         base_backoff: Duration::from_millis(100),
         max_backoff: Duration::from_secs(1),
     };
+    let store = store.with_max_claims(retry.max_claims());
+    let store: Arc<dyn FenceStore> = Arc::new(without_guards(store, &o.guards)?);
+    let queue = QueueName::new(o.queue.clone()).map_err(|e| e.to_string())?;
+    let lease = LeaseDuration::from_secs(o.lease_secs).map_err(|e| e.to_string())?;
     let config = ConsumerConfig::new(SupervisorConfig::new(lease).retry(retry))
         .concurrency(o.concurrency)
         .batch(o.batch)
