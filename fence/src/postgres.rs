@@ -507,6 +507,31 @@ impl PgTimeouts {
 }
 
 impl PgFence {
+    /// One renewal statement (`heartbeat` or `heartbeat_unless_locked`) for `leases` on the
+    /// heartbeat connections, detached from the caller.
+    async fn renew(&self, statement: &Arc<str>, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        if leases.is_empty() {
+            return Ok(Heartbeat::default());
+        }
+        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
+        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
+        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
+        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
+        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(statement), lease.as_millis_i64());
+        let renewed: Vec<(String, String, i64, String, i64, i64)> = detached(async move {
+            Ok(sqlx::query_as(statement)
+                .bind(queues)
+                .bind(keys)
+                .bind(epochs)
+                .bind(owners)
+                .bind(ms)
+                .fetch_all(&pool)
+                .await?)
+        })
+        .await?;
+        Ok(split_heartbeat(leases, renewed))
+    }
+
     /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
     /// up to 16 connections, 10 s to acquire one, and [`PG_SESSION_SETUP`] on each new connection.
     /// Build your own pool from them (then [`PgFence::new`]) to change the limits and keep the rest.
@@ -1032,50 +1057,11 @@ impl FenceStore for PgFence {
     }
 
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
-        if leases.is_empty() {
-            return Ok(Heartbeat::default());
-        }
-        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
-        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
-        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
-        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
-        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
-        let renewed: Vec<(String, String, i64, String, i64, i64)> = detached(async move {
-            Ok(sqlx::query_as(statement)
-                .bind(queues)
-                .bind(keys)
-                .bind(epochs)
-                .bind(owners)
-                .bind(ms)
-                .fetch_all(&pool)
-                .await?)
-        })
-        .await?;
-        Ok(split_heartbeat(leases, renewed))
+        self.renew(&self.stmts.heartbeat, leases, lease).await
     }
 
     async fn heartbeat_unless_locked(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
-        if leases.is_empty() {
-            return Ok(Heartbeat::default());
-        }
-        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
-        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
-        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
-        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
-        let (pool, statement, ms) =
-            (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat_unless_locked), lease.as_millis_i64());
-        let renewed: Vec<(String, String, i64, String, i64, i64)> = detached(async move {
-            Ok(sqlx::query_as(statement)
-                .bind(queues)
-                .bind(keys)
-                .bind(epochs)
-                .bind(owners)
-                .bind(ms)
-                .fetch_all(&pool)
-                .await?)
-        })
-        .await?;
-        Ok(split_heartbeat(leases, renewed))
+        self.renew(&self.stmts.heartbeat_unless_locked, leases, lease).await
     }
 
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
