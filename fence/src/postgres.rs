@@ -15,7 +15,8 @@ use crate::model::{
 };
 use crate::schema::{Migration, SchemaName, render};
 use crate::store::{
-    FenceStore, backoff_ms, default_max_claims, distinct_keys, fail_outcome, schema_verdict, split_heartbeat,
+    FenceStore, JobRow, backoff_ms, default_max_claims, distinct_keys, fail_outcome, job_record, schema_verdict,
+    split_heartbeat,
 };
 
 /// Milliseconds since the Unix epoch of a timestamptz expression.
@@ -1144,43 +1145,11 @@ impl FenceStore for PgFence {
     }
 
     async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {
-        type Row = (
-            String,
-            i64,
-            Option<String>,
-            Option<i64>,
-            i64,
-            i64,
-            i64,
-            Option<Vec<u8>>,
-            Option<Vec<u8>>,
-            Option<Vec<u8>>,
-            Option<String>,
-        );
         let (pool, statement) = (self.pool.clone(), sql(&self.stmts.job));
         let (q, k) = (queue.as_str().to_owned(), key.as_str().to_owned());
-        let row: Option<Row> =
+        let row: Option<JobRow> =
             detached(async move { Ok(sqlx::query_as(statement).bind(q).bind(k).fetch_optional(&pool).await?) }).await?;
-        row.map(
-            |(state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error)| {
-                Ok(JobRecord {
-                    queue: queue.clone(),
-                    key: key.clone(),
-                    state: JobState::parse(&state)?,
-                    epoch,
-                    owner,
-                    lease_until: lease_until.map(DbTime),
-                    attempts,
-                    failures,
-                    run_at: DbTime(run_at),
-                    payload,
-                    progress,
-                    result,
-                    last_error,
-                })
-            },
-        )
-        .transpose()
+        row.map(|row| job_record(queue, key, row)).transpose()
     }
 
     async fn db_now(&self) -> Result<DbTime> {

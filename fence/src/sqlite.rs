@@ -19,12 +19,13 @@ use crate::error::{FenceError, Result};
 use crate::guards::Guards;
 use crate::key::{JobKey, Owner, QueueName};
 use crate::model::{
-    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, RetryPolicy, millis,
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::postgres::claim_outcome;
 use crate::schema::{Migration, SchemaName, render};
 use crate::store::{
-    FenceStore, backoff_ms, default_max_claims, distinct_keys, fail_outcome, schema_verdict, split_heartbeat,
+    FenceStore, JobRow, backoff_ms, default_max_claims, distinct_keys, fail_outcome, job_record, schema_verdict,
+    split_heartbeat,
 };
 
 /// The database clock in milliseconds.
@@ -615,44 +616,12 @@ impl FenceStore for SqliteFence {
     }
 
     async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {
-        type Row = (
-            String,
-            i64,
-            Option<String>,
-            Option<i64>,
-            i64,
-            i64,
-            i64,
-            Option<Vec<u8>>,
-            Option<Vec<u8>>,
-            Option<Vec<u8>>,
-            Option<String>,
-        );
-        let row: Option<Row> = sqlx::query_as(sql(&self.stmts.job))
+        let row: Option<JobRow> = sqlx::query_as(sql(&self.stmts.job))
             .bind(queue.as_str().to_owned())
             .bind(key.as_str().to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.map(
-            |(state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error)| {
-                Ok(JobRecord {
-                    queue: queue.clone(),
-                    key: key.clone(),
-                    state: JobState::parse(&state)?,
-                    epoch,
-                    owner,
-                    lease_until: lease_until.map(DbTime),
-                    attempts,
-                    failures,
-                    run_at: DbTime(run_at),
-                    payload,
-                    progress,
-                    result,
-                    last_error,
-                })
-            },
-        )
-        .transpose()
+        row.map(|row| job_record(queue, key, row)).transpose()
     }
 
     async fn db_now(&self) -> Result<DbTime> {

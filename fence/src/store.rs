@@ -179,6 +179,42 @@ pub(crate) fn split_heartbeat(
     out
 }
 
+/// A job row as both backends' `job` statements return it: state, epoch, owner, lease_until
+/// (ms), attempts, failures, run_at (ms), payload, progress, result, last_error.
+pub(crate) type JobRow = (
+    String,
+    i64,
+    Option<String>,
+    Option<i64>,
+    i64,
+    i64,
+    i64,
+    Option<Vec<u8>>,
+    Option<Vec<u8>>,
+    Option<Vec<u8>>,
+    Option<String>,
+);
+
+/// The [`JobRecord`] of a [`JobRow`] of `queue`/`key`.
+pub(crate) fn job_record(queue: &QueueName, key: &JobKey, row: JobRow) -> Result<JobRecord> {
+    let (state, epoch, owner, lease_until, attempts, failures, run_at, payload, progress, result, last_error) = row;
+    Ok(JobRecord {
+        queue: queue.clone(),
+        key: key.clone(),
+        state: crate::model::JobState::parse(&state)?,
+        epoch,
+        owner,
+        lease_until: lease_until.map(crate::DbTime),
+        attempts,
+        failures,
+        run_at: crate::DbTime(run_at),
+        payload,
+        progress,
+        result,
+        last_error,
+    })
+}
+
 /// Deduplicates keys for a batch statement, keeping first-seen order.
 pub(crate) fn distinct_keys(keys: &[JobKey]) -> Vec<&JobKey> {
     let mut seen = std::collections::HashSet::with_capacity(keys.len());
