@@ -196,18 +196,6 @@ mod worker {
     /// Runs the worker with command-line arguments (without the program name); returns the exit
     /// code. The tests call it in a child process of their own binary.
     pub fn run(raw: Vec<String>) -> i32 {
-        let args = match parse_args(raw) {
-            Ok(a) => a,
-            Err(e) => return e.report(PROG, &usage()),
-        };
-        common::init_logging("info");
-        let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-            Ok(r) => r,
-            Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(PROG),
-        };
-        match runtime.block_on(serve(args)) {
-            Ok(()) => 0,
-            Err(e) => e.report(PROG),
-        }
+        common::run_program(PROG, &usage, "info", parse_args(raw), serve)
     }
 }

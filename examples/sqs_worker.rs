@@ -160,19 +160,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
 
 /// Runs the worker with command-line arguments (without the program name); the exit code.
 pub fn run(raw: Vec<String>) -> i32 {
-    let args = match parse_args(raw) {
-        Ok(a) => a,
-        Err(e) => return e.report(PROG, &usage()),
-    };
-    common::init_logging("info");
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(r) => r,
-        Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(PROG),
-    };
-    match runtime.block_on(serve(args)) {
-        Ok(()) => 0,
-        Err(e) => e.report(PROG),
-    }
+    common::run_program(PROG, &usage, "info", parse_args(raw), serve)
 }
 
 fn main() {

@@ -87,18 +87,12 @@ async fn produce(args: Args) -> Result<(), StartError> {
 
 fn main() {
     brokerfence::services::load_dotenv();
-    let code = match parse_args(std::env::args().skip(1).collect()) {
-        Err(e) => e.report(PROG, USAGE),
-        Ok(args) => {
-            common::init_logging("warn");
-            match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-                Err(e) => StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(PROG),
-                Ok(rt) => match rt.block_on(produce(args)) {
-                    Ok(()) => 0,
-                    Err(e) => e.report(PROG),
-                },
-            }
-        }
-    };
+    let code = common::run_program(
+        PROG,
+        &|| USAGE.to_owned(),
+        "warn",
+        parse_args(std::env::args().skip(1).collect()),
+        produce,
+    );
     std::process::exit(code);
 }

@@ -319,6 +319,34 @@ impl StartError {
     }
 }
 
+/// Runs a program: on a bad command line prints `usage` and exits 2; otherwise starts logging
+/// (`log_filter` unless `RUST_LOG` says otherwise) and a tokio runtime, runs `body` on it, and
+/// returns its exit code (0, or what [`StartError::report`] says).
+pub fn run_program<A, Fut>(
+    prog: &str,
+    usage: &dyn Fn() -> String,
+    log_filter: &str,
+    parsed: Result<A, CliExit>,
+    body: impl FnOnce(A) -> Fut,
+) -> i32
+where
+    Fut: std::future::Future<Output = Result<(), StartError>>,
+{
+    let args = match parsed {
+        Ok(a) => a,
+        Err(e) => return e.report(prog, &usage()),
+    };
+    init_logging(log_filter);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(prog),
+    };
+    match runtime.block_on(body(args)) {
+        Ok(()) => 0,
+        Err(e) => e.report(prog),
+    }
+}
+
 /// Brings the store up: migrates with `--migrate`, else checks the schema and refuses to start
 /// (exit 2, the store's message) when it is older than this build needs.
 pub async fn prepare_schema(store: &dyn FenceStore, migrate: bool) -> Result<(), StartError> {
