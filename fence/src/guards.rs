@@ -9,11 +9,20 @@ pub struct Guards {
     pub(crate) commit_cas: bool,
     pub(crate) heartbeat_cas: bool,
     pub(crate) ledger_check: bool,
+    pub(crate) fenced_tx_rollback: bool,
+    pub(crate) receiver_ledger_lock: bool,
 }
 
 impl Default for Guards {
     fn default() -> Self {
-        Self { epoch_increment: true, commit_cas: true, heartbeat_cas: true, ledger_check: true }
+        Self {
+            epoch_increment: true,
+            commit_cas: true,
+            heartbeat_cas: true,
+            ledger_check: true,
+            fenced_tx_rollback: true,
+            receiver_ledger_lock: true,
+        }
     }
 }
 
@@ -33,6 +42,14 @@ impl Guards {
     /// Whether the receiver ledger refuses older epochs.
     pub fn ledger_check(&self) -> bool {
         self.ledger_check
+    }
+    /// Whether a fenced `complete_in` makes the caller's transaction unable to commit its rows.
+    pub fn fenced_tx_rollback(&self) -> bool {
+        self.fenced_tx_rollback
+    }
+    /// Whether the atomic receiver locks the ledger row inside the handler's transaction.
+    pub fn receiver_ledger_lock(&self) -> bool {
+        self.receiver_ledger_lock
     }
 }
 
@@ -56,6 +73,17 @@ impl Guards {
     /// TEST ONLY: the receiver ledger accepts any epoch.
     pub fn without_ledger_check(mut self) -> Self {
         self.ledger_check = false;
+        self
+    }
+    /// TEST ONLY: a fenced `complete_in` leaves the caller's transaction able to commit.
+    pub fn without_fenced_tx_rollback(mut self) -> Self {
+        self.fenced_tx_rollback = false;
+        self
+    }
+    /// TEST ONLY: the atomic receiver accepts the epoch outside the handler's transaction
+    /// (check-then-act, like the check-only guard).
+    pub fn without_receiver_ledger_lock(mut self) -> Self {
+        self.receiver_ledger_lock = false;
         self
     }
 }
