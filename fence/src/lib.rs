@@ -27,6 +27,7 @@ mod key;
 pub mod ledger;
 mod metrics;
 mod model;
+mod own_tx;
 mod postgres;
 mod schema;
 mod sqlite;
@@ -44,10 +45,11 @@ pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
 };
+pub use own_tx::FencedConnection;
 pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::{SqliteDurability, SqliteFence};
-pub use store::FenceStore;
+pub use store::{Backend, FenceStore};
 pub use supervisor::{
     DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
 };
