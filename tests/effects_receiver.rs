@@ -23,9 +23,11 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
-use brokerfence::adapters::http::{AcceptedStamp, AtomicEpochGuard, EffectTx, EffectTxError, EpochGuard};
+use brokerfence::adapters::http::{
+    AcceptedStamp, AtomicEpochGuard, DEFAULT_HANDLER_TIMEOUT, EffectTx, EffectTxError, EpochGuard,
+};
 use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{Ledger, PgFence, PgLedger};
+use brokerfence::fence::{FenceStore, Ledger, PgFence, PgLedger, PgTimeouts};
 use sqlx::AssertSqlSafe;
 use tokio::sync::Notify;
 
@@ -261,6 +263,11 @@ impl Receiver {
 
 /// A receiver on `fence` (migrated, on a fresh schema, with its guards) and a fresh effects table.
 async fn serve(guard: Guard, fence: PgFence, slow_epoch: Option<i64>) -> Receiver {
+    serve_with(guard, fence, slow_epoch, DEFAULT_HANDLER_TIMEOUT).await
+}
+
+/// [`serve`] with another handler time limit for the atomic guard.
+async fn serve_with(guard: Guard, fence: PgFence, slow_epoch: Option<i64>, handler_timeout: Duration) -> Receiver {
     let s = fence.schema().as_str().to_owned();
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE {s}.effects (job text PRIMARY KEY, epoch bigint NOT NULL, body text NOT NULL)"
@@ -285,7 +292,7 @@ async fn serve(guard: Guard, fence: PgFence, slow_epoch: Option<i64>) -> Receive
             .route("/refuse", post(refusing_effect))
             .route("/sloppy", post(sloppy_effect))
             .route("/leak", post(leaking_effect))
-            .layer(AtomicEpochGuard::new(ledger).layer()),
+            .layer(AtomicEpochGuard::new(ledger).with_handler_timeout(handler_timeout).layer()),
         Guard::CheckOnly => {
             Router::new().route("/effect", post(checked_effect)).layer(EpochGuard::new(Ledger::Pg(ledger)).layer())
         }
@@ -543,6 +550,50 @@ async fn effects_receiver_malformed_stamp_is_400_handler_not_run() {
     assert_eq!(rx.runs(), 0, "the handler never ran");
     assert_eq!(rx.effect(&job).await, None);
     assert_eq!(rx.newest(&job).await, None);
+}
+
+/// Guard: the bound on how long a newer epoch waits for the ledger row (the pool's
+/// `lock_timeout`). Defect covered: a call queueing without limit behind a slow effect. Epoch 2
+/// gets 503 with Retry-After, nothing applied; epoch 1 commits; epoch 2's retry then wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn effects_receiver_wait_past_lock_timeout_is_503_then_retry_wins() {
+    let options: sqlx::postgres::PgConnectOptions = common::database_url().parse().expect("DATABASE_URL");
+    let timeouts = PgTimeouts { lock: Duration::from_millis(200), ..PgTimeouts::default() };
+    let fence =
+        PgFence::connect_with_timeouts(options, timeouts).await.expect("connect").with_schema(common::unique_schema());
+    fence.migrate().await.expect("migrate");
+    let rx = serve(Guard::Atomic, fence, Some(1)).await;
+    let job = common::unique("lock-timeout");
+    let run = race(&rx, &job, 1, 2).await;
+    println!("{}", run.timeline);
+    assert_eq!(run.second.0, 503, "epoch 2 gave up waiting for the row\n{}", run.timeline);
+    assert!(run.second.1 < SLOW, "epoch 2 answered before epoch 1 let go\n{}", run.timeline);
+    assert_eq!(run.first.0, 200, "{}", run.timeline);
+    assert_eq!(run.effect, Some((1, "epoch 1".to_owned())), "{}", run.timeline);
+    assert_eq!(run.newest, Some(1), "epoch 2's refused call did not move the ledger");
+    // The caller retries (Retry-After) and wins.
+    assert_eq!(post_stamped(&rx.url("/effect"), &stamp(&job, 2), "epoch 2").await.0, 200);
+    assert_eq!(rx.effect(&job).await, Some((2, "epoch 2".to_owned())));
+    assert_eq!(rx.newest(&job).await, Some(2));
+}
+
+/// Guard: the handler time limit. Defect covered: a stuck handler holding the ledger row (and its
+/// transaction) forever. The layer answers 503 and rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn effects_receiver_handler_past_its_time_limit_is_rolled_back() {
+    let rx = serve_with(Guard::Atomic, common::pg().await, Some(1), Duration::from_millis(200)).await;
+    let job = common::unique("slow-handler");
+    let t0 = Instant::now();
+    let (status, body) = post_stamped(&rx.url("/effect"), &stamp(&job, 1), "epoch 1").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("effect_timeout"), "{body}");
+    assert!(t0.elapsed() < SLOW, "answered at the limit, not when the handler would have ended");
+    assert_eq!(rx.effect(&job).await, None);
+    assert_eq!(rx.newest(&job).await, None, "the ledger did not move");
+    // The row is free at once: the next epoch is not kept waiting.
+    rx.shared.other_answered.store(true, Ordering::SeqCst);
+    assert_eq!(post_stamped(&rx.url("/effect"), &stamp(&job, 2), "epoch 2").await.0, 200);
+    assert_eq!(rx.effect(&job).await, Some((2, "epoch 2".to_owned())));
 }
 
 /// Figures for the README: sequential requests through each guard (one client, one job per
