@@ -55,6 +55,8 @@ struct Shared {
     other_answered: AtomicBool,
     /// Whether the slow handler saw the other request waiting on a ledger lock.
     saw_other_waiting: AtomicBool,
+    /// Whether the effect handlers sleep a random 0..20 ms inside the transaction.
+    jitter: AtomicBool,
     /// Handler runs (any route).
     runs: AtomicUsize,
     log: Mutex<Vec<String>>,
@@ -73,6 +75,16 @@ impl Shared {
 
     fn schema(&self) -> &str {
         self.fence.schema().as_str()
+    }
+
+    async fn jitter(&self) {
+        if self.jitter.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(rand::random_range(0..20))).await;
+        }
+    }
+
+    fn append(&self) -> String {
+        format!("INSERT INTO {}.effects_log (job, epoch) VALUES ($1, $2)", self.schema())
     }
 
     /// The slow part of the effect: `SLOW`, then until the other request has answered or waits on
@@ -138,6 +150,8 @@ async fn atomic_effect(
         .bind(body)
         .execute(&mut *conn)
         .await?;
+    sh.jitter().await;
+    sqlx::query(AssertSqlSafe(sh.append())).bind(stamp.ledger_job()).bind(stamp.epoch).execute(&mut *conn).await?;
     sh.note(format!("epoch {}: effect written (commit follows)", stamp.epoch));
     Ok("applied")
 }
@@ -275,6 +289,12 @@ async fn serve_with(guard: Guard, fence: PgFence, slow_epoch: Option<i64>, handl
     .execute(fence.pool())
     .await
     .expect("effects table");
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {s}.effects_log (seq bigserial PRIMARY KEY, job text NOT NULL, epoch bigint NOT NULL)"
+    )))
+    .execute(fence.pool())
+    .await
+    .expect("effects log table");
     let ledger = PgLedger::new(&fence, SCOPE);
     let shared = Arc::new(Shared {
         fence,
@@ -282,6 +302,7 @@ async fn serve_with(guard: Guard, fence: PgFence, slow_epoch: Option<i64>, handl
         entered: Notify::new(),
         other_answered: AtomicBool::new(false),
         saw_other_waiting: AtomicBool::new(false),
+        jitter: AtomicBool::new(false),
         runs: AtomicUsize::new(0),
         log: Mutex::default(),
         started: Instant::now(),
@@ -594,6 +615,53 @@ async fn effects_receiver_handler_past_its_time_limit_is_rolled_back() {
     rx.shared.other_answered.store(true, Ordering::SeqCst);
     assert_eq!(post_stamped(&rx.url("/effect"), &stamp(&job, 2), "epoch 2").await.0, 200);
     assert_eq!(rx.effect(&job).await, Some((2, "epoch 2".to_owned())));
+}
+
+/// Guard: the atomic receiver's ledger lock, under load. Defect covered: any interleaving of
+/// concurrent calls for one job letting an older epoch's effect land after a newer one's. Many
+/// epochs at once, shuffled, each effect with a random delay inside its transaction: the applied
+/// effects (an append-only log written in the same transaction, in lock order) are in epoch
+/// order, exactly the calls answered 200 are in it, and the final state is the newest epoch's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn effects_receiver_concurrent_epochs_apply_in_epoch_order() {
+    let rx = serve(Guard::Atomic, common::pg().await, None).await;
+    rx.shared.jitter.store(true, Ordering::SeqCst);
+    for round in 0..3 {
+        let job = common::unique(&format!("storm-{round}"));
+        let mut epochs: Vec<i64> = (1..=12).chain([3, 7, 12]).collect();
+        for i in (1..epochs.len()).rev() {
+            epochs.swap(i, rand::random_range(0..=i));
+        }
+        // Mostly rising, overlapping: epoch e starts after 3e ms plus up to 15 ms of jitter.
+        let calls = epochs.iter().map(|&e| {
+            let (url, s) = (rx.url("/effect"), stamp(&job, e));
+            let start = Duration::from_millis(3 * e as u64 + rand::random_range(0..15));
+            async move {
+                tokio::time::sleep(start).await;
+                (e, post_stamped(&url, &s, &format!("epoch {e}")).await.0)
+            }
+        });
+        let answers = futures::future::join_all(calls).await;
+        let log: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT epoch FROM {}.effects_log WHERE job = $1 ORDER BY seq",
+            rx.shared.schema()
+        )))
+        .bind(FenceStamp::new(QUEUE, &job, 1).ledger_job())
+        .fetch_all(rx.shared.fence.pool())
+        .await
+        .expect("log");
+        println!("round {round}: sent {epochs:?}; answers {answers:?}; applied in order {log:?}");
+        assert!(answers.iter().all(|(_, st)| matches!(st, 200 | 409)), "{answers:?}");
+        assert!(log.windows(2).all(|w| w[0] <= w[1]), "an older effect landed after a newer one: {log:?}");
+        let mut ok: Vec<i64> = answers.iter().filter(|(_, st)| *st == 200).map(|(e, _)| *e).collect();
+        ok.sort_unstable();
+        let mut applied = log.clone();
+        applied.sort_unstable();
+        assert_eq!(ok, applied, "exactly the calls answered 200 were applied");
+        assert_eq!(log.last(), Some(&12));
+        assert_eq!(rx.effect(&job).await.map(|(e, _)| e), Some(12));
+        assert_eq!(rx.newest(&job).await, Some(12));
+    }
 }
 
 /// Figures for the README: sequential requests through each guard (one client, one job per
