@@ -526,7 +526,7 @@ async fn effects_enqueue_in_commits_or_rolls_back_with_the_callers_rows_pg() {
     assert_eq!(claimed.len(), 3, "only the committed jobs are claimable");
     assert!(
         !fence
-            .enqueue_in(&mut *fence.pool().acquire().await.expect("conn"), &queue, &key("kept"), b"x")
+            .enqueue_in(&mut fence.pool().acquire().await.expect("conn"), &queue, &key("kept"), b"x")
             .await
             .expect("again")
     );
