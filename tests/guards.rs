@@ -11,6 +11,12 @@
 //! | cancel-on-loss                          | resumed zombie              | the zombie keeps calling the receiver after SIGCONT |
 //! | receiver epoch check                    | table, new owner first      | the receiver accepts epoch 1 after epoch 2 |
 //!
+//! Two more guards (issue 13) have their switch tests next to their scenarios:
+//! `effects_guard_switch_fenced_tx_rollback_off_lets_the_zombies_rows_commit` (a fenced
+//! `complete_in` no longer stops the caller's transaction from committing, `tests/effects_own_tx.rs`)
+//! and `effects_guard_receiver_ledger_lock` (the atomic receiver checks the ledger outside the
+//! handler's transaction, and a slow older effect lands last, `tests/effects_receiver.rs`).
+//!
 //! Needs PostgreSQL (`localstack/up`); runs on SQLite too. Scenarios run concurrently.
 #![cfg(all(feature = "guard-switches", feature = "http"))]
 

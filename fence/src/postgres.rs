@@ -115,6 +115,7 @@ pub(crate) struct Statements {
     release: Arc<str>,
     complete_batch: Arc<str>,
     job: Arc<str>,
+    completed_under: Arc<str>,
     pub(crate) ledger_accept: Arc<str>,
     pub(crate) ledger_current: Arc<str>,
 }
@@ -325,6 +326,13 @@ impl Statements {
             tlu = ms!("t.lease_until"),
             tra = ms!("t.run_at"),
         );
+        // One primary-key probe per lease (the lateral lookup, as in `locked_by_key`), no lock.
+        let completed_under = format!(
+            "SELECT u.i, coalesce(t.state = 'completed' AND t.epoch = u.epoch AND t.owner = u.owner, false) \
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS u(queue, key, epoch, owner, i) \
+             LEFT JOIN LATERAL (SELECT t.state, t.epoch, t.owner FROM {s}.jobs t \
+                 WHERE t.queue = u.queue AND t.key = u.key OFFSET 0) t ON true"
+        );
         // No row back means refused. The newest epoch is then read by a second statement: the
         // statement snapshot of this one may predate the row that refused it.
         let ledger_accept = format!(
@@ -344,6 +352,7 @@ impl Statements {
             release: release.into(),
             complete_batch: complete_batch.into(),
             job: job.into(),
+            completed_under: completed_under.into(),
             ledger_accept: ledger_accept.into(),
             ledger_current: ledger_current.into(),
         }
@@ -1239,6 +1248,31 @@ impl FenceStore for PgFence {
         let row: Option<JobRow> =
             detached(async move { Ok(sqlx::query_as(statement).bind(q).bind(k).fetch_optional(&pool).await?) }).await?;
         row.map(|row| job_record(queue, key, row)).transpose()
+    }
+
+    /// One statement for every lease.
+    async fn completed_under(&self, leases: &[Lease]) -> Result<Vec<bool>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
+        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
+        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
+        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
+        let (pool, statement) = (self.pool.clone(), sql(&self.stmts.completed_under));
+        let rows: Vec<(i64, bool)> = detached(async move {
+            Ok(sqlx::query_as(statement).bind(queues).bind(keys).bind(epochs).bind(owners).fetch_all(&pool).await?)
+        })
+        .await?;
+        let mut out = vec![false; leases.len()];
+        for (i, completed) in rows {
+            let slot = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i));
+            match slot {
+                Some(slot) => *slot = completed,
+                None => return Err(FenceError::Corrupt(format!("completed_under answered for item {i}"))),
+            }
+        }
+        Ok(out)
     }
 
     async fn db_now(&self) -> Result<DbTime> {

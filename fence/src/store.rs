@@ -147,6 +147,23 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Reads a job row.
     async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>>;
 
+    /// For each lease, in order: whether its job is completed under it (state completed, same
+    /// epoch and owner). The supervisor asks it, for many attempts in one statement, after
+    /// handlers that committed in their own transaction
+    /// ([`JobContext::complete_in`](crate::JobContext::complete_in)) have returned. The default
+    /// reads each job with [`job`](Self::job).
+    async fn completed_under(&self, leases: &[Lease]) -> Result<Vec<bool>> {
+        let mut out = Vec::with_capacity(leases.len());
+        for l in leases {
+            out.push(self.job(&l.queue, &l.key).await?.is_some_and(|job| {
+                job.state == crate::model::JobState::Completed
+                    && job.epoch == l.epoch
+                    && job.owner.as_deref() == Some(l.owner.as_str())
+            }));
+        }
+        Ok(out)
+    }
+
     /// The database clock now, in milliseconds since the Unix epoch.
     async fn db_now(&self) -> Result<crate::DbTime>;
 

@@ -28,7 +28,7 @@ use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::hook_runner::{HookRunner, LiveCheck};
 use crate::metrics::{Counter, Metrics};
-use crate::model::{FailOutcome, JobState, Lease, LeaseDuration, RetryPolicy};
+use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
 use crate::own_tx::FencedConnection;
 use crate::store::FenceStore;
 use crate::{JobKey, Owner, QueueName};
@@ -394,6 +394,7 @@ impl JobContext {
     /// `sqlx::PgConnection` for a [`PgFence`](crate::PgFence), a `sqlx::SqliteConnection` for a
     /// [`SqliteFence`](crate::SqliteFence)), so that the handler's rows and the fenced completion
     /// commit together or not at all. Once the handler returns, the supervisor reads the job row
+    /// (one grouped statement for the attempts returning meanwhile, like the group commit)
     /// instead of committing the returned bytes: completed under this epoch means
     /// [`Outcome::Completed`] (the delivery is acknowledged, no second commit); still running under
     /// it means the transaction did not commit, and the attempt counts as failed (retried).
@@ -482,6 +483,8 @@ struct Inner {
     draining: CancellationToken,
     idle: tokio::sync::Notify,
     committer: tokio::sync::mpsc::Sender<CommitRequest>,
+    /// Asks, in groups, whether handlers that committed in their own transaction did commit.
+    verifier: tokio::sync::mpsc::Sender<VerifyRequest>,
     /// A renewal of the attempts awaiting their verdict is under way (one at a time).
     renewing_settling: std::sync::atomic::AtomicBool,
 }
@@ -491,6 +494,10 @@ struct Inner {
 type HandlerResult = std::result::Result<std::result::Result<std::result::Result<Vec<u8>, JobError>, ()>, LossReason>;
 
 type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
+
+/// An attempt whose handler committed in its own transaction, and where to send whether its job
+/// is completed under its lease.
+type VerifyRequest = (Lease, tokio::sync::oneshot::Sender<Result<bool>>);
 
 /// Most completions committed by one statement.
 const MAX_COMMIT_BATCH: usize = 256;
@@ -545,6 +552,36 @@ async fn commit_batch(store: &dyn FenceStore, batch: Vec<CommitRequest>) {
     }
 }
 
+/// The group read behind [`JobContext::complete_in`]: one
+/// [`completed_under`](FenceStore::completed_under) statement answers every attempt that
+/// queued meanwhile, grouped like the commits, up to [`COMMITS_IN_FLIGHT`] statements at once.
+async fn verify_loop(store: Arc<dyn FenceStore>, mut groups: Grouper<VerifyRequest>) {
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(COMMITS_IN_FLIGHT));
+    loop {
+        let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
+        let Some(batch) = groups.next().await else { return };
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let (leases, replies): (Vec<Lease>, Vec<_>) = batch.into_iter().unzip();
+            match store.completed_under(&leases).await {
+                Ok(answers) => {
+                    for (reply, answer) in replies.into_iter().zip(answers) {
+                        let _ = reply.send(Ok(answer));
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, n = leases.len(), "reading the handlers' own commits failed");
+                    let msg = e.to_string();
+                    for reply in replies {
+                        let _ = reply.send(Err(FenceError::CommitUnconfirmed(msg.clone())));
+                    }
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
 /// Runs handlers under leases for one worker (one owner).
 ///
 /// ```no_run
@@ -594,8 +631,10 @@ impl Supervisor {
         metrics: Arc<Metrics>,
     ) -> Self {
         let (committer, commits) = tokio::sync::mpsc::channel(COMMIT_QUEUE);
+        let (verifier, verifies) = tokio::sync::mpsc::channel(COMMIT_QUEUE);
         let inner = Arc::new(Inner {
             committer,
+            verifier,
             store,
             owner,
             config,
@@ -618,6 +657,10 @@ impl Supervisor {
         let groups = Grouper::bounded(commits, MAX_COMMIT_BATCH, inner.config.commit_window)
             .busy(move || running.upgrade().is_some_and(|inner| inner.in_flight() > 0));
         tokio::spawn(commit_loop(Arc::clone(&inner.store), Arc::clone(&inner.metrics), groups));
+        let running = Arc::downgrade(&inner);
+        let groups = Grouper::bounded(verifies, MAX_COMMIT_BATCH, inner.config.commit_window)
+            .busy(move || running.upgrade().is_some_and(|inner| inner.in_flight() > 0));
+        tokio::spawn(verify_loop(Arc::clone(&inner.store), groups));
         let interval = inner.config.lease.heartbeat_interval();
         tokio::spawn(tick_loop(Arc::downgrade(&inner), inner.stop.clone(), interval));
         Self { inner }
@@ -1014,18 +1057,14 @@ impl Inner {
     /// back, dropped, or never committed): the attempt ends as if the handler had not completed,
     /// and a handler that returned `Ok` anyway is recorded as a (retried) failure.
     async fn after_own_commit(&self, lease: &Lease, result: HandlerResult, timeout: Option<Duration>) -> Outcome {
-        match self.settled(self.store.job(&lease.queue, &lease.key)).await {
-            Ok(Some(job))
-                if job.state == JobState::Completed
-                    && job.epoch == lease.epoch
-                    && job.owner.as_deref() == Some(lease.owner.as_str()) =>
-            {
+        match self.completed_under(lease).await {
+            Ok(true) => {
                 self.metrics.incr(Counter::Completions);
                 self.metrics.incr(Counter::OwnCommits);
                 tracing::debug!("result committed in the handler's transaction");
                 Outcome::Completed
             }
-            Ok(_) => match result {
+            Ok(false) => match result {
                 Ok(Ok(Ok(_))) => {
                     let error = JobError::retry("the handler called complete_in, but its transaction did not commit");
                     self.fail(lease, error).await
@@ -1034,6 +1073,23 @@ impl Inner {
             },
             Err(e) => self.commit_error(e),
         }
+    }
+
+    /// Whether the job of `lease` is completed under it, through the group read (see
+    /// [`verify_loop`]), bounded like a commit's verdict.
+    async fn completed_under(&self, lease: &Lease) -> Result<bool> {
+        let (reply, verdict) = tokio::sync::oneshot::channel();
+        self.settled(async {
+            match self.verifier.send((lease.clone(), reply)).await {
+                Ok(()) => {
+                    verdict.await.unwrap_or_else(|_| Err(FenceError::CommitUnconfirmed("the verifier stopped".into())))
+                }
+                Err(_) => {
+                    Ok(self.store.completed_under(std::slice::from_ref(lease)).await?.first().copied().unwrap_or(false))
+                }
+            }
+        })
+        .await
     }
 
     /// Commits a result through the group commit (the fenced compare-and-set, batched). While
