@@ -27,6 +27,7 @@ mod key;
 pub mod ledger;
 mod metrics;
 mod model;
+pub mod outbox;
 mod postgres;
 mod schema;
 mod sqlite;
@@ -44,6 +45,7 @@ pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
 };
+pub use outbox::OutboxRow;
 pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::{SqliteDurability, SqliteFence};
