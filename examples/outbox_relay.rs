@@ -117,7 +117,7 @@ fn parse_args(mut raw: Vec<String>) -> Result<Args, CliExit> {
 }
 
 /// The example's business table (created with `--migrate`).
-async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
+pub async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
     let s = pg.schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS {s}.outbox_example_orders (queue text NOT NULL, key text NOT NULL, \

@@ -192,15 +192,18 @@ async fn consume_redis(pg: PgFence, stream: String, seen: Arc<Mutex<Downstream>>
         let reply: Reply = client::cmd("XREAD")
             .arg("COUNT")
             .arg(200)
-            .arg("BLOCK")
-            .arg(500)
             .arg("STREAMS")
             .arg(&stream)
             .arg(&cursor)
             .query_async(&mut conn)
             .await
             .expect("XREAD");
-        for (_, entries) in reply.unwrap_or_default() {
+        let Some(reply) = reply else {
+            // Not blocking: the connection's response timeout is short.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        for (_, entries) in reply {
             for (id, flat) in entries {
                 let fields: Vec<(Vec<u8>, Vec<u8>)> =
                     flat.chunks(2).map(|c| (c[0].clone(), c.get(1).cloned().unwrap_or_default())).collect();
