@@ -207,6 +207,10 @@ impl FenceStore for Counting {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+
+    fn concrete(&self) -> brokerfence::fence::Backend<'_> {
+        self.inner.concrete()
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -244,6 +244,10 @@ mod bench {
         fn backend(&self) -> &'static str {
             self.inner.backend()
         }
+
+        fn concrete(&self) -> brokerfence::fence::Backend<'_> {
+            self.inner.concrete()
+        }
     }
 
     async fn produce(

@@ -41,7 +41,7 @@ const PROG: &str = "outbox_relay";
 
 fn usage() -> String {
     format!(
-        "usage: outbox_relay worker --queue NAME [--destination DEST]... [--idle-wait MS=100]\n{}\n\
+        "usage: outbox_relay worker --queue NAME [--destination DEST]... [--in-tx-delay MS=0] [--idle-wait MS=100]\n{}\n\
          usage: outbox_relay relay [--sqs DEST=QUEUE_URL]... [--redis DEST=STREAM]... [--redis-url URL]\n       \
          [--batch N=100] [--idle-wait MS=200] [--database-url URL] [--schema NAME] [--migrate] [--help]",
         common::COMMON_USAGE
@@ -53,6 +53,7 @@ enum Args {
         common: Common,
         queue: String,
         destinations: Vec<String>,
+        in_tx_delay: Duration,
         idle_wait: Duration,
     },
     Relay {
@@ -84,7 +85,7 @@ fn parse_args(mut raw: Vec<String>) -> Result<Args, CliExit> {
     let mut common = Common::default();
     let (mut queue, mut destinations, mut sqs, mut redis, mut redis_url) =
         (None, Vec::new(), Vec::new(), Vec::new(), None);
-    let (mut batch, mut idle_wait) = (100u32, None);
+    let (mut batch, mut idle_wait, mut in_tx_delay) = (100u32, None, Duration::ZERO);
     let mut cli = Cli::new(raw);
     while let Some(flag) = cli.next_flag() {
         let mut flag = flag?;
@@ -95,6 +96,7 @@ fn parse_args(mut raw: Vec<String>) -> Result<Args, CliExit> {
             (_, "--idle-wait") => idle_wait = Some(flag.ms()?),
             ("worker", "--queue") => queue = Some(flag.value()?),
             ("worker", "--destination") => destinations.push(flag.value()?),
+            ("worker", "--in-tx-delay") => in_tx_delay = flag.ms()?,
             ("relay", "--sqs") => sqs.push(pair(&mut flag)?),
             ("relay", "--redis") => redis.push(pair(&mut flag)?),
             ("relay", "--redis-url") => redis_url = Some(flag.value()?),
@@ -106,7 +108,7 @@ fn parse_args(mut raw: Vec<String>) -> Result<Args, CliExit> {
         "worker" => {
             let queue = queue.ok_or_else(|| CliExit::Usage("--queue is required".into()))?;
             let idle_wait = idle_wait.unwrap_or(Duration::from_millis(100));
-            Ok(Args::Worker { common, queue, destinations, idle_wait })
+            Ok(Args::Worker { common, queue, destinations, in_tx_delay, idle_wait })
         }
         "relay" => {
             let idle_wait = idle_wait.unwrap_or(Duration::from_millis(200));
@@ -128,17 +130,24 @@ pub async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
     Ok(())
 }
 
+/// Prints `EVENT rolled_back … reason=cancelled` when the handler is dropped (its lease lost)
+/// while its transaction is open: dropping the transaction rolls it back.
+struct TxWatch<'a>(&'a brokerfence::fence::Lease, bool);
+
+impl Drop for TxWatch<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            lease_event("rolled_back", self.0, &[("reason", &"cancelled")]);
+        }
+    }
+}
+
 /// The handler: business row, outbox rows and the fenced completion in one transaction.
-async fn handle(
-    pg: PgFence,
-    destinations: Arc<Vec<String>>,
-    delay: Duration,
-    ctx: JobContext,
-) -> Result<Vec<u8>, JobError> {
+async fn handle(pg: PgFence, w: Arc<WorkerOpts>, ctx: JobContext) -> Result<Vec<u8>, JobError> {
     lease_event("claimed", ctx.lease(), &[("attempt", &ctx.lease().attempts)]);
-    tokio::time::sleep(delay).await;
-    let result = format!("{}@{}", ctx.owner(), ctx.epoch()).into_bytes();
+    tokio::time::sleep(w.delay).await;
     let mut tx = pg.pool().begin().await.map_err(JobError::retry)?;
+    let mut watch = TxWatch(ctx.lease(), false);
     let s = pg.schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO {s}.outbox_example_orders (queue, key, epoch, owner) VALUES ($1, $2, $3, $4)"
@@ -150,30 +159,36 @@ async fn handle(
     .execute(&mut *tx)
     .await
     .map_err(JobError::retry)?;
-    for d in destinations.iter() {
+    for d in &w.destinations {
         let payload = format!("{} done by {}@{}", ctx.key(), ctx.owner(), ctx.epoch());
+        // Unchecked on its own: the `complete_in` below, in the same transaction, decides for it.
         let id = pg.outbox_in(&mut tx, ctx.lease(), d, payload.as_bytes()).await.map_err(JobError::retry)?;
         lease_event("outbox_written", ctx.lease(), &[("id", &id), ("destination", d)]);
     }
-    match pg.complete_in(&mut tx, ctx.lease(), &result).await {
-        Ok(()) => {}
-        Err(e) => {
-            // Fenced (or failed): dropping `tx` rolls back the business row and the outbox rows.
-            lease_event("rolled_back", ctx.lease(), &[("error", &e)]);
-            return Err(if e.is_fenced() { JobError::fatal(e) } else { JobError::retry(e) });
-        }
+    tokio::time::sleep(w.in_tx_delay).await;
+    let result = format!("{}@{}", ctx.owner(), ctx.epoch());
+    if let Err(e) = ctx.complete_in(&mut *tx, result.as_bytes()).await {
+        // Fenced (a newer epoch holds the job) or failed: `tx` drops, rolling back the business
+        // row and the outbox rows.
+        watch.1 = true;
+        let reason = if e.is_fenced() { "fenced" } else { "error" };
+        lease_event("rolled_back", ctx.lease(), &[("reason", &reason), ("error", &e)]);
+        return Err(JobError::retry(e));
     }
     tx.commit().await.map_err(JobError::retry)?;
+    watch.1 = true;
     lease_event("tx_committed", ctx.lease(), &[]);
-    Ok(result)
+    Ok(Vec::new()) // not stored: the result given to complete_in is
 }
 
-async fn worker(
-    common: Common,
-    queue: String,
+/// What the worker's handler does.
+struct WorkerOpts {
     destinations: Vec<String>,
-    idle_wait: Duration,
-) -> Result<(), StartError> {
+    delay: Duration,
+    in_tx_delay: Duration,
+}
+
+async fn worker(common: Common, queue: String, opts: WorkerOpts, idle_wait: Duration) -> Result<(), StartError> {
     let refuse = |e: FenceError| StartError::Refused(e.to_string());
     let owner = common.owner("outbox-worker").map_err(refuse)?;
     let queue = QueueName::new(queue).map_err(refuse)?;
@@ -191,8 +206,8 @@ async fn worker(
     let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
     consumer.supervisor().add_hook(Arc::new(common::LostHook));
     let reporter = common::spawn_metrics(consumer.metrics());
-    let (destinations, delay) = (Arc::new(destinations), common.handler_delay);
-    let handler = move |ctx: JobContext| handle(pg.clone(), Arc::clone(&destinations), delay, ctx);
+    let opts = Arc::new(opts);
+    let handler = move |ctx: JobContext| handle(pg.clone(), Arc::clone(&opts), ctx);
     let stop = common::shutdown_on_signals();
     common::ready(&owner, &[("queue", &queue), ("source", &"table")]);
     let result = consumer.run(handler, stop).await;
@@ -256,7 +271,10 @@ async fn relay(
 
 async fn serve(args: Args) -> Result<(), StartError> {
     match args {
-        Args::Worker { common, queue, destinations, idle_wait } => worker(common, queue, destinations, idle_wait).await,
+        Args::Worker { common, queue, destinations, in_tx_delay, idle_wait } => {
+            let opts = WorkerOpts { destinations, delay: common.handler_delay, in_tx_delay };
+            worker(common, queue, opts, idle_wait).await
+        }
         Args::Relay { common, sqs, redis, redis_url, batch, idle_wait } => {
             relay(common, sqs, redis, redis_url, batch, idle_wait).await
         }

@@ -26,7 +26,11 @@
 //! - `sleep:MS`: an async sleep;
 //! - `calls:N:MS`: N times (async call, then async sleep MS);
 //! - `checkpoint`: stores progress under the lease;
-//! - `fail`: the handler returns a retryable error instead of a result.
+//! - `fail`: the handler returns a retryable error instead of a result;
+//! - `tx-begin`, `tx-write`, `tx-complete`, `tx-commit` (PostgreSQL): the handler's own
+//!   transaction: begin it on the fence's pool, insert a business row (job, epoch, owner) into
+//!   `<schema>.effects_rows` (the test creates it), commit the result in it with
+//!   `JobContext::complete_in`, commit it. Each prints `EVENT tx step=… epoch=N result=ok|fenced|error`.
 //!
 //! ```text
 //! cargo run --example zombie_worker -- --db sqlite:/tmp/zombie.db --queue demo --key job-1 \
@@ -63,7 +67,7 @@ use common::{Cli, CliExit, EventStore, StartError};
 const USAGE: &str = "usage: zombie_worker --database-url URL [--schema NAME] [--queue NAME=zombie] [--key KEY=job-1]
        [--owner PREFIX=zombie] [--lease SECS=3] [--receiver-url URL] [--plan STEPS] [--result TEXT]
        [--claim-wait-ms N=10000] [--max-attempts N=5] [--migrate] [--guards LIST] [--help]
-steps: call, call-sync, gate, sleep:MS, calls:N:MS, checkpoint, fail";
+steps: call, call-sync, gate, sleep:MS, calls:N:MS, checkpoint, fail, tx-begin, tx-write, tx-complete, tx-commit";
 
 fn main() {
     std::process::exit(run(std::env::args().skip(1).collect()));
@@ -85,6 +89,10 @@ enum Step {
     Calls(u32, u64),
     Checkpoint,
     Fail,
+    TxBegin,
+    TxWrite,
+    TxComplete,
+    TxCommit,
 }
 
 #[derive(Debug, Clone)]
@@ -161,6 +169,10 @@ fn parse_step(s: &str) -> Result<Step, String> {
         "calls" => Step::Calls(u32::try_from(num(1)?).map_err(|e| e.to_string())?, num(2)?),
         "checkpoint" => Step::Checkpoint,
         "fail" => Step::Fail,
+        "tx-begin" => Step::TxBegin,
+        "tx-write" => Step::TxWrite,
+        "tx-complete" => Step::TxComplete,
+        "tx-commit" => Step::TxCommit,
         other => return Err(format!("unknown step {other}")),
     })
 }
@@ -337,8 +349,13 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
     let result = o.result.clone().unwrap_or_else(|| format!("result of {owner}"));
     let plan = o.plan.clone();
     let receiver = o.receiver.clone();
+    let pool = match store.concrete() {
+        fence::Backend::Postgres(f) => Some(f.pool().clone()),
+        _ => None,
+    };
+    let own = OwnTx { pool, schema: o.schema.clone() };
     let outcome =
-        supervisor.run(lease, Vec::new(), None, move |ctx| handler(ctx, plan, receiver, client, result)).await;
+        supervisor.run(lease, Vec::new(), None, move |ctx| handler(ctx, plan, receiver, client, result, own)).await;
     let line = match &outcome {
         Outcome::Completed => "outcome=completed".to_owned(),
         Outcome::Failed { error, .. } => format!("outcome=failed detail={error}"),
@@ -360,7 +377,9 @@ async fn handler(
     receiver: Option<String>,
     client: reqwest::Client,
     result: String,
+    own: OwnTx,
 ) -> Result<Vec<u8>, JobError> {
+    let mut tx: Option<sqlx::Transaction<'static, sqlx::Postgres>> = None;
     let finished = Arc::new(AtomicBool::new(false));
     let _probe = DropProbe(Arc::clone(&finished), ctx.lease().clone());
     let mut fail = false;
@@ -391,10 +410,62 @@ async fn handler(
                 Err(e) => event(format!("checkpoint epoch={} result=error detail={e}", ctx.epoch())),
             },
             Step::Fail => fail = true,
+            Step::TxBegin => {
+                let begun = match &own.pool {
+                    Some(pool) => pool.begin().await.map_err(|e| e.to_string()),
+                    None => Err("tx steps need PostgreSQL".to_owned()),
+                };
+                tx = tx_event(&ctx, "begin", begun);
+            }
+            Step::TxWrite => {
+                let Some(t) = tx.as_mut() else { return Err(JobError::fatal("tx-write before tx-begin")) };
+                let sql =
+                    format!("INSERT INTO \"{}\".effects_rows (job, epoch, owner) VALUES ($1, $2, $3)", own.schema);
+                let q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(ctx.key().as_str()).bind(ctx.epoch());
+                let written = q.bind(ctx.owner().as_str()).execute(&mut **t).await.map(drop).map_err(|e| e.to_string());
+                tx_event(&ctx, "write", written).ok_or_else(|| JobError::retry("tx-write failed"))?;
+            }
+            Step::TxComplete => {
+                let Some(t) = tx.as_mut() else { return Err(JobError::fatal("tx-complete before tx-begin")) };
+                let done = ctx.complete_in(&mut **t, result.as_bytes()).await;
+                if let Err(e) = &done
+                    && e.is_fenced()
+                {
+                    event(format!("tx step=complete epoch={} result=fenced", ctx.epoch()));
+                    return Err(JobError::retry(e));
+                }
+                tx_event(&ctx, "complete", done.map_err(|e| e.to_string()))
+                    .ok_or_else(|| JobError::retry("tx-complete failed"))?;
+            }
+            Step::TxCommit => {
+                let Some(t) = tx.take() else { return Err(JobError::fatal("tx-commit before tx-begin")) };
+                tx_event(&ctx, "commit", t.commit().await.map_err(|e| e.to_string()))
+                    .ok_or_else(|| JobError::retry("tx-commit failed"))?;
+            }
         }
     }
     finished.store(true, Ordering::SeqCst);
     if fail { Err(JobError::retry(format!("failure reported by {}", ctx.owner()))) } else { Ok(result.into_bytes()) }
+}
+
+/// The handler's own transaction, for the `tx-*` steps: the fence's PostgreSQL pool, if any.
+struct OwnTx {
+    pool: Option<sqlx::PgPool>,
+    schema: String,
+}
+
+/// Prints the `tx` line of one step; the step's value when it succeeded.
+fn tx_event<T>(ctx: &JobContext, step: &str, answer: Result<T, String>) -> Option<T> {
+    match answer {
+        Ok(v) => {
+            event(format!("tx step={step} epoch={} result=ok", ctx.epoch()));
+            Some(v)
+        }
+        Err(e) => {
+            event(format!("tx step={step} epoch={} result=error detail={e}", ctx.epoch()));
+            None
+        }
+    }
 }
 
 fn body_of(ctx: &JobContext) -> String {

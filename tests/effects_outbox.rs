@@ -133,7 +133,14 @@ struct Downstream {
 
 /// Applies one message: the ledger check and the effect row in one transaction; the effect is
 /// idempotent (a re-sent message of the same epoch finds its row and applies nothing).
-async fn apply(pg: &PgFence, ledger: &PgLedger, via: &str, stamp: &FenceStamp, outbox_id: i64, seen: &Mutex<Downstream>) {
+async fn apply(
+    pg: &PgFence,
+    ledger: &PgLedger,
+    via: &str,
+    stamp: &FenceStamp,
+    outbox_id: i64,
+    seen: &Mutex<Downstream>,
+) {
     let s = pg.schema().as_str();
     let mut tx = pg.pool().begin().await.expect("begin");
     let verdict = ledger.accept_in(&mut tx, &stamp.ledger_job(), stamp.epoch).await.expect("ledger");
@@ -257,16 +264,19 @@ async fn effects_outbox_end_to_end_with_zombies_kills_and_relay_restarts() {
         (0..JOBS).map(|i| (JobKey::new(format!("job-{i:04}")).expect("key"), b"p".to_vec())).collect();
     assert_eq!(pg.enqueue_many(&q, &jobs).await.expect("enqueue"), JOBS as u64);
 
-    let worker_args = args(
-        "worker",
-        &pg,
-        &["--queue", queue, "--destination", "billing", "--destination", "audit", "--lease", "3"],
-    );
-    let worker_args: Vec<String> =
-        worker_args.into_iter().chain(["--concurrency", "4", "--handler-delay", "400", "--idle-wait", "50"].map(String::from)).collect();
+    let worker_args =
+        args("worker", &pg, &["--queue", queue, "--destination", "billing", "--destination", "audit", "--lease", "3"]);
+    let worker_args: Vec<String> = worker_args
+        .into_iter()
+        .chain(
+            ["--concurrency", "4", "--handler-delay", "300", "--in-tx-delay", "150", "--idle-wait", "50"]
+                .map(String::from),
+        )
+        .collect();
     let sqs_route = format!("billing={}", queue_sqs.url);
     let redis_route = format!("audit={stream}");
-    let relay_args = args("relay", &pg, &["--sqs", &sqs_route, "--redis", &redis_route, "--batch", "50", "--idle-wait", "50"]);
+    let relay_args =
+        args("relay", &pg, &["--sqs", &sqs_route, "--redis", &redis_route, "--batch", "20", "--idle-wait", "50"]);
 
     let seen = Arc::new(Mutex::new(Downstream::default()));
     let stop = CancellationToken::new();
@@ -277,14 +287,20 @@ async fn effects_outbox_end_to_end_with_zombies_kills_and_relay_restarts() {
 
     let started = Instant::now();
     let mut workers: Vec<Proc> = (0..WORKERS).map(|i| Proc::spawn(&format!("worker-{i}"), &worker_args)).collect();
-    let mut relay = Proc::spawn("relay-0", &relay_args);
+    let mut relay = Some(Proc::spawn("relay-0", &relay_args));
     for w in &workers {
         w.wait_ready(Duration::from_secs(30)).await;
     }
-    relay.wait_ready(Duration::from_secs(30)).await;
+    if let Some(r) = &relay {
+        r.wait_ready(Duration::from_secs(30)).await;
+    }
 
-    // Chaos until every job completed: a relay kill at 4 s and at 10 s; every 1-2 s a random
-    // worker is either paused past its lease (4.5 s) or killed and restarted.
+    // Chaos until every job completed. The relay is killed at 4 s and restarted 3 s later, when
+    // a backlog has built up; killed again as soon as it committed its first round of that
+    // backlog (the next round is then likely between its publish and its commit), and
+    // restarted. Every 1-2 s a random worker is either paused past its lease (4.5 s) or killed
+    // and restarted.
+    let mut relay_down_since = Instant::now();
     let (mut stops, mut kills, mut relay_kills, mut retired) = (0, 0, 0, Vec::new());
     let mut next_chaos = Instant::now() + Duration::from_secs(1);
     let mut paused: Vec<(usize, Instant)> = Vec::new();
@@ -292,11 +308,25 @@ async fn effects_outbox_end_to_end_with_zombies_kills_and_relay_restarts() {
     while completed(&pg, queue).await < JOBS as i64 {
         assert!(Instant::now() < deadline, "jobs did not complete in time: {} of {JOBS}", completed(&pg, queue).await);
         let elapsed = started.elapsed();
-        if relay_kills < 2 && elapsed > Duration::from_secs(4 + 6 * relay_kills) {
-            relay.kill().await;
-            relay_kills += 1;
-            let old = std::mem::replace(&mut relay, Proc::spawn(&format!("relay-{relay_kills}"), &relay_args));
-            retired.push(old);
+        match (relay_kills, relay.as_ref()) {
+            (0, Some(_)) if elapsed > Duration::from_secs(4) => {
+                let mut old = relay.take().expect("relay");
+                old.kill().await;
+                retired.push(old);
+                relay_kills = 1;
+                relay_down_since = Instant::now();
+            }
+            (1, None) if relay_down_since.elapsed() > Duration::from_secs(3) => {
+                relay = Some(Proc::spawn("relay-1", &relay_args));
+            }
+            (1, Some(r)) if r.count("published") > 0 => {
+                let mut old = relay.take().expect("relay");
+                old.kill().await;
+                retired.push(old);
+                relay_kills = 2;
+                relay = Some(Proc::spawn("relay-2", &relay_args));
+            }
+            _ => {}
         }
         paused.retain(|(i, until)| {
             if Instant::now() >= *until {
@@ -316,18 +346,23 @@ async fn effects_outbox_end_to_end_with_zombies_kills_and_relay_restarts() {
                 } else {
                     workers[i].kill().await;
                     kills += 1;
-                    let old = std::mem::replace(&mut workers[i], Proc::spawn(&format!("worker-{i}-{kills}"), &worker_args));
+                    let old =
+                        std::mem::replace(&mut workers[i], Proc::spawn(&format!("worker-{i}-{kills}"), &worker_args));
                     retired.push(old);
                 }
             }
             next_chaos = Instant::now() + Duration::from_millis(rand::random_range(1000..2000));
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let tick = if relay_kills == 1 { 5 } else { 100 };
+        tokio::time::sleep(Duration::from_millis(tick)).await;
     }
     for (i, _) in paused.drain(..) {
         workers[i].signal(libc::SIGCONT);
     }
     let jobs_done = started.elapsed();
+    if relay.is_none() {
+        relay = Some(Proc::spawn("relay-last", &relay_args));
+    }
 
     // Everything published and applied downstream.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -346,7 +381,7 @@ async fn effects_outbox_end_to_end_with_zombies_kills_and_relay_restarts() {
     for c in consumers {
         let _ = c.await;
     }
-    for p in workers.iter_mut().chain(std::iter::once(&mut relay)).chain(retired.iter_mut()) {
+    for p in workers.iter_mut().chain(relay.iter_mut()).chain(retired.iter_mut()) {
         p.kill().await;
     }
 
@@ -532,8 +567,8 @@ async fn effects_outbox_partial_publish_failure_leaves_rows_unsent() {
     assert_eq!(got.len(), 5, "five messages in the queue");
     for m in &got {
         let attrs = m.message_attributes().cloned().unwrap_or_default();
-        let stamp = FenceStamp::from_lookup(|n| attrs.get(n).and_then(|a| a.string_value().map(str::to_owned)))
-            .expect("stamp");
+        let stamp =
+            FenceStamp::from_lookup(|n| attrs.get(n).and_then(|a| a.string_value().map(str::to_owned))).expect("stamp");
         assert_eq!(stamp.epoch, 1);
     }
 
@@ -624,4 +659,69 @@ async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
         .expect("outbox");
     assert_eq!(rows, vec![(new.epoch, b"new".to_vec())]);
     sqs_support::drop_schema(&pg).await;
+}
+
+/// A publisher that publishes through Redis and then cuts the relay's database connection, as a
+/// relay process dying between the broker's answer and its own commit would.
+struct CrashAfterPublish {
+    inner: RedisPublisher,
+    pg: PgFence,
+}
+
+#[async_trait]
+impl Publisher for CrashAfterPublish {
+    fn serves(&self, destination: &str) -> bool {
+        self.inner.serves(destination)
+    }
+
+    async fn publish(&self, rows: &[OutboxRow]) -> Result<Published, PublishError> {
+        let out = self.inner.publish(rows).await;
+        let cut: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
+             AND state = 'idle in transaction' AND query LIKE '%' || $1 || '.outbox%SKIP LOCKED%'",
+        )
+        .bind(self.pg.schema().as_str())
+        .fetch_all(self.pg.pool())
+        .await
+        .expect("terminate the relay's connection");
+        assert_eq!(cut, vec![true], "exactly the relay's transaction was cut");
+        out
+    }
+}
+
+/// Covers: a relay that dies after the broker accepted a batch but before its commit leaves the
+/// rows unsent, the next round publishes them again, and the consumer (ledger `accept_in` and an
+/// idempotent effect in one transaction) applies each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn effects_outbox_relay_crash_after_publish_republishes_and_the_consumer_applies_once() {
+    let env = redis_support::Env::new().await;
+    let pg = env.store.clone();
+    create_effects_table(&pg).await;
+    let stream = env.name("effects-crash");
+    let ids = outbox_rows(&pg, 10, "audit", b"r").await;
+    let publisher = RedisPublisher::new(env.redis.clone()).route("audit", &stream);
+    let crashing = OutboxRelay::new(pg.clone(), RelayConfig::default())
+        .publisher(Arc::new(CrashAfterPublish { inner: publisher.clone(), pg: pg.clone() }));
+    assert!(crashing.relay_once().await.is_err(), "the round dies before its commit");
+    assert_eq!(unsent_ids(&pg).await, ids, "nothing was marked sent");
+    assert_eq!(redis_support::xrange(&mut env.conn(), &stream).await.len(), 10, "yet the broker has them");
+    let relay = OutboxRelay::new(pg.clone(), RelayConfig::default()).publisher(Arc::new(publisher));
+    assert_eq!(relay.relay_once().await.expect("round").sent.len(), 10);
+    assert!(unsent_ids(&pg).await.is_empty());
+    let entries = redis_support::xrange(&mut env.conn(), &stream).await;
+    assert_eq!(entries.len(), 20, "each row published twice");
+
+    let ledger = PgLedger::new(&pg, "redis-consumer");
+    let seen = Mutex::new(Downstream::default());
+    for (_, fields) in &entries {
+        let get = |n: &str| redis_support::field_of(fields, n);
+        let stamp = FenceStamp::from_lookup(get).expect("stamp");
+        let id: i64 = get("Outbox-Id").and_then(|v| v.parse().ok()).expect("outbox id");
+        apply(&pg, &ledger, "redis", &stamp, id, &seen).await;
+    }
+    let seen = seen.into_inner().expect("seen");
+    assert_eq!(seen.deliveries, 20);
+    assert_eq!(seen.applied.len(), 10);
+    assert!(seen.applied.values().all(|n| *n == 1), "each effect applied once: {:?}", seen.applied);
+    env.cleanup().await;
 }

@@ -607,6 +607,10 @@ impl FenceStore for EventStore {
     fn backend(&self) -> &'static str {
         self.0.backend()
     }
+
+    fn concrete(&self) -> brokerfence::fence::Backend<'_> {
+        self.0.concrete()
+    }
 }
 
 /// A supervisor hook printing `lease_lost` for every lease a heartbeat found taken over or

@@ -28,6 +28,7 @@ pub mod ledger;
 mod metrics;
 mod model;
 pub mod outbox;
+mod own_tx;
 mod postgres;
 mod schema;
 mod sqlite;
@@ -46,10 +47,11 @@ pub use model::{
     RetryPolicy,
 };
 pub use outbox::OutboxRow;
+pub use own_tx::FencedConnection;
 pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::{SqliteDurability, SqliteFence};
-pub use store::FenceStore;
+pub use store::{Backend, FenceStore};
 pub use supervisor::{
     DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
 };

@@ -84,8 +84,11 @@ counters!(
     lease_losses => LeaseLosses,
     /// Writes refused by the compare-and-set (a superseded owner's commit, fail or checkpoint).
     fenced_rejections => FencedRejections,
-    /// Results committed.
+    /// Results committed (by the runtime's group commit or in the handler's own transaction).
     completions => Completions,
+    /// Of [`completions`](MetricsSnapshot::completions), those the handler committed in its own
+    /// transaction with [`JobContext::complete_in`](crate::JobContext::complete_in).
+    own_commits => OwnCommits,
     /// Group-commit statements sent (each carries one or more completions).
     commit_statements => CommitStatements,
     /// Group-claim statements the consumer runtime sent for broker deliveries (each claims one

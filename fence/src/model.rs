@@ -197,6 +197,12 @@ pub struct Heartbeat {
     pub renewed: Vec<Lease>,
     /// Leases that matched no row: superseded, completed or released. Their holders must stop.
     pub lost: Vec<Lease>,
+    /// Leases neither renewed nor lost: their row is locked by another transaction (usually the
+    /// handler's own, after [`JobContext::complete_in`](crate::JobContext::complete_in), or a
+    /// commit in flight), and its last committed state is still this lease. Nobody can claim the
+    /// row while that lock is held, but the lease's end on the database clock has not moved: the
+    /// holder keeps its old deadline.
+    pub held: Vec<Lease>,
 }
 
 /// When a failed attempt may run again, and when a job is given up.

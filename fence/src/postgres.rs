@@ -117,8 +117,6 @@ pub(crate) struct Statements {
     enqueue: Arc<str>,
     claim_next: Arc<str>,
     heartbeat: Arc<str>,
-    /// [`heartbeat`](Self::heartbeat) that skips rows locked by another transaction.
-    heartbeat_unless_locked: Arc<str>,
     checkpoint: Arc<str>,
     complete: Arc<str>,
     fail: Arc<str>,
@@ -128,6 +126,11 @@ pub(crate) struct Statements {
     pub(crate) ledger_accept: Arc<str>,
     pub(crate) ledger_current: Arc<str>,
 }
+
+/// Raised on the caller's connection after a fenced [`PgFence::complete_in`]: the transaction is
+/// aborted, so the caller's rows cannot commit (SQLSTATE BF409).
+const ABORT_FENCED_TX: &str = "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'BF409', \
+    MESSAGE = 'brokerfence: complete_in was fenced (a newer epoch holds the job); this transaction cannot commit'; END $$";
 
 /// The compare-and-set every write on behalf of a lease carries ($1 queue, $2 key, $3 owner, $4 epoch).
 const CAS: &str = "t.queue = $1 AND t.key = $2 AND t.owner = $3 AND t.epoch = $4 AND t.state = 'running'";
@@ -247,12 +250,25 @@ impl Statements {
         // Rows are locked in (queue, key) order, the order batch claims lock them in, so a
         // heartbeat, a batch commit and a batch claim over the same keys cannot deadlock.
         let cur = locked_by_key(s);
+        // The renewal never waits on a row lock: a row another transaction holds locked (the
+        // handler's own transaction after `complete_in`, a commit in flight, a takeover's claim)
+        // is skipped, and reported `held` (not renewed, not lost) while its committed version
+        // still names this lease; see [`Heartbeat::held`]. One stuck transaction thus never holds
+        // up the renewal of the worker's other leases.
         let heartbeat = format!(
             "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) \
-                 AS u(queue, key, epoch, owner)), {cur} \
-             UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
-             FROM cur c WHERE t.queue = c.queue AND t.key = c.key AND {hb_cas} \
-             RETURNING t.queue COLLATE \"C\", t.key COLLATE \"C\", {hb_epoch}, {hb_owner}, {tlu}, {tttl}",
+                 AS u(queue, key, epoch, owner)), {cur}, \
+             upd AS (UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
+                 FROM cur c WHERE t.queue = c.queue AND t.key = c.key AND {hb_cas} \
+                 RETURNING t.queue, t.key, {hb_epoch} AS epoch, {hb_owner} AS owner, {tlu} AS lu, {tttl} AS ttl) \
+             SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", upd.epoch, upd.owner, upd.lu, upd.ttl, true \
+             FROM upd \
+             UNION ALL \
+             SELECT c.queue COLLATE \"C\", c.key COLLATE \"C\", c.epoch, c.owner, NULL::bigint, NULL::bigint, false \
+             FROM cur c CROSS JOIN LATERAL (SELECT 1 FROM {s}.jobs j WHERE j.queue = c.queue AND j.key = c.key \
+                 AND j.epoch = c.epoch AND j.owner = c.owner AND j.state = 'running' OFFSET 0) j \
+             WHERE c.cur_epoch IS NULL",
+            cur = cur.replace(" OFFSET 0 FOR UPDATE) t ON true)", " OFFSET 0 FOR UPDATE SKIP LOCKED) t ON true)"),
             lease = lease_end.replace("$LEASE", "$5"),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
@@ -329,9 +345,6 @@ impl Statements {
             claim: claim.into(),
             enqueue: enqueue.into(),
             claim_next: claim_next.into(),
-            heartbeat_unless_locked: heartbeat
-                .replace(" OFFSET 0 FOR UPDATE) t ON true)", " OFFSET 0 FOR UPDATE SKIP LOCKED) t ON true)")
-                .into(),
             heartbeat: heartbeat.into(),
             checkpoint: checkpoint.into(),
             complete: complete.into(),
@@ -516,9 +529,8 @@ impl PgTimeouts {
 }
 
 impl PgFence {
-    /// One renewal statement (`heartbeat` or `heartbeat_unless_locked`) for `leases` on the
-    /// heartbeat connections, detached from the caller.
-    async fn renew(&self, statement: &Arc<str>, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+    /// One renewal statement for `leases` on the heartbeat connections, detached from the caller.
+    async fn renew(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
         if leases.is_empty() {
             return Ok(Heartbeat::default());
         }
@@ -526,8 +538,9 @@ impl PgFence {
         let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
         let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
         let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
-        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(statement), lease.as_millis_i64());
-        let renewed: Vec<(String, String, i64, String, i64, i64)> = detached(async move {
+        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
+        type Row = (String, String, i64, String, Option<i64>, Option<i64>, bool);
+        let rows: Vec<Row> = detached(async move {
             Ok(sqlx::query_as(statement)
                 .bind(queues)
                 .bind(keys)
@@ -538,7 +551,14 @@ impl PgFence {
                 .await?)
         })
         .await?;
-        Ok(split_heartbeat(leases, renewed))
+        let (mut renewed, mut held) = (Vec::with_capacity(rows.len()), Vec::new());
+        for (queue, key, epoch, owner, until, ttl, was_renewed) in rows {
+            match (was_renewed, until, ttl) {
+                (true, Some(until), Some(ttl)) => renewed.push((queue, key, epoch, owner, until, ttl)),
+                _ => held.push((queue, key, epoch, owner)),
+            }
+        }
+        Ok(split_heartbeat(leases, renewed, held))
     }
 
     /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
@@ -724,18 +744,98 @@ impl PgFence {
     }
 
     /// [`complete`](FenceStore::complete) inside the caller's transaction, so that the caller's own
-    /// rows (business data, outbox) commit together with the result or not at all.
+    /// rows (business data, outbox) commit together with the result or not at all. Inside a
+    /// supervised handler, call [`JobContext::complete_in`](crate::JobContext::complete_in)
+    /// instead: it tells the supervisor, which then acknowledges the delivery without a second
+    /// commit.
+    ///
+    /// A [`Fenced`](FenceError::Fenced) answer also **aborts the caller's transaction** (an error
+    /// raised on its connection): its rows can no longer commit, every later statement in it
+    /// fails, and `COMMIT` rolls it back, even if the caller ignores the answer. Call it last,
+    /// right before `COMMIT`: from here on the transaction holds the job's row lock (see
+    /// [`Heartbeat::held`]).
     ///
     /// ```no_run
     /// # async fn demo(fence: fence::PgFence, lease: fence::Lease) -> fence::Result<()> {
     /// let mut tx = fence.pool().begin().await?;
     /// sqlx::query("INSERT INTO outbox (body) VALUES ($1)").bind("hello").execute(&mut *tx).await?;
-    /// fence.complete_in(&mut tx, &lease, b"done").await?; // Fenced => roll back everything
+    /// fence.complete_in(&mut tx, &lease, b"done").await?; // Fenced => the transaction is aborted
     /// tx.commit().await?;
     /// # Ok(()) }
     /// ```
     pub async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, result: &[u8]) -> Result<()> {
-        self.fenced_write(&mut *conn, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+        let answer = self.fenced_write(&mut *conn, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await;
+        if let Err(FenceError::Fenced { .. }) = &answer
+            && self.guards.fenced_tx_rollback()
+        {
+            // Raises on purpose: PostgreSQL then refuses every later statement of the transaction
+            // and turns its COMMIT into a ROLLBACK. The raise is the expected answer; any other
+            // error leaves the transaction aborted all the same.
+            let raised = sqlx::raw_sql(ABORT_FENCED_TX).execute(&mut *conn).await;
+            tracing::debug!(key = %lease.key, epoch = lease.epoch, ?raised, "fenced complete_in: caller's transaction aborted");
+        }
+        answer.map(drop)
+    }
+
+    /// [`enqueue`](FenceStore::enqueue) inside the caller's transaction: the job exists if and only
+    /// if the caller's transaction commits (transactional enqueue). Says whether it inserted (a key
+    /// that exists is left as it is).
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
+    /// use fence::{JobKey, QueueName};
+    /// let mut tx = fence.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind("o-1").execute(&mut *tx).await?;
+    /// fence.enqueue_in(&mut tx, &QueueName::new("emails")?, &JobKey::new("o-1/confirm")?, b"o-1").await?;
+    /// tx.commit().await?; // the order and its job, or neither
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_in(
+        &self,
+        conn: &mut PgConnection,
+        queue: &QueueName,
+        key: &JobKey,
+        payload: &[u8],
+    ) -> Result<bool> {
+        Ok(self.enqueue_many_in(conn, queue, &[(key.clone(), payload.to_vec())]).await? == 1)
+    }
+
+    /// [`enqueue_many`](FenceStore::enqueue_many) inside the caller's transaction (one statement);
+    /// returns how many were new.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
+    /// use fence::{JobKey, QueueName};
+    /// let mut tx = fence.pool().begin().await?;
+    /// let jobs = vec![(JobKey::new("a")?, b"1".to_vec()), (JobKey::new("b")?, b"2".to_vec())];
+    /// assert_eq!(fence.enqueue_many_in(&mut tx, &QueueName::new("q")?, &jobs).await?, 2);
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_many_in(
+        &self,
+        conn: &mut PgConnection,
+        queue: &QueueName,
+        jobs: &[(JobKey, Vec<u8>)],
+    ) -> Result<u64> {
+        self.enqueue_on(&mut *conn, queue, jobs).await
+    }
+
+    async fn enqueue_on<'c>(
+        &self,
+        exec: impl sqlx::PgExecutor<'c>,
+        queue: &QueueName,
+        jobs: &[(JobKey, Vec<u8>)],
+    ) -> Result<u64> {
+        let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
+        let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
+        let done = sqlx::query(sql(&self.stmts.enqueue))
+            .bind(queue.as_str().to_owned())
+            .bind(keys)
+            .bind(payloads)
+            .execute(exec)
+            .await?;
+        Ok(done.rows_affected())
     }
 
     async fn fenced_write<'c, E, F>(&self, exec: E, stmt: &Arc<str>, lease: &Lease, extra: F) -> Result<Option<String>>
@@ -1017,15 +1117,7 @@ impl FenceStore for PgFence {
     }
 
     async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
-        let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
-        let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
-        let done = sqlx::query(sql(&self.stmts.enqueue))
-            .bind(queue.as_str().to_owned())
-            .bind(keys)
-            .bind(payloads)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+        self.enqueue_on(&self.pool, queue, jobs).await
     }
 
     async fn claim_next(
@@ -1065,12 +1157,9 @@ impl FenceStore for PgFence {
             .collect()
     }
 
+    /// Never waits on a row lock: see [`Heartbeat::held`].
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
-        self.renew(&self.stmts.heartbeat, leases, lease).await
-    }
-
-    async fn heartbeat_unless_locked(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
-        self.renew(&self.stmts.heartbeat_unless_locked, leases, lease).await
+        self.renew(leases, lease).await
     }
 
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
@@ -1167,6 +1256,10 @@ impl FenceStore for PgFence {
 
     fn backend(&self) -> &'static str {
         "postgres"
+    }
+
+    fn concrete(&self) -> crate::Backend<'_> {
+        crate::Backend::Postgres(self)
     }
 }
 

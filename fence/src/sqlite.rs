@@ -344,7 +344,18 @@ impl SqliteFence {
         &self.schema
     }
 
-    /// [`complete`](FenceStore::complete) inside the caller's transaction.
+    /// [`complete`](FenceStore::complete) inside the caller's transaction, so that the caller's own
+    /// rows commit together with the result or not at all. Inside a supervised handler, call
+    /// [`JobContext::complete_in`](crate::JobContext::complete_in) instead.
+    ///
+    /// A [`Fenced`](crate::FenceError::Fenced) answer also makes the caller's transaction unable
+    /// to commit: a deferred foreign-key violation is left in it, so `COMMIT` fails ("FOREIGN KEY
+    /// constraint failed") and dropping the transaction rolls it back. On a connection with
+    /// `PRAGMA foreign_keys = OFF` (sqlx turns it on by default) the transaction is rolled back
+    /// at once instead, and statements the caller runs after ignoring the answer are outside any
+    /// transaction. SQLite has one writer at a time: from the caller's first write on, its
+    /// transaction holds the database's write lock, and every other writer (this worker's
+    /// heartbeats included) waits for it, up to the busy timeout (10 s). Keep it short.
     ///
     /// ```no_run
     /// # async fn demo(fence: fence::SqliteFence, lease: fence::Lease) -> fence::Result<()> {
@@ -356,7 +367,66 @@ impl SqliteFence {
     pub async fn complete_in(&self, conn: &mut SqliteConnection, lease: &Lease, result: &[u8]) -> Result<()> {
         let q = self.cas_query(&self.stmts.complete, lease).bind(result.to_vec());
         let row = q.fetch_optional(&mut *conn).await?;
-        self.fenced_outcome(&mut *conn, lease, row).await.map(drop)
+        let answer = self.fenced_outcome(&mut *conn, lease, row).await.map(drop);
+        if let Err(crate::FenceError::Fenced { .. }) = &answer
+            && self.guards.fenced_tx_rollback()
+        {
+            let poisoned = poison_transaction(&mut *conn).await;
+            tracing::debug!(key = %lease.key, epoch = lease.epoch, ?poisoned, "fenced complete_in: caller's transaction cannot commit");
+        }
+        answer
+    }
+
+    /// [`enqueue`](FenceStore::enqueue) inside the caller's transaction: the job exists if and only
+    /// if the caller's transaction commits. Says whether it inserted.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+    /// use fence::{JobKey, QueueName};
+    /// let mut tx = fence.pool().begin_with("BEGIN IMMEDIATE").await?;
+    /// fence.enqueue_in(&mut tx, &QueueName::new("emails")?, &JobKey::new("o-1/confirm")?, b"o-1").await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_in(
+        &self,
+        conn: &mut SqliteConnection,
+        queue: &QueueName,
+        key: &JobKey,
+        payload: &[u8],
+    ) -> Result<bool> {
+        Ok(self.enqueue_many_in(conn, queue, &[(key.clone(), payload.to_vec())]).await? == 1)
+    }
+
+    /// [`enqueue_many`](FenceStore::enqueue_many) inside the caller's transaction; returns how many
+    /// were new.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+    /// use fence::{JobKey, QueueName};
+    /// let mut tx = fence.pool().begin_with("BEGIN IMMEDIATE").await?;
+    /// let jobs = vec![(JobKey::new("a")?, b"1".to_vec()), (JobKey::new("b")?, b"2".to_vec())];
+    /// fence.enqueue_many_in(&mut tx, &QueueName::new("q")?, &jobs).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_many_in(
+        &self,
+        conn: &mut SqliteConnection,
+        queue: &QueueName,
+        jobs: &[(JobKey, Vec<u8>)],
+    ) -> Result<u64> {
+        let mut inserted = 0;
+        for (key, payload) in jobs {
+            inserted += sqlx::query(sql(&self.stmts.enqueue))
+                .bind(queue.as_str().to_owned())
+                .bind(key.as_str().to_owned())
+                .bind(payload.clone())
+                .execute(&mut *conn)
+                .await?
+                .rows_affected();
+        }
+        Ok(inserted)
     }
 
     fn cas_query<'q>(
@@ -502,16 +572,7 @@ impl FenceStore for SqliteFence {
 
     async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let mut inserted = 0;
-        for (key, payload) in jobs {
-            inserted += sqlx::query(sql(&self.stmts.enqueue))
-                .bind(queue.as_str().to_owned())
-                .bind(key.as_str().to_owned())
-                .bind(payload.clone())
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        }
+        let inserted = self.enqueue_many_in(&mut tx, queue, jobs).await?;
         tx.commit().await?;
         Ok(inserted)
     }
@@ -573,7 +634,7 @@ impl FenceStore for SqliteFence {
             renewed.extend(row);
         }
         tx.commit().await?;
-        Ok(split_heartbeat(leases, renewed))
+        Ok(split_heartbeat(leases, renewed, Vec::new()))
     }
 
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
@@ -633,4 +694,26 @@ impl FenceStore for SqliteFence {
     fn backend(&self) -> &'static str {
         "sqlite"
     }
+
+    fn concrete(&self) -> crate::Backend<'_> {
+        crate::Backend::Sqlite(self)
+    }
+}
+
+/// Leaves the caller's transaction unable to commit after a fenced `complete_in`: a row that
+/// violates a deferred foreign key, in temporary tables of this connection (created, and undone,
+/// with the transaction), so that `COMMIT` fails and the rows go with the rollback. Without
+/// foreign keys enforced on the connection, rolls the transaction back at once instead.
+async fn poison_transaction(conn: &mut SqliteConnection) -> Result<()> {
+    let enforced: i64 = sqlx::query_scalar("PRAGMA foreign_keys").fetch_one(&mut *conn).await?;
+    let statement = if enforced == 1 {
+        "CREATE TEMP TABLE IF NOT EXISTS brokerfence_fenced_parent (id INTEGER PRIMARY KEY); \
+         CREATE TEMP TABLE IF NOT EXISTS brokerfence_fenced (parent INTEGER \
+             REFERENCES brokerfence_fenced_parent (id) DEFERRABLE INITIALLY DEFERRED); \
+         INSERT INTO brokerfence_fenced (parent) VALUES (1);"
+    } else {
+        "ROLLBACK"
+    };
+    sqlx::raw_sql(statement).execute(&mut *conn).await?;
+    Ok(())
 }

@@ -152,18 +152,49 @@ pub trait FenceStore: Send + Sync + 'static {
 
     /// The backend's name, for logs ("postgres", "sqlite").
     fn backend(&self) -> &'static str;
+
+    /// The concrete store behind this one, for statements that run on the caller's own
+    /// connection ([`JobContext::complete_in`](crate::JobContext::complete_in)). A store that
+    /// wraps another one must delegate this call to it; the default, [`Backend::Other`], makes
+    /// those statements answer [`FenceError::Unsupported`](crate::FenceError::Unsupported).
+    ///
+    /// ```
+    /// # async fn demo() -> fence::Result<()> {
+    /// use fence::{Backend, FenceStore, SqliteFence};
+    /// let store = SqliteFence::open("sqlite::memory:").await?;
+    /// assert!(matches!(store.concrete(), Backend::Sqlite(_)));
+    /// # Ok(()) }
+    /// ```
+    fn concrete(&self) -> Backend<'_> {
+        Backend::Other
+    }
+}
+
+/// The concrete store behind a [`FenceStore`] (see [`FenceStore::concrete`]).
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum Backend<'a> {
+    /// PostgreSQL.
+    Postgres(&'a crate::PgFence),
+    /// SQLite.
+    Sqlite(&'a crate::SqliteFence),
+    /// A store of another kind: statements on the caller's own connection are unsupported.
+    Other,
 }
 
 /// Helper for backends: a heartbeat outcome from the renewed subset.
 /// `renewed` rows are (queue, key, epoch, owner, lease_until ms, ttl ms); a lease counts as renewed
 /// only when all four of its identity fields match a row (a lease naming the right job and epoch
-/// but another owner was not renewed).
+/// but another owner was not renewed). `held` rows name leases whose row was locked by another
+/// transaction while its committed state still matched them (see [`Heartbeat::held`]).
 pub(crate) fn split_heartbeat(
     leases: &[Lease],
     mut renewed: Vec<(String, String, i64, String, i64, i64)>,
+    mut held: Vec<(String, String, i64, String)>,
 ) -> Heartbeat {
     let mut out = Heartbeat::default();
     renewed.sort();
+    held.sort();
     for l in leases {
         let probe = (l.queue.as_str(), l.key.as_str(), l.epoch, l.owner.as_str());
         match renewed.binary_search_by(|r| (r.0.as_str(), r.1.as_str(), r.2, r.3.as_str()).cmp(&probe)) {
@@ -172,6 +203,11 @@ pub(crate) fn split_heartbeat(
                 l.lease_until = crate::DbTime(renewed[i].4);
                 l.ttl = crate::model::millis(renewed[i].5);
                 out.renewed.push(l);
+            }
+            Err(_)
+                if held.binary_search_by(|r| (r.0.as_str(), r.1.as_str(), r.2, r.3.as_str()).cmp(&probe)).is_ok() =>
+            {
+                out.held.push(l.clone())
             }
             Err(_) => out.lost.push(l.clone()),
         }

@@ -28,7 +28,8 @@ use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::hook_runner::{HookRunner, LiveCheck};
 use crate::metrics::{Counter, Metrics};
-use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
+use crate::model::{FailOutcome, JobState, Lease, LeaseDuration, RetryPolicy};
+use crate::own_tx::FencedConnection;
 use crate::store::FenceStore;
 use crate::{JobKey, Owner, QueueName};
 
@@ -388,6 +389,48 @@ impl JobContext {
             other => other,
         }
     }
+
+    /// Commits this attempt's result inside the handler's own transaction (`conn`: a
+    /// `sqlx::PgConnection` for a [`PgFence`](crate::PgFence), a `sqlx::SqliteConnection` for a
+    /// [`SqliteFence`](crate::SqliteFence)), so that the handler's rows and the fenced completion
+    /// commit together or not at all. Once the handler returns, the supervisor reads the job row
+    /// instead of committing the returned bytes: completed under this epoch means
+    /// [`Outcome::Completed`] (the delivery is acknowledged, no second commit); still running under
+    /// it means the transaction did not commit, and the attempt counts as failed (retried).
+    ///
+    /// A [`Fenced`](FenceError::Fenced) answer means a newer epoch holds the job: the transaction
+    /// can no longer commit (PostgreSQL aborts it, SQLite is left with a deferred violation), and
+    /// this attempt is cancelled like any superseded one. Call it last, right before `COMMIT`:
+    /// from then on the transaction holds the job's row lock, which no claim can pass, but the
+    /// lease's end does not move either ([`Heartbeat::held`](crate::Heartbeat::held)): past the
+    /// worker-side deadline the handler is cancelled and its transaction dropped (rolled back).
+    ///
+    /// ```no_run
+    /// # async fn handler(ctx: fence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, fence::JobError> {
+    /// let mut tx = pool.begin().await.map_err(fence::JobError::retry)?;
+    /// sqlx::query("INSERT INTO invoices (job, epoch) VALUES ($1, $2)")
+    ///     .bind(ctx.key().as_str())
+    ///     .bind(ctx.epoch())
+    ///     .execute(&mut *tx)
+    ///     .await
+    ///     .map_err(fence::JobError::retry)?;
+    /// ctx.complete_in(&mut *tx, b"invoiced").await.map_err(fence::JobError::retry)?;
+    /// tx.commit().await.map_err(fence::JobError::retry)?;
+    /// Ok(Vec::new()) // not stored: the result given to complete_in is
+    /// # }
+    /// ```
+    pub async fn complete_in<C: FencedConnection + ?Sized>(&self, conn: &mut C, result: &[u8]) -> Result<()> {
+        // Set before the statement goes out: whatever its answer, the row decides afterwards.
+        self.slot.own_commit.store(true, Ordering::Release);
+        match conn.complete_on(self.store.concrete(), &self.lease, result).await {
+            Err(e @ FenceError::Fenced { .. }) => {
+                self.metrics.incr(Counter::FencedRejections);
+                self.slot.lose(LossReason::Superseded);
+                Err(e)
+            }
+            other => other,
+        }
+    }
 }
 
 struct SlotState {
@@ -398,6 +441,9 @@ struct SlotState {
     /// The handler has returned; the attempt waits for the verdict on its commit, failure or
     /// release. Its lease is still renewed, but there is nothing left to cancel.
     settling: AtomicBool,
+    /// The handler sent its own fenced completion ([`JobContext::complete_in`]): once it returns,
+    /// the job row, not the handler's answer, says whether the result committed.
+    own_commit: AtomicBool,
 }
 
 impl SlotState {
@@ -441,6 +487,9 @@ struct Inner {
 }
 
 /// A result waiting for the group commit, and where to send the verdict.
+/// How a handler's run ended: stopped (a loss), timed out (`Err(())`), or its own answer.
+type HandlerResult = std::result::Result<std::result::Result<std::result::Result<Vec<u8>, JobError>, ()>, LossReason>;
+
 type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
 
 /// Most completions committed by one statement.
@@ -722,6 +771,7 @@ impl Supervisor {
             deadline: AtomicU64::new(inner.nanos(claimed_at + lease.ttl.saturating_sub(margin))),
             loss: Mutex::new(None),
             settling: AtomicBool::new(false),
+            own_commit: AtomicBool::new(false),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {
@@ -754,38 +804,18 @@ impl Supervisor {
         registered.settle();
 
         let outcome = match result {
-            Err(LossReason::Shutdown) => match inner.settled(inner.store.release(&lease)).await {
-                Ok(()) => {
-                    inner.metrics.incr(Counter::Releases);
-                    tracing::info!("lease released at shutdown");
-                    Outcome::Released
-                }
-                Err(e) => inner.commit_error(e),
-            },
-            Err(reason) => {
+            Err(reason @ (LossReason::Superseded | LossReason::Unconfirmed)) => {
                 registered.leave();
                 inner.metrics.incr(Counter::LeaseLosses);
                 inner.log_loss(&lease, reason).await;
                 Outcome::LeaseLost { reason }
             }
-            Ok(Err(())) => {
-                let msg = format!("attempt timed out after {:?}", timeout.unwrap_or_default());
-                inner.fail(&lease, JobError::retry(msg)).await
-            }
-            Ok(Ok(Ok(result))) => match inner.commit(&lease, result).await {
-                Ok(()) => {
-                    inner.metrics.incr(Counter::Completions);
-                    tracing::debug!("result committed");
-                    Outcome::Completed
-                }
-                Err(e) => inner.commit_error(e),
-            },
-            Ok(Ok(Err(job_error))) => inner.fail(&lease, job_error).await,
+            result if state.own_commit.load(Ordering::Acquire) => inner.after_own_commit(&lease, result, timeout).await,
+            result => inner.finish(&lease, result, timeout).await,
         };
         registered.leave();
         outcome
     }
-
     /// Graceful shutdown: stop taking work ([`is_draining`](Self::is_draining)), wait up to `grace`
     /// for running attempts to finish, then cancel the rest and release their leases.
     pub async fn shutdown(&self, grace: Duration) {
@@ -946,6 +976,63 @@ impl Inner {
             if map.is_empty() {
                 self.idle.notify_waiters();
             }
+        }
+    }
+
+    /// Finishes an attempt whose handler ended (or was stopped by shutdown) without a commit of
+    /// its own: commits its result, records its failure or releases its lease.
+    async fn finish(&self, lease: &Lease, result: HandlerResult, timeout: Option<Duration>) -> Outcome {
+        match result {
+            Err(LossReason::Shutdown) => match self.settled(self.store.release(lease)).await {
+                Ok(()) => {
+                    self.metrics.incr(Counter::Releases);
+                    tracing::info!("lease released at shutdown");
+                    Outcome::Released
+                }
+                Err(e) => self.commit_error(e),
+            },
+            Err(reason) => Outcome::LeaseLost { reason },
+            Ok(Err(())) => {
+                let msg = format!("attempt timed out after {:?}", timeout.unwrap_or_default());
+                self.fail(lease, JobError::retry(msg)).await
+            }
+            Ok(Ok(Ok(result))) => match self.commit(lease, result).await {
+                Ok(()) => {
+                    self.metrics.incr(Counter::Completions);
+                    tracing::debug!("result committed");
+                    Outcome::Completed
+                }
+                Err(e) => self.commit_error(e),
+            },
+            Ok(Ok(Err(job_error))) => self.fail(lease, job_error).await,
+        }
+    }
+
+    /// Finishes an attempt whose handler sent its own completion ([`JobContext::complete_in`]):
+    /// the job row says whether the handler's transaction committed. Completed under this epoch
+    /// and owner: done, nothing more to commit. Otherwise the transaction did not commit (rolled
+    /// back, dropped, or never committed): the attempt ends as if the handler had not completed,
+    /// and a handler that returned `Ok` anyway is recorded as a (retried) failure.
+    async fn after_own_commit(&self, lease: &Lease, result: HandlerResult, timeout: Option<Duration>) -> Outcome {
+        match self.settled(self.store.job(&lease.queue, &lease.key)).await {
+            Ok(Some(job))
+                if job.state == JobState::Completed
+                    && job.epoch == lease.epoch
+                    && job.owner.as_deref() == Some(lease.owner.as_str()) =>
+            {
+                self.metrics.incr(Counter::Completions);
+                self.metrics.incr(Counter::OwnCommits);
+                tracing::debug!("result committed in the handler's transaction");
+                Outcome::Completed
+            }
+            Ok(_) => match result {
+                Ok(Ok(Ok(_))) => {
+                    let error = JobError::retry("the handler called complete_in, but its transaction did not commit");
+                    self.fail(lease, error).await
+                }
+                other => self.finish(lease, other, timeout).await,
+            },
+            Err(e) => self.commit_error(e),
         }
     }
 

@@ -357,6 +357,7 @@ async fn edges_a_hook_never_sees_a_lease_past_its_deadline_or_ended() {
                 deadline: AtomicU64::new(deadline),
                 loss: Mutex::new(None),
                 settling: AtomicBool::new(false),
+                own_commit: AtomicBool::new(false),
             });
             if cancelled {
                 state.token.cancel();

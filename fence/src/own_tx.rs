@@ -1,0 +1,89 @@
+//! Statements that run on the caller's own connection, inside the caller's transaction: the
+//! fenced completion a handler commits together with its own rows
+//! ([`JobContext::complete_in`](crate::JobContext::complete_in)).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use sqlx::{PgConnection, SqliteConnection};
+
+use crate::error::{FenceError, Result};
+use crate::model::Lease;
+use crate::store::Backend;
+
+/// A connection a handler's own transaction runs on: `sqlx::PgConnection` for a
+/// [`PgFence`](crate::PgFence), `sqlx::SqliteConnection` for a [`SqliteFence`](crate::SqliteFence).
+/// Pass `&mut *tx` for a `sqlx::Transaction`, or `&mut *conn` for a pooled connection.
+///
+/// Sealed: the statements it runs are the fence's own.
+///
+/// ```no_run
+/// # async fn handler(ctx: fence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, fence::JobError> {
+/// let mut tx = pool.begin().await.map_err(fence::JobError::retry)?;
+/// sqlx::query("INSERT INTO shipments (job) VALUES ($1)")
+///     .bind(ctx.key().as_str())
+///     .execute(&mut *tx)
+///     .await
+///     .map_err(fence::JobError::retry)?;
+/// ctx.complete_in(&mut *tx, b"shipped").await.map_err(fence::JobError::retry)?; // Fenced: rolled back
+/// tx.commit().await.map_err(fence::JobError::retry)?;
+/// Ok(Vec::new()) // ignored: the result above is what committed
+/// # }
+/// ```
+pub trait FencedConnection: Send + sealed::Sealed {
+    #[doc(hidden)]
+    fn complete_on<'a>(
+        &'a mut self,
+        store: Backend<'a>,
+        lease: &'a Lease,
+        result: &'a [u8],
+    ) -> Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for sqlx::PgConnection {}
+    impl Sealed for sqlx::SqliteConnection {}
+}
+
+impl FencedConnection for PgConnection {
+    fn complete_on<'a>(
+        &'a mut self,
+        store: Backend<'a>,
+        lease: &'a Lease,
+        result: &'a [u8],
+    ) -> Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>> {
+        Box::pin(async move {
+            match store {
+                Backend::Postgres(fence) => fence.complete_in(self, lease, result).await,
+                _ => Err(mismatch("a PostgreSQL connection", store)),
+            }
+        })
+    }
+}
+
+impl FencedConnection for SqliteConnection {
+    fn complete_on<'a>(
+        &'a mut self,
+        store: Backend<'a>,
+        lease: &'a Lease,
+        result: &'a [u8],
+    ) -> Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>> {
+        Box::pin(async move {
+            match store {
+                Backend::Sqlite(fence) => fence.complete_in(self, lease, result).await,
+                _ => Err(mismatch("a SQLite connection", store)),
+            }
+        })
+    }
+}
+
+fn mismatch(connection: &'static str, store: Backend<'_>) -> FenceError {
+    FenceError::Unsupported(match (connection, store) {
+        (_, Backend::Other) => {
+            "complete_in: the supervisor's store does not name its backend (a wrapping store must delegate FenceStore::concrete)"
+        }
+        ("a PostgreSQL connection", _) => "complete_in: a PostgreSQL connection for a store that is not PostgreSQL",
+        _ => "complete_in: a SQLite connection for a store that is not SQLite",
+    })
+}
