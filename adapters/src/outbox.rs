@@ -261,12 +261,22 @@ impl OutboxRelay {
         self
     }
 
-    /// One round: claim, publish, mark the accepted rows sent, commit.
+    /// One round: claim, publish, mark the accepted rows sent, commit. An `Err` marked nothing:
+    /// the claimed rows stay unsent (some may have reached their broker; they are sent again).
     pub async fn relay_once(&self) -> Result<RelayRound, RelayError> {
+        let span = tracing::info_span!("outbox_round", claimed = tracing::field::Empty, sent = tracing::field::Empty);
+        let round = self.round(&span).instrument(span.clone()).await?;
+        if let Some(observer) = &self.observer {
+            observer(&round);
+        }
+        Ok(round)
+    }
+
+    async fn round(&self, span: &tracing::Span) -> Result<RelayRound, RelayError> {
         let c = self.config;
         let mut tx = db("begin", c.db_timeout, async { Ok(self.fence.pool().begin().await?) }).await?;
         let rows = db("claim", c.db_timeout, self.fence.outbox_claim_in(&mut tx, c.batch)).await?;
-        let span = tracing::info_span!("outbox_round", rows = rows.len());
+        span.record("claimed", rows.len());
         let mut round = RelayRound { claimed: rows.len(), ..RelayRound::default() };
         if rows.is_empty() {
             db("commit", c.db_timeout, async { Ok(tx.commit().await?) }).await?;
@@ -297,7 +307,7 @@ impl OutboxRelay {
                 (rows, answer)
             }
         });
-        let answers = futures::future::join_all(calls).instrument(span.clone()).await;
+        let answers = futures::future::join_all(calls).await;
         let mut accepted_ids = Vec::new();
         let mut accepted_set = HashSet::new();
         let mut accepted_rows = Vec::new();
@@ -329,7 +339,7 @@ impl OutboxRelay {
         }
         db("mark_sent", c.db_timeout, self.fence.outbox_mark_sent_in(&mut tx, &accepted_ids)).await?;
         db("commit", c.db_timeout, async { Ok(tx.commit().await?) }).await?;
-        let _entered = span.enter();
+        span.record("sent", accepted_rows.len());
         for row in &accepted_rows {
             let _row =
                 tracing::debug_span!("outbox_row", id = row.id, queue = %row.queue, job = %row.key, epoch = row.epoch)
@@ -343,15 +353,12 @@ impl OutboxRelay {
             tracing::warn!(destination = %row.destination, error = %why, "not published; stays unsent");
         }
         round.sent = accepted_rows;
-        if let Some(observer) = &self.observer {
-            observer(&round);
-        }
         Ok(round)
     }
 
     /// Runs rounds until `shutdown` fires: at once again after a full batch, after
-    /// [`RelayConfig::idle_wait`] otherwise, after a backoff when a round failed or left rows
-    /// unsent. Returns the number of rows sent. A round in progress at shutdown finishes first
+    /// [`RelayConfig::idle_wait`] otherwise, after a backoff when a round failed or sent none of
+    /// the rows it claimed. Returns the number of rows sent. A round in progress at shutdown finishes first
     /// (it is bounded by the timeouts).
     pub async fn run(&self, shutdown: CancellationToken) -> Result<u64, RelayError> {
         let c = self.config;
@@ -361,7 +368,9 @@ impl OutboxRelay {
             let pause = match self.relay_once().await {
                 Ok(round) => {
                     sent += round.sent.len() as u64;
-                    if !round.failed.is_empty() {
+                    if round.sent.is_empty() && !round.failed.is_empty() {
+                        // Nothing went through: the broker is down, or the whole batch is rows
+                        // nobody can send (they stay at the head until they are fixed).
                         next_backoff(&mut backoff, c)
                     } else {
                         backoff = c.backoff_min;

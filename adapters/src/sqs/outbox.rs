@@ -18,8 +18,8 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// row's payload, which must be UTF-8 text SQS accepts (a row whose payload is not stays unsent,
 /// with [`PublishError::Encode`]); its attributes are the fence stamp (`Fence-Queue`, `Fence-Job`,
 /// `Fence-Epoch`, `Fence-Owner`, type `String`, see [`fence::wire`]) and [`OUTBOX_ID`]. On a FIFO
-/// queue the message group is the job key and the deduplication id the outbox row id, so a
-/// relay's re-send within five minutes is dropped by SQS. Only entries SQS lists as successful
+/// queue the message group is the job key and the deduplication id the outbox row id with the
+/// epoch and job, so a relay's re-send within five minutes is dropped by SQS. Only entries SQS lists as successful
 /// count as accepted; every call is bounded by the call timeout (default 10 s).
 ///
 /// ```no_run
@@ -77,7 +77,13 @@ impl SqsPublisher {
         entry = entry.message_attributes(OUTBOX_ID, attr(row.id.to_string())?);
         if fifo {
             let group: String = fence::wire::encode(&row.key).chars().take(128).collect();
-            entry = entry.message_group_id(group).message_deduplication_id(format!("outbox-{}", row.id));
+            // Row id, epoch and job: two outboxes (schemas) sharing a FIFO queue would need
+            // equal ids, epochs and keys to collide within SQS's five-minute window.
+            let dedup: String = format!("{}-{}-{}", row.id, row.epoch, fence::wire::encode(&row.stamp().ledger_job()))
+                .chars()
+                .take(128)
+                .collect();
+            entry = entry.message_group_id(group).message_deduplication_id(dedup);
         }
         entry.build().map_err(|e| PublishError::Encode(e.to_string()))
     }
