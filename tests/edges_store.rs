@@ -321,9 +321,11 @@ mod edges {
 
     /// §1 bullet 3 (fence statements run with a lock_timeout that fits the lease): a job row is
     /// locked by another transaction that does not end (a stalled session). A commit gives up
-    /// after the main pool's lock_timeout (3 s) and a heartbeat after the heartbeat's (1 s), each
-    /// with `FenceError::LockTimeout`, instead of hanging; once the lock is gone both go through.
-    /// Guard: the `lock_timeout` startup options of `PgTimeouts`; without them both wait forever.
+    /// after the main pool's lock_timeout (3 s) with `FenceError::LockTimeout`, instead of
+    /// hanging; once the lock is gone it goes through. A heartbeat does not wait at all (issue
+    /// 13): it skips the locked row and reports its lease `held` (neither renewed nor lost).
+    /// Guard: the `lock_timeout` startup options of `PgTimeouts`; without them the commit waits
+    /// forever.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_pg_statements_blocked_on_a_lock_give_up_after_lock_timeout() {
         let s = common::pg().await;
@@ -347,11 +349,9 @@ mod edges {
             .await
             .expect("heartbeat hung on a locked row");
         let waited = t0.elapsed();
-        assert!(hb.as_ref().is_err_and(is_lock_timeout), "{hb:?}");
-        assert!(
-            waited >= Duration::from_millis(900) && waited < Duration::from_secs(4),
-            "heartbeat gave up after {waited:?}"
-        );
+        let hb = hb.expect("a heartbeat never waits on a row lock");
+        assert_eq!((hb.renewed.len(), hb.lost.len(), hb.held.len()), (0, 0, 1), "{hb:?}");
+        assert!(waited < Duration::from_millis(900), "heartbeat waited {waited:?} on a locked row");
 
         let t0 = Instant::now();
         let done = tokio::time::timeout(Duration::from_secs(10), s.complete(&l, b"r"))

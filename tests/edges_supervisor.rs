@@ -270,23 +270,24 @@ mod edges {
             other => panic!("{other:?}"),
         };
         let table = format!("{}.jobs", fence.schema().as_str());
+        // A table lock (a heartbeat skips locked rows since issue 13, but waits on a table lock
+        // such as a migration's, up to its lock_timeout).
         let mut tx = fence.pool().begin().await.expect("begin");
-        sqlx::query(sqlx::AssertSqlSafe(format!("SELECT 1 FROM {table} WHERE key = $1 FOR UPDATE")))
-            .bind(key.as_str().to_owned())
+        sqlx::query(sqlx::AssertSqlSafe(format!("LOCK TABLE {table} IN EXCLUSIVE MODE")))
             .execute(&mut *tx)
             .await
-            .expect("lock the row");
+            .expect("lock the table");
         for _ in 0..4 {
             let waited = tokio::time::timeout(
                 Duration::from_millis(300),
                 fence.heartbeat(std::slice::from_ref(&lease), common::lease(30)),
             )
             .await;
-            assert!(waited.is_err(), "a heartbeat on a locked row answered within 300 ms: {waited:?}");
+            assert!(waited.is_err(), "a heartbeat on a locked table answered within 300 ms: {waited:?}");
         }
         // Past the heartbeat connections' lock_timeout (1 s): the abandoned statements have ended.
         tokio::time::sleep(Duration::from_millis(1_500)).await;
-        tx.rollback().await.expect("release the row");
+        tx.rollback().await.expect("release the table");
         let answer = tokio::time::timeout(
             Duration::from_secs(5),
             fence.heartbeat(std::slice::from_ref(&lease), common::lease(30)),
