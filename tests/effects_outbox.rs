@@ -5,8 +5,11 @@
 //!   killed and restarted twice, every job's outbox rows published to an SQS queue and a Redis
 //!   stream, and a downstream consumer (here) that applies each message with
 //!   `PgLedger::accept_in` and an idempotent effect row in one transaction.
-//! - library tests of the relay: partial publish failures, two relays side by side, a zombie's
-//!   transaction.
+//! - library tests: partial publish failures leave exactly the refused rows unsent; two relays
+//!   side by side never have one row in flight at once (`SKIP LOCKED`); a relay that dies after
+//!   the broker accepted a batch publishes it again and the consumer applies it once; a zombie's
+//!   transaction leaves no outbox row, and (guard switch `without_fenced_tx_rollback`) a careless
+//!   zombie's row shows up when the guard is off.
 //!
 //! The worker and relay processes are this test binary re-executed (see
 //! [`effects_process_entry`]): they run `examples/outbox_relay.rs`, compiled into the test, so the
@@ -623,12 +626,11 @@ async fn effects_outbox_two_relays_never_publish_the_same_row_concurrently() {
     sqs_support::drop_schema(&pg).await;
 }
 
-/// Covers: the rollback on a fenced compare-and-set. A superseded attempt writes its outbox row
-/// and then fails its `complete_in`: the transaction rolls back and the row never exists; the
-/// new owner's row does.
-#[tokio::test]
-async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
-    let pg = sqs_support::pg().await;
+/// A zombie and its successor on one job: the zombie (its lease run out, as if it had been paused
+/// past it) writes its outbox row and then calls `complete_in`; a careless zombie ignores the
+/// `Fenced` answer and commits anyway. Then the new owner writes its row and completes. Returns
+/// the outbox rows (epoch, payload) and the two epochs.
+async fn zombie_and_successor(pg: &PgFence, careless: bool) -> (Vec<(i64, Vec<u8>)>, i64, i64) {
     let q = QueueName::new("effects-zombie").expect("queue");
     let key = JobKey::new("order-7").expect("key");
     let lease = LeaseDuration::from_secs(30).expect("lease");
@@ -636,7 +638,6 @@ async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
         panic!("claim")
     };
     let s = pg.schema().as_str();
-    // The zombie's lease runs out (as if it had been paused past it); a new owner takes over.
     sqlx::query(AssertSqlSafe(format!("UPDATE {s}.jobs SET lease_until = clock_timestamp() - interval '1 second'")))
         .execute(pg.pool())
         .await
@@ -649,16 +650,45 @@ async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
     pg.outbox_in(&mut tx, &old, "billing", b"zombie").await.expect("outbox_in writes, unchecked");
     let err = pg.complete_in(&mut tx, &old, b"zombie").await.expect_err("the zombie is fenced");
     assert!(err.is_fenced());
-    drop(tx);
+    if careless {
+        let _ = tx.commit().await;
+    } else {
+        drop(tx);
+    }
     let mut tx = pg.pool().begin().await.expect("begin");
     pg.outbox_in(&mut tx, &new, "billing", b"new").await.expect("outbox_in");
     pg.complete_in(&mut tx, &new, b"new").await.expect("complete_in");
     tx.commit().await.expect("commit");
-    let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(AssertSqlSafe(format!("SELECT epoch, payload FROM {s}.outbox")))
+    let rows = sqlx::query_as(AssertSqlSafe(format!("SELECT epoch, payload FROM {s}.outbox ORDER BY id")))
         .fetch_all(pg.pool())
         .await
         .expect("outbox");
-    assert_eq!(rows, vec![(new.epoch, b"new".to_vec())]);
+    (rows, old.epoch, new.epoch)
+}
+
+/// Covers: the rollback on a fenced compare-and-set. A superseded attempt writes its outbox row
+/// and then fails its `complete_in`: whether it drops its transaction or (carelessly) commits it,
+/// the row never exists; the new owner's row does.
+#[tokio::test]
+async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
+    for careless in [false, true] {
+        let pg = sqs_support::pg().await;
+        let (rows, _, new) = zombie_and_successor(&pg, careless).await;
+        assert_eq!(rows, vec![(new, b"new".to_vec())], "careless = {careless}");
+        sqs_support::drop_schema(&pg).await;
+    }
+}
+
+/// Guard switch (`without_fenced_tx_rollback`): with the fenced `complete_in` no longer aborting
+/// the caller's transaction, a careless zombie that commits after `Fenced` leaves an outbox row
+/// of its superseded epoch, which a relay would publish. The test above notices the missing guard.
+#[cfg(feature = "guard-switches")]
+#[tokio::test]
+async fn effects_outbox_guard_off_a_careless_zombie_commits_its_outbox_row() {
+    let pg = sqs_support::pg().await;
+    let pg = pg.clone().with_guards(brokerfence::fence::Guards::default().without_fenced_tx_rollback());
+    let (rows, old, new) = zombie_and_successor(&pg, true).await;
+    assert_eq!(rows, vec![(old, b"zombie".to_vec()), (new, b"new".to_vec())], "the violation shows");
     sqs_support::drop_schema(&pg).await;
 }
 
