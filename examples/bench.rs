@@ -17,7 +17,9 @@
 //! Options: `--sources table,sqs,redis`, `--jobs N` (throughput runs), `--memory-jobs N` (the
 //! long run, default 100000), `--work-ms W` (work per job, default 1), `--workers N`,
 //! `--concurrency C` (per worker), `--batch B`, `--claim-window-ms MS`, `--commit-window-ms MS`
-//! (default 5 each), `--quick`.
+//! (default 5 each), `--rounds N`, `--quick`, `--own-commit-only` (only the comparison of a
+//! handler-owned commit, `JobContext::complete_in` in the handler's transaction, with the
+//! runtime's grouped commit: the median of `--rounds` paired rounds).
 //! PostgreSQL from `DATABASE_URL`, Redis from `REDIS_URL`, SQS from the AWS environment (all fall
 //! back to `localstack/.env`). A benchmark, not a test: it prints figures and asserts nothing.
 
@@ -234,6 +236,8 @@ struct Opts {
     claim_window: Duration,
     commit_window: Duration,
     quick: bool,
+    /// Only the handler-owned commit against the grouped commit.
+    own_commit_only: bool,
 }
 
 fn parse_opts() -> Result<Opts, String> {
@@ -250,10 +254,15 @@ fn parse_opts() -> Result<Opts, String> {
         claim_window: brokerfence::adapters::DEFAULT_CLAIM_WINDOW,
         commit_window: brokerfence::fence::DEFAULT_COMMIT_WINDOW,
         quick: false,
+        own_commit_only: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
+        if flag == "--own-commit-only" {
+            o.own_commit_only = true;
+            continue;
+        }
         if flag == "--quick" {
             o.quick = true;
             o.jobs = 3_000;
@@ -578,6 +587,9 @@ mod table {
     /// The bench's own schema on PostgreSQL, with a plain queue table next to the fence's.
     pub struct Pg {
         pub fence: PgFence,
+        /// The handlers' own pool, for transactions that end with `complete_in` (an application
+        /// pool of its own, as a user's handlers would have).
+        pub handlers: sqlx::PgPool,
     }
 
     impl Pg {
@@ -586,9 +598,15 @@ mod table {
             let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e: sqlx::Error| e.to_string())?;
             let pool = PgFence::pool_options()
                 .max_connections(16)
-                .connect_with(options.application_name("brokerfence-bench"))
+                .connect_with(options.clone().application_name("brokerfence-bench"))
                 .await
                 .map_err(|e| format!("connect to PostgreSQL (run `bash localstack/up`): {e}"))?;
+            let handlers = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(32)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(options.clone().application_name("brokerfence-bench-handlers"))
+                .await
+                .map_err(|e| format!("connect to PostgreSQL: {e}"))?;
             let fence = PgFence::new(pool).with_schema(schema);
             fence.migrate().await.map_err(|e| e.to_string())?;
             let s = fence.schema().as_str();
@@ -601,7 +619,7 @@ mod table {
             ] {
                 sqlx::query(AssertSqlSafe(stmt)).execute(fence.pool()).await.map_err(|e| e.to_string())?;
             }
-            Ok(Self { fence })
+            Ok(Self { fence, handlers })
         }
 
         pub async fn describe(&self) -> Result<String, String> {
@@ -668,6 +686,19 @@ mod table {
         jobs: usize,
         counting: &Arc<Counting>,
     ) -> Result<(Rate, [(u64, u64); 3]), String> {
+        fenced_consumer_committing(o, pg, jobs, counting, None).await
+    }
+
+    /// [`fenced_consumer`], whose handlers commit their results themselves when `own` is given:
+    /// a transaction on that pool, `complete_in`, `COMMIT` (the handler-owned commit), instead of
+    /// returning them to the runtime's grouped commit.
+    async fn fenced_consumer_committing(
+        o: &Opts,
+        pg: &Pg,
+        jobs: usize,
+        counting: &Arc<Counting>,
+        own: Option<&sqlx::PgPool>,
+    ) -> Result<(Rate, [(u64, u64); 3]), String> {
         let q = QueueName::new(format!("fenced-{jobs}-{:x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
         pg.enqueue(&q, jobs).await?;
         counting.reset();
@@ -681,11 +712,19 @@ mod table {
             let source = TableQueue::new(Arc::clone(&store), q.clone()).idle_wait(Duration::from_millis(5));
             let consumer = Consumer::new(source, Arc::clone(&store), config(o)?);
             metrics.push(consumer.metrics());
-            let (stop, work) = (stop.clone(), o.work);
+            let (stop, work, own) = (stop.clone(), o.work, own.cloned());
             runs.push(tokio::spawn(async move {
-                let handler = move |_ctx: JobContext| async move {
-                    tokio::time::sleep(work).await;
-                    Ok::<_, JobError>(b"ok".to_vec())
+                let handler = move |ctx: JobContext| {
+                    let own = own.clone();
+                    async move {
+                        tokio::time::sleep(work).await;
+                        if let Some(pool) = own {
+                            let mut tx = pool.begin().await.map_err(JobError::retry)?;
+                            ctx.complete_in(&mut *tx, b"ok").await.map_err(JobError::retry)?;
+                            tx.commit().await.map_err(JobError::retry)?;
+                        }
+                        Ok::<_, JobError>(b"ok".to_vec())
+                    }
                 };
                 consumer.run(handler, stop).await
             }));
@@ -886,9 +925,41 @@ mod table {
         Ok((fenced, plain))
     }
 
+    /// The handler-owned commit against the runtime's grouped commit: the same consumer, the same
+    /// jobs and work, `rounds` paired rounds (the order alternating); medians.
+    async fn own_commit(o: &Opts, pg: &Pg, counting: &Arc<Counting>) -> Result<(), String> {
+        let (mut grouped, mut own, mut own_statements) = (Vec::new(), Vec::new(), String::new());
+        for round in 0..o.rounds {
+            for handler_owned in if round % 2 == 0 { [false, true] } else { [true, false] } {
+                let pool = handler_owned.then_some(&pg.handlers);
+                let (rate, _) = fenced_consumer_committing(o, pg, o.jobs, counting, pool).await?;
+                if handler_owned {
+                    own.push(rate.per_sec());
+                    own_statements = counting.describe();
+                } else {
+                    grouped.push(rate.per_sec());
+                }
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        let (g, h) = (median(&mut grouped), median(&mut own));
+        line(&format!("commit path, median of {} paired rounds ({} jobs each)", o.rounds, o.jobs), "");
+        line("  runtime's grouped commit (the handler returns its result)", format!("{g:.0} jobs/s"));
+        line("  handler-owned commit (BEGIN, complete_in, COMMIT + a verifying read)", format!("{h:.0} jobs/s"));
+        line("  ratio handler-owned / grouped", format!("{:.2}", h / g.max(f64::MIN_POSITIVE)));
+        line("  fence statements of the handler-owned run (besides the handler's 3)", own_statements);
+        Ok(())
+    }
+
     pub async fn run(o: &Opts, pg: &Pg) -> Result<(), String> {
         println!("\n[table queue on PostgreSQL]");
         let counting = Counting::new(Arc::new(pg.fence.clone()));
+        if o.own_commit_only {
+            return own_commit(o, pg, &counting).await;
+        }
 
         // Throughput: the fenced consumer runtime against a plain SKIP LOCKED queue run the same
         // way (same workers, concurrency, claim batch, 1 ms of work; commits grouped the same way).
@@ -923,6 +994,8 @@ mod table {
         let commits =
             breakdown.get("complete_batch").copied().unwrap_or(0) + breakdown.get("complete").copied().unwrap_or(0);
         line("  jobs per commit statement", format!("{:.1}", o.jobs as f64 / commits.max(1) as f64));
+
+        own_commit(o, pg, &counting).await?;
 
         // Added latency, one job at a time.
         let n = if o.quick { 300 } else { 2000 };

@@ -1,6 +1,16 @@
-//! The receiver side of the fence for an HTTP service (axum 0.8): a middleware that reads the
-//! [fencing stamp](fence::wire) from the request headers, checks its epoch against a
-//! [`Ledger`], and refuses a stale call before any handler runs.
+//! The receiver side of the fence for an HTTP service (axum 0.8): middleware that reads the
+//! [fencing stamp](fence::wire) from the request headers and refuses a stale call before any
+//! handler runs. Two guards; pick by what the handler's effect is:
+//!
+//! | guard | what it does | use it when the effect is |
+//! |---|---|---|
+//! | [`EpochGuard`] (check-only) | checks the [`Ledger`] (autocommit), then runs the handler | idempotent, or keyed so that the newer epoch's effect wins however the two land (it is check-then-act: a call accepted just before a newer epoch can still land its effect after the newer one's) |
+//! | [`AtomicEpochGuard`] (atomic) | moves the ledger row to the request's epoch inside a PostgreSQL transaction, hands that transaction to the handler ([`EffectTx`]), commits both on `2xx`, rolls both back otherwise | anything else that is rows in the ledger's PostgreSQL database: the final state is the newest epoch's effect, whatever the timing |
+//!
+//! Effects outside the database (an email, a call to a third party) are covered by neither: the
+//! outbox carries those. The atomic guard is PostgreSQL-only (see [its docs](atomic)).
+//!
+//! The check-only guard answers:
 //!
 //! | request                                   | response                                  |
 //! |-------------------------------------------|-------------------------------------------|
@@ -24,36 +34,12 @@
 //! # }
 //! ```
 //!
-//! ## Checking inside the receiver's own transaction
-//!
-//! The middleware's check and the handler's effect are two statements: a newer epoch accepted
-//! between them is not seen by the older call's effect. When the effect is a database write and
-//! strict ordering matters, skip the middleware for that route, extract the [`Stamp`] (parsed but
-//! not checked) and run the ledger's `accept_in` in the same transaction as the effect: either
-//! both commit or neither does, and a newer epoch's transaction waits on the ledger row.
-//!
-//! ```no_run
-//! # async fn demo() {}
-//! use axum::{extract::State, response::{IntoResponse, Response}};
-//! use adapters::http::{Stamp, stale_response};
-//! use fence::{PgLedger, Verdict};
-//!
-//! #[derive(Clone)]
-//! struct App { pool: sqlx::PgPool, ledger: PgLedger }
-//!
-//! async fn charge(State(app): State<App>, Stamp(stamp): Stamp, body: String) -> Response {
-//!     let Ok(mut tx) = app.pool.begin().await else { return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "db").into_response() };
-//!     match app.ledger.accept_in(&mut tx, &stamp.ledger_job(), stamp.epoch).await {
-//!         Ok(Verdict::Accepted { .. }) => {}
-//!         Ok(Verdict::Stale { newest }) => return stale_response(&stamp, newest), // tx rolls back on drop
-//!         Err(e) => return (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
-//!     }
-//!     let _ = sqlx::query("INSERT INTO charges (job, body) VALUES ($1, $2)")
-//!         .bind(&stamp.job).bind(&body).execute(&mut *tx).await;
-//!     let _ = tx.commit().await;
-//!     "charged".into_response()
-//! }
-//! ```
+//! The atomic guard answers the same `400` and `409` (the handler does not run), `503` with
+//! `Retry-After` when the ledger row cannot be taken in time or the commit fails, and otherwise
+//! the handler's response, with its effect committed only when that response is a success. Its
+//! [module docs](atomic) have the example, the full table and the limits. A handler that wants to
+//! run the ledger's `accept_in` in a transaction it manages itself extracts [`Stamp`] (parsed,
+//! not checked) on a route without either guard.
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
@@ -64,6 +50,12 @@ use axum::response::{IntoResponse, Response};
 use fence::wire::{self, FenceStamp, StampError};
 use fence::{Ledger, Verdict};
 use futures::future::BoxFuture;
+
+pub mod atomic;
+pub use atomic::{
+    AtomicEnforceFn, AtomicEpochGuard, AtomicFenceLayer, DEFAULT_DB_TIMEOUT, DEFAULT_HANDLER_TIMEOUT, EffectConn,
+    EffectTx, EffectTxError, enforce_atomic,
+};
 
 /// The middleware function behind [`EpochGuard::layer`], as a plain function pointer.
 pub type EnforceFn = fn(State<EpochGuard>, Request, Next) -> BoxFuture<'static, Response>;
@@ -217,7 +209,8 @@ impl<S: Send + Sync> FromRequestParts<S> for AcceptedStamp {
 }
 
 /// The stamp of a request, parsed from its headers but NOT checked against a ledger: for handlers
-/// that run `accept_in` inside their own transaction (see the module docs). Missing or malformed:
+/// that run `accept_in` inside a transaction they manage themselves (on a route without a guard;
+/// [`AtomicEpochGuard`] does it for them). Behind either guard it is the accepted stamp. Missing or malformed:
 /// `400` with the same body as the middleware.
 ///
 /// ```no_run

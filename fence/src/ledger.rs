@@ -84,6 +84,43 @@ impl PgLedger {
         Self { fence: fence.clone(), scope: scope.into() }
     }
 
+    /// The receiver scope this ledger keeps epochs for.
+    ///
+    /// ```no_run
+    /// # fn demo(fence: fence::PgFence) {
+    /// assert_eq!(fence::PgLedger::new(&fence, "payments-api").scope(), "payments-api");
+    /// # }
+    /// ```
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The pool of the fence the ledger lives in: a receiver that applies its effect in the same
+    /// transaction as [`accept_in`](Self::accept_in) begins that transaction here (its effect
+    /// tables must be in the same database as the ledger).
+    ///
+    /// ```no_run
+    /// # async fn demo(ledger: fence::PgLedger) -> fence::Result<()> {
+    /// let mut tx = ledger.pool().begin().await?;
+    /// let verdict = ledger.accept_in(&mut tx, "orders/o-1", 2).await?;
+    /// if verdict.is_accepted() { tx.commit().await?; }
+    /// # Ok(()) }
+    /// ```
+    pub fn pool(&self) -> &sqlx::PgPool {
+        self.fence.pool()
+    }
+
+    /// The guards of the fence the ledger was made from (see [`crate::Guards`]).
+    ///
+    /// ```no_run
+    /// # fn demo(ledger: fence::PgLedger) {
+    /// assert!(ledger.guards().receiver_ledger_lock());
+    /// # }
+    /// ```
+    pub fn guards(&self) -> crate::Guards {
+        self.fence.guards()
+    }
+
     /// Accepts `epoch` for `job` if it is not older than the newest seen; one atomic statement.
     pub async fn accept(&self, job: &str, epoch: i64) -> Result<Verdict> {
         let mut conn = self.fence.pool().acquire().await?;
@@ -92,6 +129,10 @@ impl PgLedger {
 
     /// [`accept`](Self::accept) inside the receiver's own transaction, so that its effect and the
     /// ledger update commit together. A `Stale` verdict means: roll back.
+    ///
+    /// Accepted inside a transaction, the ledger row of (scope, `job`) stays locked until that
+    /// transaction ends: a concurrent call for the same job (any epoch) waits in its own
+    /// `accept_in` (bounded by the connection's `lock_timeout`), then sees the committed epoch.
     pub async fn accept_in(&self, conn: &mut sqlx::PgConnection, job: &str, epoch: i64) -> Result<Verdict> {
         check(&self.scope, job, epoch)?;
         let accepted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.fence.stmts.ledger_accept)))
