@@ -12,6 +12,8 @@
 //! Run: `cargo test --all-features --test effects_own_tx` (PostgreSQL from `localstack/up`).
 
 mod common;
+#[cfg(feature = "sqs")]
+mod sqs_support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -230,6 +232,49 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
     let rows = pg_rows(&fence, &table).await;
     let queue = QueueName::new(list.as_str()).expect("queue");
     assert_own_commits(retrofit.retrofit().metrics().snapshot(), &rows, &job_states(&fence, &queue).await);
+}
+
+/// Handler-owned commit through `SqsRetrofit` (LocalStack): each message is completed in the
+/// handler's transaction, deleted from the queue, and nothing is committed twice or fenced.
+#[cfg(feature = "sqs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn effects_own_commit_through_the_sqs_retrofit_pg() {
+    use brokerfence::adapters::Disposition;
+    use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource};
+    let client = sqs_support::sqs().await;
+    let fence = common::pg().await;
+    let table = pg_business_table(&fence).await;
+    let q = sqs_support::TestQueue::new(&client, "own", 30).await;
+    let source =
+        SqsSource::new(client.clone(), SqsConfig::new(&q.url).expect("url").key(KeyStrategy::body_field("id")));
+    let retrofit = SqsRetrofit::new(Arc::new(fence.clone()), source, SupervisorConfig::new(lease(10)));
+    const N: usize = 5;
+    for i in 0..N {
+        sqs_support::send(&client, &q.url, &format!(r#"{{"id":"job-{i:03}"}}"#)).await;
+    }
+    let mut messages = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while messages.len() < N && tokio::time::Instant::now() < deadline {
+        messages.extend(sqs_support::receive_raw(&client, &q.url, 1).await);
+    }
+    assert_eq!(messages.len(), N);
+    for m in &messages {
+        let (f, t) = (fence.clone(), table.clone());
+        let done = retrofit.process(m, move |ctx| pg_handler(ctx, f.clone(), t.clone())).await;
+        assert!(done.is_completed(), "{done:?}");
+        assert_eq!(done.disposition, Disposition::Ack, "{done:?}");
+    }
+    assert_eq!(sqs_support::depth(&client, &q.url).await, 0, "every message deleted");
+    let rows = pg_rows(&fence, &table).await;
+    assert_eq!(rows.len(), N, "{rows:?}");
+    assert!(rows.iter().all(|r| r.1 == 1), "{rows:?}");
+    let m = retrofit.metrics().snapshot();
+    assert_eq!(
+        (m.completions, m.own_commits, m.commit_statements, m.fenced_rejections),
+        (N as u64, N as u64, 0, 0),
+        "{m}"
+    );
+    q.delete(&client).await;
 }
 
 /// A handler that calls `complete_in` but never commits its transaction (it is dropped, so rolled
@@ -481,7 +526,7 @@ async fn effects_enqueue_in_commits_or_rolls_back_with_the_callers_rows_pg() {
     assert_eq!(claimed.len(), 3, "only the committed jobs are claimable");
     assert!(
         !fence
-            .enqueue_in(&mut *fence.pool().acquire().await.expect("conn"), &queue, &key("kept"), b"x")
+            .enqueue_in(&mut fence.pool().acquire().await.expect("conn"), &queue, &key("kept"), b"x")
             .await
             .expect("again")
     );
