@@ -1,7 +1,8 @@
 //! Least privilege: the fence runs under a database role that owns nothing and holds only what
-//! the fence schema needs — `USAGE` on the schema and `SELECT, INSERT, UPDATE` on its two tables.
-//! No superuser, no `DELETE`, no DDL. The migrations are run by the schema's owner, itself a plain
-//! role (not a superuser) with `CREATE` on the database.
+//! the fence schema needs — `USAGE` on the schema, `SELECT, INSERT, UPDATE` on its three tables
+//! (jobs, ledger, outbox) and `USAGE` on the outbox id sequence. No superuser, no `DELETE`, no DDL.
+//! The migrations are run by the schema's owner, itself a plain role (not a superuser) with
+//! `CREATE` on the database.
 //!
 //! The roles are created here with random names and dropped at the end, so the test runs in
 //! parallel and re-runs without cleanup. It needs a connecting user that can create roles
@@ -25,8 +26,12 @@ use tokio_util::sync::CancellationToken;
 
 /// Everything the application role is granted, `{s}` the schema and `{app}` the role. This is the
 /// whole list: the statements of the store and the ledger need nothing else.
-pub const APP_GRANTS: &[&str] =
-    &["GRANT USAGE ON SCHEMA {s} TO {app}", "GRANT SELECT, INSERT, UPDATE ON {s}.jobs, {s}.ledger TO {app}"];
+pub const APP_GRANTS: &[&str] = &[
+    "GRANT USAGE ON SCHEMA {s} TO {app}",
+    "GRANT SELECT, INSERT, UPDATE ON {s}.jobs, {s}.ledger, {s}.outbox TO {app}",
+    // The outbox's bigserial id (PostgreSQL only).
+    "GRANT USAGE ON SEQUENCE {s}.outbox_id_seq TO {app}",
+];
 
 fn render(sql: &str, s: &SchemaName, app: &str) -> String {
     sql.replace("{s}", s.as_str()).replace("{app}", app)
@@ -181,8 +186,17 @@ async fn scenario(roles: &Roles) {
     assert_eq!(ledger.newest("t1").await.expect("ledger"), Some(2));
     let mut tx = app.pool().begin().await.expect("begin");
     let Claim::Claimed(in_tx) = store.claim(&q, &k("tx1"), &me, lease).await.expect("claim") else { panic!("claim") };
+    app.outbox_in(&mut tx, &in_tx, "billing", b"effect").await.expect("outbox_in");
     app.complete_in(&mut tx, &in_tx, b"in tx").await.expect("complete_in");
     tx.commit().await.expect("commit");
+    // The outbox relay's statements.
+    let mut tx = app.pool().begin().await.expect("begin");
+    let rows = app.outbox_claim_in(&mut tx, 10).await.expect("outbox_claim_in");
+    assert_eq!(rows.len(), 1);
+    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    assert_eq!(app.outbox_mark_sent_in(&mut tx, &ids).await.expect("outbox_mark_sent_in"), 1);
+    tx.commit().await.expect("commit");
+    assert_eq!(app.outbox_unsent().await.expect("outbox_unsent"), 0);
 
     // A consumer end to end: these 50, and t2 (released) and t3 (never claimed) from above.
     let jobs: Vec<(JobKey, Vec<u8>)> = (0..50).map(|i| (k(&format!("c{i}")), format!("p{i}").into_bytes())).collect();

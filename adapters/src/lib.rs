@@ -11,6 +11,7 @@
 mod disposition;
 mod handler;
 mod middleware;
+pub mod outbox;
 pub mod postgres;
 mod runtime;
 mod source;

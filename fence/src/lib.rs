@@ -27,6 +27,7 @@ mod key;
 pub mod ledger;
 mod metrics;
 mod model;
+pub mod outbox;
 mod own_tx;
 mod postgres;
 mod schema;
@@ -45,6 +46,7 @@ pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
 };
+pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;
 pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};

@@ -92,6 +92,14 @@ const MIGRATIONS: &[Migration] = &[
         // milliseconds.
         statements: &["ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS failures bigint NOT NULL DEFAULT 0"],
     },
+    Migration {
+        version: 4,
+        name: "outbox",
+        // A new table and its index: nothing existing is locked beyond the schema's catalog (see
+        // `crate::outbox`). The partial index serves the relay's "unsent, in id order" claim and
+        // stays as small as the backlog.
+        statements: crate::outbox::MIGRATION,
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.

@@ -132,6 +132,8 @@ pub trait TestStore: FenceStore + Clone + Sized {
     fn tables(&self) -> impl Future<Output = Vec<String>> + Send;
     /// Migrations this backend's schema has (one row each once migrated).
     const MIGRATIONS: i64;
+    /// The fence's tables, by the end of their names.
+    const TABLES: &'static [&'static str];
     /// Rows in the migrations table.
     fn migration_rows(&self) -> impl Future<Output = i64> + Send;
     /// The receiver ledger of this store.
@@ -159,7 +161,9 @@ pub trait TestStore: FenceStore + Clone + Sized {
 }
 
 impl TestStore for PgFence {
-    const MIGRATIONS: i64 = 3;
+    const MIGRATIONS: i64 = 4;
+    // The outbox (migration 4) is PostgreSQL only.
+    const TABLES: &'static [&'static str] = &["_migrations", "jobs", "ledger", "outbox"];
 
     async fn unmigrated() -> Self {
         pg_unmigrated().await
@@ -254,6 +258,7 @@ fn sqlite_file(fence: &SqliteFence) -> PathBuf {
 
 impl TestStore for SqliteFence {
     const MIGRATIONS: i64 = 2;
+    const TABLES: &'static [&'static str] = &["_migrations", "jobs", "ledger"];
 
     async fn unmigrated() -> Self {
         sqlite_unmigrated().await

@@ -50,6 +50,7 @@ mod dead_letter;
 mod delivery;
 mod error;
 mod key;
+mod outbox;
 mod receive;
 mod retrofit;
 mod source;
@@ -63,6 +64,7 @@ pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_ne
 pub use delivery::SqsDelivery;
 pub use error::SqsError;
 pub use key::KeyStrategy;
+pub use outbox::SqsPublisher;
 pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};
 pub use source::SqsSource;
 

@@ -1,0 +1,106 @@
+//! The outbox relay's Redis publisher: `XADD` to a stream, the fence stamp as fields.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use fence::OutboxRow;
+
+use super::conn::{RedisConnections, bounded};
+use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
+
+/// Publishes outbox rows to Redis streams: one `XADD` per row, all rows of a call in one
+/// pipeline (no `MULTI`), bounded by the response timeout of the connections.
+///
+/// Each row's destination names a stream through [`route`](Self::route). An entry's fields are
+/// the fence stamp (`Fence-Queue`, `Fence-Job`, `Fence-Epoch`, `Fence-Owner`, see
+/// [`fence::wire`]), [`OUTBOX_ID`], and the payload under the body field (default `body`, the
+/// field [`StreamSource`](super::StreamSource) reads). A pipeline that fails or times out counts
+/// as not accepted for all its rows, even though some `XADD`s may have run: those rows are sent
+/// again in a later round (at least once).
+///
+/// ```no_run
+/// # async fn demo(fence: fence::PgFence) -> Result<(), adapters::redis::RedisError> {
+/// use std::sync::Arc;
+/// use adapters::outbox::{OutboxRelay, RelayConfig};
+/// use adapters::redis::{RedisConnections, RedisPublisher};
+/// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
+/// let publisher = RedisPublisher::new(redis).route("audit", "audit-events");
+/// let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(Arc::new(publisher));
+/// # let _ = relay; Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisPublisher {
+    conns: RedisConnections,
+    routes: HashMap<String, String>,
+    body_field: String,
+}
+
+impl RedisPublisher {
+    /// A publisher with no routes.
+    pub fn new(conns: RedisConnections) -> Self {
+        Self { conns, routes: HashMap::new(), body_field: "body".into() }
+    }
+
+    /// Sends rows of `destination` to the stream `stream`.
+    pub fn route(mut self, destination: impl Into<String>, stream: impl Into<String>) -> Self {
+        self.routes.insert(destination.into(), stream.into());
+        self
+    }
+
+    /// The field that carries the payload (default `body`).
+    pub fn body_field(mut self, field: impl Into<String>) -> Self {
+        self.body_field = field.into();
+        self
+    }
+
+    fn limit(&self) -> Duration {
+        self.conns.timeouts().response_timeout()
+    }
+}
+
+#[async_trait]
+impl Publisher for RedisPublisher {
+    fn serves(&self, destination: &str) -> bool {
+        self.routes.contains_key(destination)
+    }
+
+    async fn publish(&self, rows: &[OutboxRow]) -> Result<Published, PublishError> {
+        let mut out = Published::default();
+        let mut pipe = ::redis::pipe();
+        let mut ids = Vec::with_capacity(rows.len());
+        for row in rows {
+            let Some(stream) = self.routes.get(&row.destination) else {
+                out.failed.push((row.id, PublishError::NoRoute(row.destination.clone())));
+                continue;
+            };
+            let cmd = pipe.cmd("XADD").arg(stream).arg("*");
+            for (name, value) in row.stamp().to_headers() {
+                cmd.arg(name).arg(value);
+            }
+            cmd.arg(OUTBOX_ID).arg(row.id).arg(&self.body_field).arg(&row.payload[..]);
+            ids.push(row.id);
+        }
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let mut conn = self.conns.commands();
+        let limit = self.limit();
+        let answer: Result<Vec<String>, _> = bounded("XADD", limit, pipe.query_async(&mut conn)).await;
+        match answer {
+            Ok(entry_ids) if entry_ids.len() == ids.len() => out.accepted.extend(ids),
+            Ok(entry_ids) => {
+                let why = format!("pipeline answered {} entry ids for {} XADDs", entry_ids.len(), ids.len());
+                out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Broker(why.clone()))));
+            }
+            Err(super::RedisError::Timeout { after, .. }) => {
+                out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Timeout(after))));
+            }
+            Err(e) => {
+                let why = e.to_string();
+                out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Broker(why.clone()))));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,293 @@
+//! The transactional outbox, as two processes (PostgreSQL only):
+//!
+//! - `outbox_relay worker`: a table-queue worker whose handler writes, in **one** transaction, its
+//!   business row (`<schema>.outbox_example_orders`), one outbox row per `--destination`
+//!   (`PgFence::outbox_in`) and the job's fenced completion (`JobContext::complete_in`). A
+//!   superseded (zombie) attempt's completion is refused, its transaction rolls back, and neither
+//!   its business row nor its outbox rows ever exist.
+//! - `outbox_relay relay`: publishes outbox rows (`adapters::outbox::OutboxRelay`) to SQS queues
+//!   (`--sqs DEST=QUEUE_URL`) and Redis streams (`--redis DEST=STREAM`) with the fence stamp as
+//!   message attributes / stream fields, and marks each row sent once its broker accepted it.
+//!   Several relays can run side by side (`FOR UPDATE SKIP LOCKED`).
+//!
+//! ```text
+//! cargo run --features sqs,redis --example table_produce -- --queue orders --count 100 --migrate
+//! cargo run --features sqs,redis --example outbox_relay -- worker --queue orders --destination billing --migrate
+//! cargo run --features sqs,redis --example outbox_relay -- relay \
+//!     --sqs billing=http://127.0.0.1:4566/000000000000/billing --redis audit=audit-events
+//! ```
+//!
+//! Flags, `EVENT` lines and exit codes as in `examples/README.md` ("The outbox relay").
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig, RelayRound};
+use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::adapters::redis::{RedisConnections, RedisPublisher};
+use brokerfence::adapters::sqs::{SqsPublisher, client_from_env};
+use brokerfence::adapters::{Consumer, ConsumerConfig};
+use brokerfence::fence::{
+    FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig,
+};
+use sqlx::AssertSqlSafe;
+
+#[path = "support/cli.rs"]
+mod common;
+
+use common::{Cli, CliExit, Common, EventSource, EventStore, StartError, event, lease_event};
+
+const PROG: &str = "outbox_relay";
+
+fn usage() -> String {
+    format!(
+        "usage: outbox_relay worker --queue NAME [--destination DEST]... [--in-tx-delay MS=0] [--idle-wait MS=100]\n{}\n\
+         usage: outbox_relay relay [--sqs DEST=QUEUE_URL]... [--redis DEST=STREAM]... [--redis-url URL]\n       \
+         [--batch N=100] [--idle-wait MS=200] [--database-url URL] [--schema NAME] [--migrate] [--help]",
+        common::COMMON_USAGE
+    )
+}
+
+enum Args {
+    Worker {
+        common: Common,
+        queue: String,
+        destinations: Vec<String>,
+        in_tx_delay: Duration,
+        idle_wait: Duration,
+    },
+    Relay {
+        common: Common,
+        sqs: Vec<(String, String)>,
+        redis: Vec<(String, String)>,
+        redis_url: Option<String>,
+        batch: u32,
+        idle_wait: Duration,
+    },
+}
+
+fn pair(flag: &mut common::Flag<'_>) -> Result<(String, String), CliExit> {
+    let v = flag.value()?;
+    match v.split_once('=') {
+        Some((d, t)) if !d.is_empty() && !t.is_empty() => Ok((d.to_owned(), t.to_owned())),
+        _ => Err(CliExit::Usage(format!("{} {v:?}: expected DEST=TARGET", flag.name))),
+    }
+}
+
+fn parse_args(mut raw: Vec<String>) -> Result<Args, CliExit> {
+    if raw.first().is_some_and(|a| a == "--help" || a == "-h") {
+        return Err(CliExit::Help);
+    }
+    if raw.is_empty() {
+        return Err(CliExit::Usage("give a subcommand: worker or relay".into()));
+    }
+    let sub = raw.remove(0);
+    let mut common = Common::default();
+    let (mut queue, mut destinations, mut sqs, mut redis, mut redis_url) =
+        (None, Vec::new(), Vec::new(), Vec::new(), None);
+    let (mut batch, mut idle_wait, mut in_tx_delay) = (100u32, None, Duration::ZERO);
+    let mut cli = Cli::new(raw);
+    while let Some(flag) = cli.next_flag() {
+        let mut flag = flag?;
+        if common.take(&mut flag)? {
+            continue;
+        }
+        match (sub.as_str(), flag.name.as_str()) {
+            (_, "--idle-wait") => idle_wait = Some(flag.ms()?),
+            ("worker", "--queue") => queue = Some(flag.value()?),
+            ("worker", "--destination") => destinations.push(flag.value()?),
+            ("worker", "--in-tx-delay") => in_tx_delay = flag.ms()?,
+            ("relay", "--sqs") => sqs.push(pair(&mut flag)?),
+            ("relay", "--redis") => redis.push(pair(&mut flag)?),
+            ("relay", "--redis-url") => redis_url = Some(flag.value()?),
+            ("relay", "--batch") => batch = flag.num::<u32>()?.max(1),
+            _ => return Err(flag.unknown()),
+        }
+    }
+    match sub.as_str() {
+        "worker" => {
+            let queue = queue.ok_or_else(|| CliExit::Usage("--queue is required".into()))?;
+            let idle_wait = idle_wait.unwrap_or(Duration::from_millis(100));
+            Ok(Args::Worker { common, queue, destinations, in_tx_delay, idle_wait })
+        }
+        "relay" => {
+            let idle_wait = idle_wait.unwrap_or(Duration::from_millis(200));
+            Ok(Args::Relay { common, sqs, redis, redis_url, batch, idle_wait })
+        }
+        other => Err(CliExit::Usage(format!("unknown subcommand {other:?} (worker or relay)"))),
+    }
+}
+
+/// The example's business table (created with `--migrate`).
+pub async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
+    let s = pg.schema().as_str();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {s}.outbox_example_orders (queue text NOT NULL, key text NOT NULL, \
+         epoch bigint NOT NULL, owner text NOT NULL, done_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )))
+    .execute(pg.pool())
+    .await?;
+    Ok(())
+}
+
+/// Prints `EVENT rolled_back … reason=cancelled` when the handler is dropped (its lease lost)
+/// while its transaction is open: dropping the transaction rolls it back.
+struct TxWatch<'a>(&'a brokerfence::fence::Lease, bool);
+
+impl Drop for TxWatch<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            lease_event("rolled_back", self.0, &[("reason", &"cancelled")]);
+        }
+    }
+}
+
+/// The handler: business row, outbox rows and the fenced completion in one transaction.
+async fn handle(pg: PgFence, w: Arc<WorkerOpts>, ctx: JobContext) -> Result<Vec<u8>, JobError> {
+    lease_event("claimed", ctx.lease(), &[("attempt", &ctx.lease().attempts)]);
+    tokio::time::sleep(w.delay).await;
+    let mut tx = pg.pool().begin().await.map_err(JobError::retry)?;
+    let mut watch = TxWatch(ctx.lease(), false);
+    let s = pg.schema().as_str();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {s}.outbox_example_orders (queue, key, epoch, owner) VALUES ($1, $2, $3, $4)"
+    )))
+    .bind(ctx.queue().as_str())
+    .bind(ctx.key().as_str())
+    .bind(ctx.epoch())
+    .bind(ctx.owner().as_str())
+    .execute(&mut *tx)
+    .await
+    .map_err(JobError::retry)?;
+    for d in &w.destinations {
+        let payload = format!("{} done by {}@{}", ctx.key(), ctx.owner(), ctx.epoch());
+        // Unchecked on its own: the `complete_in` below, in the same transaction, decides for it.
+        let id = pg.outbox_in(&mut tx, ctx.lease(), d, payload.as_bytes()).await.map_err(JobError::retry)?;
+        lease_event("outbox_written", ctx.lease(), &[("id", &id), ("destination", d)]);
+    }
+    tokio::time::sleep(w.in_tx_delay).await;
+    let result = format!("{}@{}", ctx.owner(), ctx.epoch());
+    if let Err(e) = ctx.complete_in(&mut *tx, result.as_bytes()).await {
+        // Fenced (a newer epoch holds the job) or failed: `tx` drops, rolling back the business
+        // row and the outbox rows.
+        watch.1 = true;
+        let reason = if e.is_fenced() { "fenced" } else { "error" };
+        lease_event("rolled_back", ctx.lease(), &[("reason", &reason), ("error", &e)]);
+        return Err(JobError::retry(e));
+    }
+    tx.commit().await.map_err(JobError::retry)?;
+    watch.1 = true;
+    lease_event("tx_committed", ctx.lease(), &[]);
+    Ok(Vec::new()) // not stored: the result given to complete_in is
+}
+
+/// What the worker's handler does.
+struct WorkerOpts {
+    destinations: Vec<String>,
+    delay: Duration,
+    in_tx_delay: Duration,
+}
+
+async fn worker(common: Common, queue: String, opts: WorkerOpts, idle_wait: Duration) -> Result<(), StartError> {
+    let refuse = |e: FenceError| StartError::Refused(e.to_string());
+    let owner = common.owner("outbox-worker").map_err(refuse)?;
+    let queue = QueueName::new(queue).map_err(refuse)?;
+    let lease = LeaseDuration::from_secs(common.lease).map_err(refuse)?;
+    let url = common::database_url(common.database_url.as_deref())?;
+    let pg = common::connect_pg(&url, common.schema.as_deref(), &owner, common.migrate).await?;
+    if common.migrate {
+        create_business_table(&pg).await?;
+    }
+    let store: Arc<dyn FenceStore> = Arc::new(pg.clone());
+    let source = EventSource(TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
+    let config = ConsumerConfig::new(SupervisorConfig::new(lease).retry(common.retry_policy()))
+        .concurrency(common.concurrency)
+        .grace(common.grace);
+    let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    consumer.supervisor().add_hook(Arc::new(common::LostHook));
+    let reporter = common::spawn_metrics(consumer.metrics());
+    let opts = Arc::new(opts);
+    let handler = move |ctx: JobContext| handle(pg.clone(), Arc::clone(&opts), ctx);
+    let stop = common::shutdown_on_signals();
+    common::ready(&owner, &[("queue", &queue), ("source", &"table")]);
+    let result = consumer.run(handler, stop).await;
+    reporter.abort();
+    println!("EVENT stopped {}", consumer.metrics().snapshot());
+    result.map_err(|e| StartError::Failed(e.to_string()))
+}
+
+fn print_round(round: &RelayRound) {
+    for r in &round.sent {
+        let f: [(&str, &dyn std::fmt::Display); 5] =
+            [("queue", &r.queue), ("key", &r.key), ("epoch", &r.epoch), ("id", &r.id), ("destination", &r.destination)];
+        event("published", &f);
+    }
+    for (r, why) in &round.failed {
+        let f: [(&str, &dyn std::fmt::Display); 6] = [
+            ("queue", &r.queue),
+            ("key", &r.key),
+            ("epoch", &r.epoch),
+            ("id", &r.id),
+            ("destination", &r.destination),
+            ("error", why),
+        ];
+        event("unsent", &f);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn relay(
+    common: Common,
+    sqs: Vec<(String, String)>,
+    redis: Vec<(String, String)>,
+    redis_url: Option<String>,
+    batch: u32,
+    idle_wait: Duration,
+) -> Result<(), StartError> {
+    let owner = common.owner("outbox-relay").map_err(|e| StartError::Refused(e.to_string()))?;
+    let url = common::database_url(common.database_url.as_deref())?;
+    let pg = common::connect_pg(&url, common.schema.as_deref(), &owner, common.migrate).await?;
+    let config = RelayConfig::default().batch(batch).idle_wait(idle_wait);
+    let mut relay = OutboxRelay::new(pg, config).observe(Arc::new(print_round));
+    if !sqs.is_empty() {
+        let publisher = sqs.iter().fold(SqsPublisher::new(client_from_env().await), |p, (d, u)| p.route(d, u));
+        relay = relay.publisher(Arc::new(publisher));
+    }
+    if !redis.is_empty() {
+        let redis_url = redis_url.or_else(|| brokerfence::services::var("REDIS_URL")).ok_or_else(|| {
+            StartError::Refused("no Redis: give --redis-url or set REDIS_URL (localstack/up writes it)".into())
+        })?;
+        let conns = RedisConnections::connect(&redis_url).await?;
+        let publisher = redis.iter().fold(RedisPublisher::new(conns), |p, (d, s)| p.route(d, s));
+        relay = relay.publisher(Arc::new(publisher));
+    }
+    let stop = common::shutdown_on_signals();
+    let destinations = sqs.len() + redis.len();
+    common::ready(&owner, &[("source", &"outbox"), ("destinations", &destinations)]);
+    let sent = relay.run(stop).await.map_err(|e| StartError::Failed(e.to_string()))?;
+    event("stopped", &[("sent", &sent)]);
+    Ok(())
+}
+
+async fn serve(args: Args) -> Result<(), StartError> {
+    match args {
+        Args::Worker { common, queue, destinations, in_tx_delay, idle_wait } => {
+            let opts = WorkerOpts { destinations, delay: common.handler_delay, in_tx_delay };
+            worker(common, queue, opts, idle_wait).await
+        }
+        Args::Relay { common, sqs, redis, redis_url, batch, idle_wait } => {
+            relay(common, sqs, redis, redis_url, batch, idle_wait).await
+        }
+    }
+}
+
+/// Runs the program with command-line arguments (without the program name); the exit code.
+pub fn run(raw: Vec<String>) -> i32 {
+    common::run_program(PROG, &usage, "info", parse_args(raw), serve)
+}
+
+#[allow(dead_code)] // not called when a test includes this file as a module
+fn main() {
+    brokerfence::services::load_dotenv();
+    std::process::exit(run(std::env::args().skip(1).collect()));
+}
