@@ -7,7 +7,9 @@
 //! ```
 //!
 //! With `--key-prefix P` every job gets the key `P-<i>` (so running it twice sends duplicates the
-//! fence deduplicates); without it the entry id is the key (stream) or the content hash (list).
+//! fence deduplicates; a list worker then takes `--item-key split:|`); without it the entry id is
+//! the key (stream), and a list item is only its body (a list worker then takes `--item-key hash`:
+//! identical bodies are one job).
 //! `--bad N` adds N entries without a `body` field (dead-lettered by the worker). Redis from
 //! `REDIS_URL` or `--redis-url`, falling back to `localstack/.env`. Prints `EVENT produced n=…`.
 

@@ -56,8 +56,8 @@ mod worker {
 
     fn usage() -> String {
         format!(
-            "usage: redis_worker (--stream KEY [--group NAME=workers] | --list KEY) [--queue NAME]
-       [--key-field FIELD] [--item-key hash|split:C] [--block MS=2000] [--visibility MS]
+            "usage: redis_worker (--stream KEY [--group NAME=workers] | --list KEY --item-key hash|split:C) [--queue NAME]
+       [--key-field FIELD] [--block MS=2000] [--visibility MS]
        [--autoclaim-every MS=1000] [--max-deliveries N=10] [--redis-url URL]
 {}",
             common::COMMON_USAGE
@@ -71,7 +71,7 @@ mod worker {
         group: String,
         queue: Option<String>,
         key_field: Option<String>,
-        item_split: Option<u8>,
+        item_key: Option<ItemKey>,
         block: Duration,
         visibility: Option<Duration>,
         autoclaim_every: Duration,
@@ -87,7 +87,7 @@ mod worker {
             group: "workers".into(),
             queue: None,
             key_field: None,
-            item_split: None,
+            item_key: None,
             block: Duration::from_secs(2),
             visibility: None,
             autoclaim_every: Duration::from_secs(1),
@@ -107,13 +107,13 @@ mod worker {
                 "--queue" => args.queue = Some(flag.value()?),
                 "--key-field" => args.key_field = Some(flag.value()?),
                 "--item-key" => {
-                    args.item_split = match flag.value()?.as_str() {
-                        "hash" => None,
+                    args.item_key = Some(match flag.value()?.as_str() {
+                        "hash" => ItemKey::ContentHash,
                         v => match v.strip_prefix("split:").map(str::as_bytes) {
-                            Some([c]) => Some(*c),
+                            Some([c]) => ItemKey::Split(*c),
                             _ => return Err(CliExit::Usage(format!("--item-key {v:?}: expected hash or split:C"))),
                         },
-                    }
+                    })
                 }
                 "--block" => args.block = flag.ms()?,
                 "--visibility" => args.visibility = Some(flag.ms()?),
@@ -184,8 +184,15 @@ mod worker {
             consume(source, store, owner, config, handler, &what).await
         } else if let Some(list) = &args.list {
             let queue = QueueName::new(args.queue.clone().unwrap_or_else(|| list.clone())).map_err(refuse)?;
-            let item_key = args.item_split.map_or(ItemKey::ContentHash, ItemKey::Split);
-            let source = ReliableList::new(redis, queue.clone(), list.clone())?.item_key(item_key).block(args.block);
+            // No default: what identical items mean is the user's call (see `ItemKey`).
+            let Some(item_key) = args.item_key.clone() else {
+                return Err(StartError::Refused(
+                    "--list needs --item-key: `hash` (identical items are one job) or `split:C` \
+                     (the item names its job before the byte C)"
+                        .into(),
+                ));
+            };
+            let source = ReliableList::new(redis, queue.clone(), list.clone(), item_key)?.block(args.block);
             let what: [(&str, &dyn std::fmt::Display); 3] = [("queue", &queue), ("source", &"list"), ("list", list)];
             consume(source, store, owner, config, handler, &what).await
         } else {

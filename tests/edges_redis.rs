@@ -162,8 +162,8 @@ mod edges {
             config,
             env.redis.commands(),
             list,
+            ItemKey::Split(b'|'),
         )
-        .item_key(ItemKey::Split(b'|'))
     }
 
     /// The user's `BRPOP` loop with a quick handler, until the job of `key` is completed and the
@@ -748,6 +748,7 @@ mod edges {
             SupervisorConfig::new(lease(3)),
             conns.commands(),
             "stalled-list",
+            ItemKey::Split(b'|'),
         )
         .command_timeout(response);
         let unsettled = ListProcessed { disposition: Disposition::Abandon, detail: None, lease_key: None };

@@ -157,19 +157,28 @@ fn consumer_config() -> ConsumerConfig {
     ConsumerConfig::new(SupervisorConfig::new(lease(10))).concurrency(8).batch(8).grace(Duration::from_secs(5))
 }
 
+/// Enqueues the jobs on `store`'s table queue and drains them through a `Consumer` running
+/// `handler`; the queue and the consumer's counters.
+async fn through_the_consumer<H: brokerfence::adapters::Handler>(
+    store: Arc<dyn FenceStore>,
+    handler: H,
+) -> (QueueName, brokerfence::fence::MetricsSnapshot) {
+    let queue = QueueName::new(unique("own")).expect("queue");
+    store.enqueue_many(&queue, &jobs()).await.expect("enqueue");
+    let consumer = Consumer::new(TableQueue::new(Arc::clone(&store), queue.clone()), store, consumer_config());
+    let consumer = drain(consumer, handler).await;
+    (queue, consumer.metrics().snapshot())
+}
+
 /// Handler-owned commit through `Consumer` on the PostgreSQL table queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effects_own_commit_through_the_consumer_pg() {
     let fence = common::pg().await;
     let table = pg_business_table(&fence).await;
-    let queue = QueueName::new(unique("own")).expect("queue");
-    fence.enqueue_many(&queue, &jobs()).await.expect("enqueue");
-    let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
-    let consumer = Consumer::new(TableQueue::new(Arc::clone(&store), queue.clone()), store, consumer_config());
     let (f, t) = (fence.clone(), table.clone());
-    let consumer = drain(consumer, move |ctx| pg_handler(ctx, f.clone(), t.clone())).await;
-    let rows = pg_rows(&fence, &table).await;
-    assert_own_commits(consumer.metrics().snapshot(), &rows, &job_states(&fence, &queue).await);
+    let (queue, m) =
+        through_the_consumer(Arc::new(fence.clone()), move |ctx| pg_handler(ctx, f.clone(), t.clone())).await;
+    assert_own_commits(m, &pg_rows(&fence, &table).await, &job_states(&fence, &queue).await);
 }
 
 /// Handler-owned commit through `Consumer` on the SQLite table queue.
@@ -177,14 +186,10 @@ async fn effects_own_commit_through_the_consumer_pg() {
 async fn effects_own_commit_through_the_consumer_sqlite() {
     let fence = common::sqlite().await;
     let table = sqlite_business_table(&fence).await;
-    let queue = QueueName::new(unique("own")).expect("queue");
-    fence.enqueue_many(&queue, &jobs()).await.expect("enqueue");
-    let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
-    let consumer = Consumer::new(TableQueue::new(Arc::clone(&store), queue.clone()), store, consumer_config());
     let (f, t) = (fence.clone(), table.clone());
-    let consumer = drain(consumer, move |ctx| sqlite_handler(ctx, f.clone(), t.clone())).await;
-    let rows = sqlite_rows(&fence, &table).await;
-    assert_own_commits(consumer.metrics().snapshot(), &rows, &job_states(&fence, &queue).await);
+    let handler = move |ctx| sqlite_handler(ctx, f.clone(), t.clone());
+    let (queue, m) = through_the_consumer(Arc::new(fence.clone()), handler).await;
+    assert_own_commits(m, &sqlite_rows(&fence, &table).await, &job_states(&fence, &queue).await);
 }
 
 /// Handler-owned commit through the `Retrofit` middleware: the delivery is to be acknowledged.
@@ -221,8 +226,8 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
         SupervisorConfig::new(lease(10)),
         redis.commands(),
         list.as_str(),
-    )
-    .item_key(ItemKey::Split(b'|'));
+        ItemKey::Split(b'|'),
+    );
     for (k, _) in jobs() {
         let item = format!("{k}|payload");
         let (f, t) = (fence.clone(), table.clone());

@@ -393,9 +393,9 @@ async fn reliable_list_end_to_end() {
     }
     let _: i64 = client::cmd("LPUSH").arg(&list).arg("no separator here").query_async(&mut conn).await.expect("LPUSH");
     let log: Log = Arc::default();
-    let source = ReliableList::new(env.redis.clone(), QueueName::new(list.as_str()).expect("q"), list.as_str())
+    let q = QueueName::new(list.as_str()).expect("q");
+    let source = ReliableList::new(env.redis.clone(), q, list.as_str(), ItemKey::Split(b'|'))
         .expect("source")
-        .item_key(ItemKey::Split(b'|'))
         .block(Duration::from_millis(200));
     let processing = source.processing_list().to_owned();
     let c = spawn_consumer(
@@ -433,9 +433,8 @@ async fn reliable_list_puts_back_items_whose_lease_lapsed() {
     let list = env.name("jobs");
     let q = QueueName::new(list.as_str()).expect("q");
     let mut conn = env.conn();
-    let source = ReliableList::new(env.redis.clone(), q.clone(), list.as_str())
+    let source = ReliableList::new(env.redis.clone(), q.clone(), list.as_str(), ItemKey::Split(b'|'))
         .expect("source")
-        .item_key(ItemKey::Split(b'|'))
         .block(Duration::from_millis(100))
         .reap_every(Duration::from_millis(200), 100);
     let processing = source.processing_list().to_owned();
@@ -502,8 +501,8 @@ async fn list_retrofit_in_a_brpop_loop() {
         SupervisorConfig::new(lease(3)),
         env.redis.commands(),
         list.as_str(),
-    )
-    .item_key(ItemKey::Split(b'|'));
+        ItemKey::Split(b'|'),
+    );
     for item in ["r-0|slow", "r-1|a", "r-2|b", "r-1|a", "garbage"] {
         let _: i64 = client::cmd("LPUSH").arg(&list).arg(item).query_async(&mut conn).await.expect("LPUSH");
     }

@@ -382,6 +382,18 @@ async fn detached<T: Send + 'static>(statement: impl Future<Output = Result<T>> 
     }
 }
 
+/// The identity columns of `leases` (queue, key, epoch, owner), as arrays for `unnest`.
+fn lease_columns(leases: &[Lease]) -> (Vec<String>, Vec<String>, Vec<i64>, Vec<String>) {
+    let mut columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for l in leases {
+        columns.0.push(l.queue.as_str().to_owned());
+        columns.1.push(l.key.as_str().to_owned());
+        columns.2.push(l.epoch);
+        columns.3.push(l.owner.as_str().to_owned());
+    }
+    columns
+}
+
 fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     // Every statement is rendered from constant text plus the validated schema name.
     AssertSqlSafe(Arc::clone(s))
@@ -543,10 +555,7 @@ impl PgFence {
         if leases.is_empty() {
             return Ok(Heartbeat::default());
         }
-        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
-        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
-        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
-        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
+        let (queues, keys, epochs, owners) = lease_columns(leases);
         let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
         type Row = (String, String, i64, String, Option<i64>, Option<i64>, bool);
         let rows: Vec<Row> = detached(async move {
@@ -1263,10 +1272,7 @@ impl FenceStore for PgFence {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let queues: Vec<String> = leases.iter().map(|l| l.queue.as_str().to_owned()).collect();
-        let keys: Vec<String> = leases.iter().map(|l| l.key.as_str().to_owned()).collect();
-        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
-        let owners: Vec<String> = leases.iter().map(|l| l.owner.as_str().to_owned()).collect();
+        let (queues, keys, epochs, owners) = lease_columns(leases);
         let (pool, statement) = (self.pool.clone(), sql(&self.stmts.completed_under));
         let rows: Vec<(i64, bool)> = detached(async move {
             Ok(sqlx::query_as(statement).bind(queues).bind(keys).bind(epochs).bind(owners).fetch_all(&pool).await?)

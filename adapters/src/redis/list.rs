@@ -27,7 +27,19 @@ use crate::source::{Incoming, Source, SourceError};
 type DecodeFn = dyn Fn(&[u8]) -> Result<(JobKey, Vec<u8>), String> + Send + Sync;
 
 /// How a list item maps to a job key and a payload. Lists carry no message id, so the identity
-/// must come from the item itself.
+/// must come from the item itself, and there is no default: [`ReliableList::new`] and
+/// [`ListRetrofit::new`] ask for one, because each choice says something different about two
+/// identical items.
+///
+/// The job key is what deduplicates: a second item with the key of a completed job is acknowledged
+/// as a duplicate without running, for as long as the completed job's row is kept (the
+/// deduplication window); once that row is pruned, the same key is a new job.
+/// - [`ContentHash`](Self::ContentHash): identical items are **one** job. Right for items that are
+///   idempotent commands ("recompute report 7"); wrong for events that may repeat ("+1 page view"):
+///   the second one is dropped as a duplicate while the first is remembered.
+/// - [`Split`](Self::Split) / [`Custom`](Self::Custom): the producer names the job (an order id,
+///   a UUID per event): identical payloads under different keys are different jobs, and a
+///   redelivery of the same item (a put-back after a crash) is recognised.
 ///
 /// ```
 /// use adapters::redis::ItemKey;
@@ -41,7 +53,8 @@ type DecodeFn = dyn Fn(&[u8]) -> Result<(JobKey, Vec<u8>), String> + Send + Sync
 /// ```
 #[derive(Clone)]
 pub enum ItemKey {
-    /// `sha1:<hex>` of the whole item, which is also the payload: identical items are one job.
+    /// `sha1:<hex>` of the whole item, which is also the payload: identical items are one job
+    /// (within the deduplication window; see the type's docs).
     ContentHash,
     /// The bytes before the first separator are the key, the rest is the payload.
     Split(u8),
@@ -142,7 +155,7 @@ struct ListState {
 /// use adapters::{Consumer, ConsumerConfig};
 /// use fence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
-/// let source = ReliableList::new(redis, QueueName::new("mail")?, "mail")?.item_key(ItemKey::Split(b'|'));
+/// let source = ReliableList::new(redis, QueueName::new("mail")?, "mail", ItemKey::Split(b'|'))?;
 /// assert_eq!(source.processing_list(), "{mail}:processing");
 /// let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
 /// consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal()).await?;
@@ -175,10 +188,16 @@ impl std::fmt::Debug for ReliableList {
 }
 
 impl ReliableList {
-    /// Takes items from `list`; jobs are fenced under `queue`. The processing list is
-    /// `{list}:processing`, dead letters go to the stream `{list}:dead` (same cluster slot). Items are
-    /// keyed by content hash unless you choose otherwise ([`item_key`](Self::item_key)).
-    pub fn new(conns: RedisConnections, queue: QueueName, list: impl Into<String>) -> Result<Self, RedisError> {
+    /// Takes items from `list`; jobs are fenced under `queue`, each item's job key and payload
+    /// taken by `item_key` (see [`ItemKey`] for what each choice means for identical items). The
+    /// processing list is `{list}:processing`, dead letters go to the stream `{list}:dead` (same
+    /// cluster slot).
+    pub fn new(
+        conns: RedisConnections,
+        queue: QueueName,
+        list: impl Into<String>,
+        item_key: ItemKey,
+    ) -> Result<Self, RedisError> {
         let list = list.into();
         if list.is_empty() {
             return Err(RedisError::Config("list name must not be empty".into()));
@@ -190,18 +209,12 @@ impl ReliableList {
             conns,
             queue,
             list,
-            item_key: ItemKey::ContentHash,
+            item_key,
             block: Duration::from_secs(2),
             reap_every: Duration::from_secs(1),
             reap_scan: 256,
             state: Mutex::new(ListState { next_reap: None, suspects: HashSet::new(), lease: Duration::from_secs(30) }),
         })
-    }
-
-    /// How items map to job keys (default: content hash).
-    pub fn item_key(mut self, item_key: ItemKey) -> Self {
-        self.item_key = item_key;
-        self
     }
 
     /// The processing list (default `{list}:processing`). Keep it in the queue's cluster slot.
@@ -476,8 +489,8 @@ impl ListProcessed {
 /// use adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
 /// use fence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
-/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
-///     .item_key(ItemKey::Split(b'|'));
+/// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
+/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, redis.commands(), "mail", ItemKey::Split(b'|'));
 /// let mut conn = redis.blocking();
 /// let block = std::time::Duration::from_secs(5);
 /// loop {
@@ -504,16 +517,18 @@ pub struct ListRetrofit {
 }
 
 impl ListRetrofit {
-    /// The fence for items of `list`, fenced under `queue`, with a fresh owner id. Must be created
-    /// inside a tokio runtime.
+    /// The fence for items of `list`, fenced under `queue`, with a fresh owner id; `item_key` maps
+    /// each item to its job key and payload (see [`ItemKey`] for what each choice means for
+    /// identical items). Must be created inside a tokio runtime.
     pub fn new(
         store: Arc<dyn FenceStore>,
         queue: QueueName,
         config: SupervisorConfig,
         conn: ConnectionManager,
         list: impl Into<String>,
+        item_key: ItemKey,
     ) -> Self {
-        Self::with_owner(store, queue, Owner::unique("worker"), config, conn, list)
+        Self::with_owner(store, queue, Owner::unique("worker"), config, conn, list, item_key)
     }
 
     /// Like [`new`](Self::new) with the given owner id.
@@ -524,18 +539,13 @@ impl ListRetrofit {
         config: SupervisorConfig,
         conn: ConnectionManager,
         list: impl Into<String>,
+        item_key: ItemKey,
     ) -> Self {
         let list = list.into();
         let retrofit = Retrofit::with_owner(store, queue, owner, config);
         let leases = LeaseKeys::new(conn.clone(), list.clone());
         retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
-        Self { retrofit, leases, item_key: ItemKey::ContentHash, conn, dead: sibling_key(&list, ":dead"), list }
-    }
-
-    /// How items map to job keys (default: content hash).
-    pub fn item_key(mut self, item_key: ItemKey) -> Self {
-        self.item_key = item_key;
-        self
+        Self { retrofit, leases, item_key, conn, dead: sibling_key(&list, ":dead"), list }
     }
 
     /// The response timeout of this fence's Redis calls (default 2 s): lease keys, the push back
@@ -547,9 +557,10 @@ impl ListRetrofit {
     /// ```no_run
     /// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>, redis: adapters::redis::RedisConnections) -> fence::Result<()> {
     /// use std::time::Duration;
-    /// use adapters::redis::ListRetrofit;
+    /// use adapters::redis::{ItemKey, ListRetrofit};
     /// use fence::{LeaseDuration, QueueName, SupervisorConfig};
-    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?), redis.commands(), "mail")
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, redis.commands(), "mail", ItemKey::Split(b'|'))
     ///     .command_timeout(Duration::from_millis(500));
     /// assert_eq!(fence.leases().timeout(), Duration::from_millis(500));
     /// # Ok(()) }
