@@ -389,14 +389,17 @@ impl Statements {
         let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
         // One batch of pruning ($1 queue, $2 state, $3 age in ms, $4 rows): the oldest finished
         // rows by the `jobs_finished` index, rows another transaction holds skipped, deleted by
-        // primary key, and the queue's epoch floor raised to the highest epoch deleted, all in
-        // one statement. Answers the rows deleted and the floor (NULL when nothing was deleted).
+        // their row address (a tid scan: the rows are locked, so their addresses hold), and the
+        // queue's epoch floor raised to the highest epoch deleted, all in one statement. Answers
+        // the rows deleted and the floor (NULL when nothing was deleted). The cutoff is on the
+        // database clock at the start of the statement (`statement_timestamp()`, stable, so it is
+        // an index condition: the scan stops at the cutoff instead of filtering past it).
         let prune_jobs = format!(
-            "WITH victims AS (SELECT t.key FROM {s}.jobs t WHERE t.queue = $1 \
+            "WITH victims AS (SELECT t.ctid AS id FROM {s}.jobs t WHERE t.queue = $1 \
                  AND t.state IN ('completed', 'dead') AND t.state = $2 \
-                 AND t.updated_at < clock_timestamp() - $3::bigint * interval '1 millisecond' \
+                 AND t.updated_at < statement_timestamp() - $3::bigint * interval '1 millisecond' \
                  ORDER BY t.updated_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
-             del AS (DELETE FROM {s}.jobs t USING victims v WHERE t.queue = $1 AND t.key = v.key RETURNING t.epoch), \
+             del AS (DELETE FROM {s}.jobs t WHERE t.ctid = ANY (ARRAY(SELECT v.id FROM victims v)) RETURNING t.epoch), \
              top AS (SELECT count(*)::bigint AS n, max(del.epoch) AS e FROM del), \
              fl AS (INSERT INTO {s}.epoch_floors AS f (queue, floor) SELECT $1, top.e FROM top WHERE top.n > 0 \
                  ON CONFLICT (queue) DO UPDATE SET floor = greatest(f.floor, EXCLUDED.floor), \
@@ -405,10 +408,10 @@ impl Statements {
         );
         // One batch of ledger pruning ($1 scope, $2 age in ms, $3 rows), by the `ledger_age` index.
         let prune_ledger = format!(
-            "WITH victims AS (SELECT l.job FROM {s}.ledger l WHERE l.scope = $1 \
-                 AND l.updated_at < clock_timestamp() - $2::bigint * interval '1 millisecond' \
+            "WITH victims AS (SELECT l.ctid AS id FROM {s}.ledger l WHERE l.scope = $1 \
+                 AND l.updated_at < statement_timestamp() - $2::bigint * interval '1 millisecond' \
                  ORDER BY l.updated_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
-             DELETE FROM {s}.ledger l USING victims v WHERE l.scope = $1 AND l.job = v.job"
+             DELETE FROM {s}.ledger l WHERE l.ctid = ANY (ARRAY(SELECT v.id FROM victims v))"
         );
         Self {
             claim: claim.into(),
