@@ -606,41 +606,50 @@ async fn retention_prune_rate_pg() {
         .queue(q.clone(), QueueRetention::completed_for(HOUR))
         .batch_size(1_000)
         .pause_between_batches(Duration::ZERO);
-    // Claims of another queue while the pruner runs: their latency.
-    let stop = CancellationToken::new();
-    let claimer = tokio::spawn({
-        let (s, stop) = (s.clone(), stop.clone());
-        async move {
+    // Claims (each followed by its commit) of another queue, alone and while the pruner runs.
+    let claims = |stop: CancellationToken| {
+        let s = s.clone();
+        tokio::spawn(async move {
             let (other, me) = (queue("ret-rate-claims"), Owner::unique("w"));
             let mut lat = Vec::new();
-            let mut i = 0;
             while !stop.is_cancelled() {
                 let t = std::time::Instant::now();
-                let l = claimed(s.claim(&other, &key(&format!("c{i}")), &me, lease(30)).await.unwrap());
+                let l = claimed(s.claim(&other, &key(&common::unique("c")), &me, lease(30)).await.unwrap());
                 lat.push(t.elapsed());
                 s.complete(&l, b"ok").await.unwrap();
-                i += 1;
             }
             lat.sort();
             lat
-        }
-    });
+        })
+    };
+    let stop = CancellationToken::new();
+    let alone = claims(stop.clone());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.cancel();
+    let alone = alone.await.unwrap();
+    let stop = CancellationToken::new();
+    let claimer = claims(stop.clone());
     let started = std::time::Instant::now();
     let report = s.prune(&retention).await.unwrap();
     let took = started.elapsed();
     stop.cancel();
     let lat = claimer.await.unwrap();
     assert_eq!(report.completed, n as u64);
-    let pct = |p: usize| lat.get((lat.len() * p / 100).min(lat.len().saturating_sub(1))).copied().unwrap_or_default();
+    let pct = |lat: &[Duration], p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)];
     println!(
-        "pruned {} rows in {} batches in {:.2?}: {:.0} rows/s; {} claims meanwhile, p50 {:.2?}, p99 {:.2?}, max {:.2?}",
+        "pruned {} rows in {} batches in {:.2?}: {:.0} rows/s",
         report.completed,
         report.batches,
         took,
-        report.completed as f64 / took.as_secs_f64(),
-        lat.len(),
-        pct(50),
-        pct(99),
-        lat.last().copied().unwrap_or_default()
+        report.completed as f64 / took.as_secs_f64()
     );
+    for (label, lat) in [("claims alone", &alone), ("claims while pruning", &lat)] {
+        println!(
+            "{label}: {} claims, p50 {:.2?}, p99 {:.2?}, max {:.2?}",
+            lat.len(),
+            pct(lat, 50),
+            pct(lat, 99),
+            lat[lat.len() - 1]
+        );
+    }
 }
