@@ -30,9 +30,9 @@ use tokio_util::sync::CancellationToken;
 pub const APP_GRANTS: &[&str] = &[
     "GRANT USAGE ON SCHEMA {s} TO {app}",
     "GRANT SELECT, INSERT, UPDATE ON {s}.jobs, {s}.ledger, {s}.outbox TO {app}",
-    // Retention (migration 5): the pruner deletes finished jobs and old ledger rows and raises
-    // the per-queue epoch floors, which every job insert reads (through `epoch_floor`, a
-    // function PUBLIC may execute).
+    // Retention (migration 5), for the pruner only: it deletes finished jobs and old ledger rows
+    // and raises the per-queue epoch floors. Job inserts read the floors through `epoch_floor`,
+    // which runs as the schema's owner: claiming and enqueueing need no grant of their own.
     "GRANT DELETE ON {s}.jobs, {s}.ledger TO {app}",
     "GRANT SELECT, INSERT, UPDATE ON {s}.epoch_floors TO {app}",
     // The outbox's bigserial id (PostgreSQL only).

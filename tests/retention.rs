@@ -280,7 +280,9 @@ async fn retention_key_reuse_after_prune_gets_a_newer_epoch_sqlite() {
 /// deletes the key's row, raises the floor) and stays open; a claim of that key meanwhile must
 /// wait and then start above the new floor. Guard: the floor lock `epoch_floor()` takes. Without
 /// it the claim waits only for the deleted row, then inserts with the floor it read before the
-/// delete committed: epoch 1 again (checked by hand with the lock removed from the function).
+/// delete committed: epoch 1 again (checked with psql: the same scenario with a copy of
+/// `epoch_floor` without its `pg_advisory_xact_lock_shared` gave the re-created row epoch 1, the
+/// real function epoch 2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_a_claim_racing_a_prune_batch_starts_above_the_new_floor_pg() {
     let s = common::pg().await;

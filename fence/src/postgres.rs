@@ -117,14 +117,17 @@ const MIGRATIONS: &[Migration] = &[
         // a snapshot of its own (a volatile function does, under READ COMMITTED). So a claim
         // either reads the floor after a batch committed, or the batch waits for the claim: a
         // claim that re-creates a key whose row the batch deleted cannot start it at an epoch
-        // read before that delete.
+        // read before that delete. It runs as the schema's owner (SECURITY DEFINER, with a fixed
+        // search_path): roles that only claim and enqueue need no grant on `epoch_floors`, so
+        // the grants of a deployment made before this migration keep working.
         statements: &[
             "CREATE TABLE IF NOT EXISTS {s}.epoch_floors (
             queue      text        COLLATE \"C\" PRIMARY KEY,
             floor      bigint      NOT NULL CHECK (floor >= 0),
             updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
         )",
-            "CREATE OR REPLACE FUNCTION {s}.epoch_floor(q text) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+            "CREATE OR REPLACE FUNCTION {s}.epoch_floor(q text) RETURNS bigint LANGUAGE plpgsql VOLATILE \
+             SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
          BEGIN
            PERFORM pg_advisory_xact_lock_shared(hashtextextended('brokerfence.floor.{s}.' || q, 0));
            RETURN coalesce((SELECT f.floor FROM {s}.epoch_floors f WHERE f.queue = q), 0);
@@ -1101,8 +1104,9 @@ impl PgFence {
         Ok(PruneBatch::Deleted(u64::try_from(n).unwrap_or(0)))
     }
 
-    /// One batch of ledger pruning (receiver `scope`) in its own transaction, under the pruner lock.
-    pub(crate) async fn prune_ledger_batch(&self, scope: &str, age: Duration, batch: u32) -> Result<PruneBatchPub> {
+    /// One batch of ledger pruning (receiver `scope`) in its own transaction, under the pruner
+    /// lock: the rows deleted, or `None` when another pruner held the lock.
+    async fn prune_ledger_batch(&self, scope: &str, age: Duration, batch: u32) -> Result<Option<u64>> {
         let Some(mut tx) = self.begin_prune().await? else { return Ok(None) };
         let done = sqlx::query(sql(&self.stmts.prune_ledger))
             .bind(scope.to_owned())
@@ -1114,8 +1118,8 @@ impl PgFence {
         Ok(Some(done.rows_affected()))
     }
 
-    /// Prunes the ledger rows of `scope` older than `age`, batch after batch; `None` when another
-    /// pruner held the pruner lock before anything was deleted.
+    /// Prunes the ledger rows of `scope` older than `age`, batch after batch: (rows, batches,
+    /// contended), contended when another pruner held the pruner lock (the run stopped there).
     pub(crate) async fn prune_ledger_scope(
         &self,
         scope: &str,
@@ -1180,9 +1184,6 @@ impl PgFence {
         Ok(report)
     }
 }
-
-/// Rows deleted by one ledger batch, or `None` when another pruner held the lock.
-pub(crate) type PruneBatchPub = Option<u64>;
 
 /// A lock timeout, typed or inside a migration error.
 fn is_lock_timeout(e: &FenceError) -> bool {

@@ -331,9 +331,20 @@ impl SqliteFence {
             .create_if_missing(true)
             .journal_mode(if memory { SqliteJournalMode::Memory } else { SqliteJournalMode::Wal })
             .synchronous(synchronous)
-            // Takes effect on a new file only (before its first table): see `reclaim_space`.
-            .auto_vacuum(SqliteAutoVacuum::Incremental)
             .busy_timeout(Duration::from_secs(10));
+        // A file this call creates is made `auto_vacuum = INCREMENTAL` (so that pruned pages can
+        // be given back, see `reclaim_space`) by one connection that sets it before anything
+        // else (SQLite accepts it only before the file's first page is written, which switching
+        // to WAL does). Not on every connection: on an existing file the pragma begins a write
+        // transaction, so opening a connection would wait for the write lock.
+        let file = opts.get_filename();
+        let new_file = !memory && std::fs::metadata(file).map(|m| m.len() == 0).unwrap_or(true);
+        if new_file {
+            let first = opts.clone().auto_vacuum(SqliteAutoVacuum::Incremental);
+            // Its pragmas run in order: auto_vacuum, then WAL, which writes the first page.
+            let conn = sqlx::ConnectOptions::connect(&first).await?;
+            conn.close().await?;
+        }
         // An in-memory database lives in one connection; a file serves several readers.
         let pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 8 }).connect_with(opts).await?;
         Ok(Self::new(pool))
@@ -543,8 +554,8 @@ impl SqliteFence {
     /// which the file is shorter by the pages given back. It works on files whose `auto_vacuum`
     /// is `INCREMENTAL`:
     ///
-    /// - **New files** are: [`open`](Self::open) sets `auto_vacuum = INCREMENTAL` on every
-    ///   connection, which SQLite applies when the file has no table yet.
+    /// - **New files** are: [`open`](Self::open) makes a file it creates `auto_vacuum =
+    ///   INCREMENTAL` before anything else is written to it.
     /// - **Existing files** made before (or by other tools) are `NONE`: there the setting only
     ///   changes with a full `VACUUM`, which [`enable_incremental_vacuum`](Self::enable_incremental_vacuum)
     ///   runs once. Until then this call gives nothing back (`auto_vacuum` = 0 in the report) and
