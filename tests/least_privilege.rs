@@ -1,6 +1,7 @@
 //! Least privilege: the fence runs under a database role that owns nothing and holds only what
 //! the fence schema needs — `USAGE` on the schema, `SELECT, INSERT, UPDATE` on its three tables
-//! (jobs, ledger, outbox) and `USAGE` on the outbox id sequence. No superuser, no `DELETE`, no DDL.
+//! (jobs, ledger, outbox), `DELETE` on jobs and ledger and `SELECT, INSERT, UPDATE` on
+//! epoch_floors (retention), and `USAGE` on the outbox id sequence. No superuser, no DDL.
 //! The migrations are run by the schema's owner, itself a plain role (not a superuser) with
 //! `CREATE` on the database.
 //!
@@ -18,7 +19,7 @@ use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobKey, JobState, LeaseDuration, Owner, PgFence, PgLedger, QueueName,
-    RetryPolicy, SchemaName, SupervisorConfig,
+    QueueRetention, Retention, RetryPolicy, SchemaName, SupervisorConfig,
 };
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgConnectOptions;
@@ -29,6 +30,11 @@ use tokio_util::sync::CancellationToken;
 pub const APP_GRANTS: &[&str] = &[
     "GRANT USAGE ON SCHEMA {s} TO {app}",
     "GRANT SELECT, INSERT, UPDATE ON {s}.jobs, {s}.ledger, {s}.outbox TO {app}",
+    // Retention (migration 5), for the pruner only: it deletes finished jobs and old ledger rows
+    // and raises the per-queue epoch floors. Job inserts read the floors through `epoch_floor`,
+    // which runs as the schema's owner: claiming and enqueueing need no grant of their own.
+    "GRANT DELETE ON {s}.jobs, {s}.ledger TO {app}",
+    "GRANT SELECT, INSERT, UPDATE ON {s}.epoch_floors TO {app}",
     // The outbox's bigserial id (PostgreSQL only).
     "GRANT USAGE ON SEQUENCE {s}.outbox_id_seq TO {app}",
 ];
@@ -197,6 +203,19 @@ async fn scenario(roles: &Roles) {
     assert_eq!(app.outbox_mark_sent_in(&mut tx, &ids).await.expect("outbox_mark_sent_in"), 1);
     tx.commit().await.expect("commit");
     assert_eq!(app.outbox_unsent().await.expect("outbox_unsent"), 0);
+    // Retention (migration 5) under this role: a finished job of its own queue pruned at age
+    // zero raises the queue's floor, and the key sent again starts above it; ledger pruning.
+    let pq = QueueName::new("least-privilege-prune").expect("queue");
+    let Claim::Claimed(p1) = store.claim(&pq, &k("p1"), &me, lease).await.expect("claim") else { panic!("claim") };
+    store.complete(&p1, b"done").await.expect("complete");
+    PgLedger::new(&app, "prune-receiver").accept("p1", 1).await.expect("ledger");
+    let retention = Retention::new()
+        .queue(pq.clone(), QueueRetention { completed: Some(Duration::ZERO), dead: Some(Duration::ZERO) })
+        .ledger("prune-receiver", Duration::ZERO);
+    let report = store.prune(&retention).await.expect("prune");
+    assert_eq!((report.completed, report.ledger), (1, 1), "{report:?}");
+    let Claim::Claimed(again) = store.claim(&pq, &k("p1"), &me, lease).await.expect("claim") else { panic!("claim") };
+    assert_eq!(again.epoch, 2, "the key sent again starts above the pruned epoch");
 
     // A consumer end to end: these 50, and t2 (released) and t3 (never claimed) from above.
     let jobs: Vec<(JobKey, Vec<u8>)> = (0..50).map(|i| (k(&format!("c{i}")), format!("p{i}").into_bytes())).collect();
@@ -248,7 +267,9 @@ async fn scenario(roles: &Roles) {
     // What the role cannot do: DDL, deletes, other schemas, migrations.
     let s = roles.schema.as_str();
     for sql in [
-        format!("DELETE FROM {s}.jobs"),
+        // DELETE on jobs and ledger is granted for retention; the outbox and the floors keep theirs.
+        format!("DELETE FROM {s}.outbox"),
+        format!("DELETE FROM {s}.epoch_floors"),
         format!("TRUNCATE {s}.jobs"),
         format!("DROP TABLE {s}.jobs"),
         format!("ALTER TABLE {s}.jobs DROP COLUMN epoch"),

@@ -40,6 +40,7 @@ pub struct ConsumerConfig {
     ack_batch: usize,
     ack_linger: Duration,
     max_unsettled: Option<usize>,
+    retention: Option<fence::Retention>,
 }
 
 /// The default [`ConsumerConfig::claim_window`]: 5 ms.
@@ -59,7 +60,32 @@ impl ConsumerConfig {
             ack_batch: 10,
             ack_linger: Duration::from_millis(20),
             max_unsettled: None,
+            retention: None,
         }
+    }
+    /// Prunes finished jobs (and ledger rows) by `retention` in the background while the
+    /// consumer runs: one run at start, then one every
+    /// [`Retention::interval`](fence::Retention::interval), each through
+    /// [`FenceStore::prune`](fence::FenceStore::prune) (bounded batches; at most one pruner at a
+    /// time across processes on PostgreSQL, so every worker may have this on). A run that fails
+    /// is logged and tried again at the next interval; a store without pruning
+    /// ([`FenceError::Unsupported`](fence::FenceError::Unsupported)) stops the pruner with a
+    /// warning. Off by default: nothing is ever deleted unless this is set (or `prune` called).
+    ///
+    /// ```
+    /// use fence::{LeaseDuration, QueueName, QueueRetention, Retention, SupervisorConfig};
+    /// let retention = Retention::new().queue(QueueName::new("emails").unwrap(), QueueRetention::default());
+    /// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+    ///     .retention(retention);
+    /// assert!(config.retention_policy().is_some());
+    /// ```
+    pub fn retention(mut self, retention: fence::Retention) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+    /// The background retention policy, if any (see [`retention`](Self::retention)).
+    pub fn retention_policy(&self) -> Option<&fence::Retention> {
+        self.retention.as_ref()
     }
     /// Jobs running at once.
     pub fn concurrency(mut self, n: usize) -> Self {
@@ -380,9 +406,17 @@ impl<S: Source> Consumer<S> {
             self.config.claim_window,
             Arc::clone(&permits.places),
         ));
+        let pruner = self.config.retention.clone().map(|retention| {
+            tokio::spawn(prune_loop(Arc::clone(self.supervisor.store()), retention, shared.stopping.clone()))
+        });
         let result = self.receive_loop(&shared, &permits, &shutdown).await;
         // However the loop ended, jobs not started yet are given back, not started.
         shared.stopping.cancel();
+        if let Some(pruner) = pruner
+            && let Err(e) = pruner.await
+        {
+            tracing::error!(error = %e, "pruner task panicked");
+        }
         // No more batches to claim: the claimer gives back what is queued and stops.
         if let Ok(mut claims) = shared.claims.lock() {
             claims.take();
@@ -543,6 +577,42 @@ struct Places {
 
 /// How long [`Consumer::run`] waits for the schema check before starting anyway.
 const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest one background prune run may take (each of its statements has its own, shorter,
+/// limit): a run cut short rolls back only its current batch; the next run carries on.
+const PRUNE_RUN_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The consumer's background pruner (see [`ConsumerConfig::retention`]): a run now, then one
+/// every interval, until `stop` fires (a run in progress then is dropped: its open batch rolls
+/// back).
+async fn prune_loop(store: Arc<dyn FenceStore>, retention: fence::Retention, stop: CancellationToken) {
+    use tracing::Instrument;
+    let span = tracing::info_span!("consumer.pruner", backend = store.backend());
+    async move {
+        loop {
+            let run = tokio::time::timeout(PRUNE_RUN_TIMEOUT, store.prune(&retention));
+            let outcome = tokio::select! {
+                _ = stop.cancelled() => return,
+                outcome = run => outcome,
+            };
+            match outcome {
+                Ok(Ok(report)) => tracing::debug!(?report, "background prune run"),
+                Ok(Err(fence::FenceError::Unsupported(what))) => {
+                    tracing::warn!(what, "the store cannot prune; background pruner stopped");
+                    return;
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "background prune run failed; next run at the next interval"),
+                Err(_) => tracing::warn!(timeout = ?PRUNE_RUN_TIMEOUT, "background prune run timed out"),
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(retention.interval()) => {}
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
 
 /// How long the receive loop waits for more free slots to fill a batch once it has one.
 const BATCH_FILL_LINGER: Duration = Duration::from_millis(2);

@@ -160,6 +160,30 @@ impl PgLedger {
         let mut conn = self.fence.pool().acquire().await?;
         self.newest_in(&mut conn, job).await
     }
+
+    /// Deletes this scope's entries not updated for `age` (database clock), in batches of
+    /// `batch` rows per short transaction, read by the `ledger_age` index; at most one pruner
+    /// per schema at a time (a call that finds another at work returns with `contended`). Once
+    /// an entry is gone, the next call for that job is accepted whatever its epoch: keep `age`
+    /// longer than a superseded attempt can still call (see
+    /// [`DEFAULT_LEDGER_AGE`](crate::retention::DEFAULT_LEDGER_AGE)).
+    ///
+    /// ```no_run
+    /// # async fn demo(ledger: fence::PgLedger) -> fence::Result<()> {
+    /// let report = ledger.prune(fence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
+    /// println!("{} ledger rows deleted", report.ledger);
+    /// # Ok(()) }
+    /// ```
+    pub async fn prune(&self, age: std::time::Duration, batch: u32) -> Result<crate::PruneReport> {
+        let batch = batch.max(1);
+        let span = tracing::info_span!("fence.ledger.prune", backend = "postgres", scope = &*self.scope);
+        let (ledger, batches, contended) = tracing::Instrument::instrument(
+            self.fence.prune_ledger_scope(&self.scope, age, batch, std::time::Duration::from_millis(10)),
+            span,
+        )
+        .await?;
+        Ok(crate::PruneReport { ledger, batches, contended, ..Default::default() })
+    }
 }
 
 /// The epoch ledger on SQLite.
@@ -213,6 +237,26 @@ impl SqliteLedger {
     pub async fn newest(&self, job: &str) -> Result<Option<i64>> {
         let mut conn = self.fence.pool().acquire().await?;
         self.newest_in(&mut conn, job).await
+    }
+
+    /// Deletes this scope's entries not updated for `age`, in batches of `batch` rows (see
+    /// [`PgLedger::prune`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(ledger: fence::SqliteLedger) -> fence::Result<()> {
+    /// let report = ledger.prune(fence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
+    /// println!("{} ledger rows deleted", report.ledger);
+    /// # Ok(()) }
+    /// ```
+    pub async fn prune(&self, age: std::time::Duration, batch: u32) -> Result<crate::PruneReport> {
+        let batch = batch.max(1);
+        let span = tracing::info_span!("fence.ledger.prune", backend = "sqlite", scope = &*self.scope);
+        let (ledger, batches) = tracing::Instrument::instrument(
+            self.fence.prune_ledger_scope(&self.scope, age, batch, std::time::Duration::from_millis(10)),
+            span,
+        )
+        .await?;
+        Ok(crate::PruneReport { ledger, batches, ..Default::default() })
     }
 }
 

@@ -30,6 +30,7 @@ mod model;
 pub mod outbox;
 mod own_tx;
 mod postgres;
+pub mod retention;
 mod schema;
 mod sqlite;
 mod store;
@@ -49,8 +50,9 @@ pub use model::{
 pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;
 pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
+pub use retention::{PruneReport, QueueRetention, Retention};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
-pub use sqlite::{SqliteDurability, SqliteFence};
+pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
 pub use supervisor::{
     DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,

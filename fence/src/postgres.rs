@@ -6,6 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection};
+use tracing::Instrument;
 
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
@@ -100,6 +101,42 @@ const MIGRATIONS: &[Migration] = &[
         // stays as small as the backlog.
         statements: crate::outbox::MIGRATION,
     },
+    Migration {
+        version: 5,
+        name: "retention and epoch floors",
+        // A new table, a function and two indexes. The indexes are built under a SHARE lock on
+        // their table (writes wait while it is built: milliseconds for thousands of rows, seconds
+        // for millions; the lock is asked for with the migration lock timeout, see `migrate`).
+        // `jobs_finished` holds only completed and dead rows, the pruner's read; `ledger_age`
+        // the ledger's, per receiver scope.
+        //
+        // `epoch_floor(queue)` is what every statement that creates a job row starts its epoch
+        // from: the highest epoch pruning ever deleted from the queue (0 without a floor row).
+        // It takes the queue's floor lock SHARED (an advisory lock, held to the end of the
+        // transaction; the pruner takes it EXCLUSIVE around each batch), then reads the floor in
+        // a snapshot of its own (a volatile function does, under READ COMMITTED). So a claim
+        // either reads the floor after a batch committed, or the batch waits for the claim: a
+        // claim that re-creates a key whose row the batch deleted cannot start it at an epoch
+        // read before that delete. It runs as the schema's owner (SECURITY DEFINER, with a fixed
+        // search_path): roles that only claim and enqueue need no grant on `epoch_floors`, so
+        // the grants of a deployment made before this migration keep working.
+        statements: &[
+            "CREATE TABLE IF NOT EXISTS {s}.epoch_floors (
+            queue      text        COLLATE \"C\" PRIMARY KEY,
+            floor      bigint      NOT NULL CHECK (floor >= 0),
+            updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        )",
+            "CREATE OR REPLACE FUNCTION {s}.epoch_floor(q text) RETURNS bigint LANGUAGE plpgsql VOLATILE \
+             SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+         BEGIN
+           PERFORM pg_advisory_xact_lock_shared(hashtextextended('brokerfence.floor.{s}.' || q, 0));
+           RETURN coalesce((SELECT f.floor FROM {s}.epoch_floors f WHERE f.queue = q), 0);
+         END $$",
+            "CREATE INDEX IF NOT EXISTS jobs_finished ON {s}.jobs (queue, state, updated_at) \
+             WHERE state IN ('completed', 'dead')",
+            "CREATE INDEX IF NOT EXISTS ledger_age ON {s}.ledger (scope, updated_at)",
+        ],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
@@ -126,6 +163,8 @@ pub(crate) struct Statements {
     completed_under: Arc<str>,
     pub(crate) ledger_accept: Arc<str>,
     pub(crate) ledger_current: Arc<str>,
+    prune_jobs: Arc<str>,
+    pub(crate) prune_ledger: Arc<str>,
 }
 
 /// Raised on the caller's connection after a fenced [`PgFence::complete_in`]: the transaction is
@@ -208,7 +247,8 @@ impl Statements {
             "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
              claimed AS ( \
                INSERT INTO {s}.jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at) \
-               SELECT $1, i.key, 'running', 1, $3, {lease}, 1, clock_timestamp() FROM input i ORDER BY i.key \
+               SELECT $1, i.key, 'running', (SELECT {s}.epoch_floor($1)) + 1, $3, {lease}, 1, clock_timestamp() \
+               FROM input i ORDER BY i.key \
                ON CONFLICT (queue, key) DO UPDATE SET {capped} \
                WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                   OR (t.state = 'running' AND t.lease_until < clock_timestamp()) \
@@ -231,8 +271,9 @@ impl Statements {
             tra = ms!("(t.run_at - clock_timestamp())"),
         );
         let enqueue = format!(
-            "INSERT INTO {s}.jobs (queue, key, state, payload, run_at) \
-             SELECT $1, u.k, 'pending', u.p, clock_timestamp() FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
+            "INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
+             SELECT $1, u.k, 'pending', (SELECT {s}.epoch_floor($1)), u.p, clock_timestamp() \
+             FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
              ON CONFLICT (queue, key) DO NOTHING"
         );
         let claim_next = format!(
@@ -349,6 +390,32 @@ impl Statements {
              {ledger_where} RETURNING l.epoch"
         );
         let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
+        // One batch of pruning ($1 queue, $2 state, $3 age in ms, $4 rows): the oldest finished
+        // rows by the `jobs_finished` index, rows another transaction holds skipped, deleted by
+        // their row address (a tid scan: the rows are locked, so their addresses hold), and the
+        // queue's epoch floor raised to the highest epoch deleted, all in one statement. Answers
+        // the rows deleted and the floor (NULL when nothing was deleted). The cutoff is on the
+        // database clock at the start of the statement (`statement_timestamp()`, stable, so it is
+        // an index condition: the scan stops at the cutoff instead of filtering past it).
+        let prune_jobs = format!(
+            "WITH victims AS (SELECT t.ctid AS id FROM {s}.jobs t WHERE t.queue = $1 \
+                 AND t.state IN ('completed', 'dead') AND t.state = $2 \
+                 AND t.updated_at < statement_timestamp() - $3::bigint * interval '1 millisecond' \
+                 ORDER BY t.updated_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
+             del AS (DELETE FROM {s}.jobs t WHERE t.ctid = ANY (ARRAY(SELECT v.id FROM victims v)) RETURNING t.epoch), \
+             top AS (SELECT count(*)::bigint AS n, max(del.epoch) AS e FROM del), \
+             fl AS (INSERT INTO {s}.epoch_floors AS f (queue, floor) SELECT $1, top.e FROM top WHERE top.n > 0 \
+                 ON CONFLICT (queue) DO UPDATE SET floor = greatest(f.floor, EXCLUDED.floor), \
+                 updated_at = clock_timestamp() RETURNING f.floor) \
+             SELECT top.n, (SELECT fl.floor FROM fl) FROM top"
+        );
+        // One batch of ledger pruning ($1 scope, $2 age in ms, $3 rows), by the `ledger_age` index.
+        let prune_ledger = format!(
+            "WITH victims AS (SELECT l.ctid AS id FROM {s}.ledger l WHERE l.scope = $1 \
+                 AND l.updated_at < statement_timestamp() - $2::bigint * interval '1 millisecond' \
+                 ORDER BY l.updated_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             DELETE FROM {s}.ledger l WHERE l.ctid = ANY (ARRAY(SELECT v.id FROM victims v))"
+        );
         Self {
             claim: claim.into(),
             enqueue: enqueue.into(),
@@ -363,6 +430,8 @@ impl Statements {
             completed_under: completed_under.into(),
             ledger_accept: ledger_accept.into(),
             ledger_current: ledger_current.into(),
+            prune_jobs: prune_jobs.into(),
+            prune_ledger: prune_ledger.into(),
         }
     }
 }
@@ -983,6 +1052,148 @@ impl PgFence {
 
 type FencedRow = (i64, Option<String>, Option<i64>, Option<String>);
 
+/// What one pruning transaction did: rows deleted, or nothing because another pruner held the
+/// pruner lock (or claims kept the queue's floor lock for longer than the pruner waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PruneBatch {
+    Deleted(u64),
+    Contended,
+}
+
+/// How long a pruning batch waits for a queue's floor lock. Claims of the queue that come
+/// meanwhile wait behind it, so this is short; a pruner that does not get it ends its run
+/// (contended) and the next run tries again.
+const FLOOR_LOCK_WAIT_MS: &str = "100";
+
+impl PgFence {
+    /// Begins a pruning transaction holding the schema's pruner lock, or `None` when another
+    /// pruner holds it (never waits for it).
+    async fn begin_prune(&self) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>> {
+        let mut tx = self.pool.begin().await?;
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
+            .bind(format!("brokerfence.pruner.{}", self.schema.as_str()))
+            .fetch_one(&mut *tx)
+            .await?;
+        if !got {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        Ok(Some(tx))
+    }
+
+    /// One batch of job pruning in its own transaction: the pruner lock, the queue's floor lock
+    /// (exclusive, see migration 5), then one statement that deletes and raises the floor.
+    async fn prune_jobs_batch(&self, queue: &QueueName, state: &str, age: Duration, batch: u32) -> Result<PruneBatch> {
+        let Some(mut tx) = self.begin_prune().await? else { return Ok(PruneBatch::Contended) };
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)").bind(FLOOR_LOCK_WAIT_MS).execute(&mut *tx).await?;
+        let floor_lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+            .bind(format!("brokerfence.floor.{}.{}", self.schema.as_str(), queue.as_str()))
+            .execute(&mut *tx)
+            .await;
+        match floor_lock.map_err(FenceError::from) {
+            Ok(_) => {}
+            Err(FenceError::LockTimeout(_)) => {
+                tx.rollback().await?;
+                tracing::debug!(queue = %queue, "pruner did not get the queue's floor lock in time; stopping this run");
+                return Ok(PruneBatch::Contended);
+            }
+            Err(e) => return Err(e),
+        }
+        let (n, floor): (i64, Option<i64>) = sqlx::query_as(sql(&self.stmts.prune_jobs))
+            .bind(queue.as_str().to_owned())
+            .bind(state.to_owned())
+            .bind(crate::retention::age_ms(age))
+            .bind(i64::from(batch))
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        if n > 0 {
+            tracing::debug!(queue = %queue, state, deleted = n, floor, "pruned a batch");
+        }
+        Ok(PruneBatch::Deleted(u64::try_from(n).unwrap_or(0)))
+    }
+
+    /// One batch of ledger pruning (receiver `scope`) in its own transaction, under the pruner
+    /// lock: the rows deleted, or `None` when another pruner held the lock.
+    async fn prune_ledger_batch(&self, scope: &str, age: Duration, batch: u32) -> Result<Option<u64>> {
+        let Some(mut tx) = self.begin_prune().await? else { return Ok(None) };
+        let done = sqlx::query(sql(&self.stmts.prune_ledger))
+            .bind(scope.to_owned())
+            .bind(crate::retention::age_ms(age))
+            .bind(i64::from(batch))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Some(done.rows_affected()))
+    }
+
+    /// Prunes the ledger rows of `scope` older than `age`, batch after batch: (rows, batches,
+    /// contended), contended when another pruner held the pruner lock (the run stopped there).
+    pub(crate) async fn prune_ledger_scope(
+        &self,
+        scope: &str,
+        age: Duration,
+        batch: u32,
+        pause: Duration,
+    ) -> Result<(u64, u64, bool)> {
+        let (mut rows, mut batches) = (0u64, 0u64);
+        loop {
+            match self.prune_ledger_batch(scope, age, batch).await? {
+                None => return Ok((rows, batches, true)),
+                Some(n) => {
+                    rows += n;
+                    if n > 0 {
+                        batches += 1;
+                    }
+                    if n < u64::from(batch) {
+                        return Ok((rows, batches, false));
+                    }
+                }
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    async fn prune_all(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
+        let mut report = crate::PruneReport::default();
+        let batch = retention.batch();
+        for (queue, state, age) in retention.targets() {
+            loop {
+                match self.prune_jobs_batch(queue, state, age, batch).await? {
+                    PruneBatch::Contended => {
+                        report.contended = true;
+                        return Ok(report);
+                    }
+                    PruneBatch::Deleted(n) => {
+                        if state == "completed" {
+                            report.completed += n;
+                        } else {
+                            report.dead += n;
+                        }
+                        if n > 0 {
+                            report.batches += 1;
+                        }
+                        if n < u64::from(batch) {
+                            break;
+                        }
+                    }
+                }
+                tokio::time::sleep(retention.pause()).await;
+            }
+        }
+        for (scope, age) in retention.ledger_scopes() {
+            let (rows, batches, contended) = self.prune_ledger_scope(scope, age, batch, retention.pause()).await?;
+            report.ledger += rows;
+            report.batches += batches;
+            if contended {
+                report.contended = true;
+                return Ok(report);
+            }
+        }
+        Ok(report)
+    }
+}
+
 /// A lock timeout, typed or inside a migration error.
 fn is_lock_timeout(e: &FenceError) -> bool {
     match e {
@@ -1287,6 +1498,14 @@ impl FenceStore for PgFence {
             }
         }
         Ok(out)
+    }
+
+    async fn prune(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
+        let span = tracing::info_span!("fence.prune", backend = "postgres", schema = self.schema.as_str());
+        let started = std::time::Instant::now();
+        let report = self.prune_all(retention).instrument(span.clone()).await?;
+        span.in_scope(|| tracing::info!(?report, elapsed = ?started.elapsed(), "prune run"));
+        Ok(report)
     }
 
     async fn db_now(&self) -> Result<DbTime> {

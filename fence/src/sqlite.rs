@@ -11,9 +11,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+    SqliteAutoVacuum, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
 };
 use sqlx::{AssertSqlSafe, Connection};
+use tracing::Instrument;
 
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
@@ -74,6 +76,23 @@ const MIGRATIONS: &[Migration] = &[
         // A constant default: SQLite only rewrites the schema text, not the rows.
         statements: &["ALTER TABLE {s}_jobs ADD COLUMN failures INTEGER NOT NULL DEFAULT 0"],
     },
+    Migration {
+        version: 3,
+        name: "retention and epoch floors",
+        // The per-queue epoch floor pruning raises (see `crate::retention`), and the indexes the
+        // pruner reads: finished jobs by (queue, state, age), ledger rows by (scope, age). Index
+        // builds hold the write lock while they read the table (one writer at a time anyway).
+        statements: &[
+            "CREATE TABLE IF NOT EXISTS {s}_epoch_floors (
+            queue      TEXT    PRIMARY KEY,
+            floor      INTEGER NOT NULL CHECK (floor >= 0),
+            updated_at INTEGER NOT NULL
+        )",
+            "CREATE INDEX IF NOT EXISTS {s}_jobs_finished ON {s}_jobs (queue, state, updated_at) \
+             WHERE state IN ('completed', 'dead')",
+            "CREATE INDEX IF NOT EXISTS {s}_ledger_age ON {s}_ledger (scope, updated_at)",
+        ],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
@@ -111,6 +130,9 @@ pub(crate) struct Statements {
     job: Arc<str>,
     pub(crate) ledger_accept: Arc<str>,
     pub(crate) ledger_current: Arc<str>,
+    prune_jobs: Arc<str>,
+    raise_floor: Arc<str>,
+    pub(crate) prune_ledger: Arc<str>,
 }
 
 impl Statements {
@@ -128,9 +150,11 @@ impl Statements {
             "queue = ?1 AND key = ?2"
         };
         let ledger_where = if guards.ledger_check { "WHERE epoch <= excluded.epoch" } else { "" };
+        // The queue's epoch floor (0 without a row): one primary-key probe.
+        let floor = format!("coalesce((SELECT f.floor FROM {s}_epoch_floors f WHERE f.queue = ?1), 0)");
         let claim = format!(
             "INSERT INTO {s}_jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at, created_at, updated_at) \
-             VALUES (?1, ?2, 'running', 1, ?3, {NOW} + ?4, 1, {NOW}, {NOW}, {NOW}) \
+             VALUES (?1, ?2, 'running', {floor} + 1, ?3, {NOW} + ?4, 1, {NOW}, {NOW}, {NOW}) \
              ON CONFLICT (queue, key) DO UPDATE SET {capped} \
              WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= {NOW}) \
                 OR (t.state = 'running' AND t.lease_until < {NOW}) \
@@ -138,13 +162,15 @@ impl Statements {
                lease_until - {NOW}, attempts, run_at - {NOW}",
             capped = capped_claim("t.", "excluded.owner", "excluded.lease_until", "?5", inc),
         );
+        // SQLite has one writer at a time: the floor read here and the pruner's delete never
+        // interleave (both run in `BEGIN IMMEDIATE` transactions).
         let claim_seen = format!(
             "SELECT key, state, epoch, owner, lease_until, lease_until - {NOW}, attempts, run_at - {NOW} \
              FROM {s}_jobs WHERE queue = ?1 AND key = ?2"
         );
         let enqueue = format!(
-            "INSERT INTO {s}_jobs (queue, key, state, payload, run_at, created_at, updated_at) \
-             VALUES (?1, ?2, 'pending', ?3, {NOW}, {NOW}, {NOW}) ON CONFLICT (queue, key) DO NOTHING"
+            "INSERT INTO {s}_jobs (queue, key, state, epoch, payload, run_at, created_at, updated_at) \
+             VALUES (?1, ?2, 'pending', {floor}, ?3, {NOW}, {NOW}, {NOW}) ON CONFLICT (queue, key) DO NOTHING"
         );
         let claim_next = format!(
             "UPDATE {s}_jobs SET {capped} \
@@ -188,6 +214,21 @@ impl Statements {
              {ledger_where} RETURNING epoch"
         );
         let ledger_current = format!("SELECT epoch FROM {s}_ledger WHERE scope = ?1 AND job = ?2");
+        // ?1 queue, ?2 state, ?3 age ms, ?4 rows: the oldest finished rows by `jobs_finished`
+        // (the literal state list lets the planner use the partial index).
+        let prune_jobs = format!(
+            "DELETE FROM {s}_jobs WHERE rowid IN (SELECT rowid FROM {s}_jobs \
+               WHERE queue = ?1 AND state IN ('completed', 'dead') AND state = ?2 AND updated_at < {NOW} - ?3 \
+               ORDER BY updated_at LIMIT ?4) RETURNING epoch"
+        );
+        let raise_floor = format!(
+            "INSERT INTO {s}_epoch_floors (queue, floor, updated_at) VALUES (?1, ?2, {NOW}) \
+             ON CONFLICT (queue) DO UPDATE SET floor = max(floor, excluded.floor), updated_at = excluded.updated_at"
+        );
+        let prune_ledger = format!(
+            "DELETE FROM {s}_ledger WHERE rowid IN (SELECT rowid FROM {s}_ledger \
+               WHERE scope = ?1 AND updated_at < {NOW} - ?2 ORDER BY updated_at LIMIT ?3)"
+        );
         Self {
             claim: claim.into(),
             claim_seen: claim_seen.into(),
@@ -202,6 +243,9 @@ impl Statements {
             job: job.into(),
             ledger_accept: ledger_accept.into(),
             ledger_current: ledger_current.into(),
+            prune_jobs: prune_jobs.into(),
+            raise_floor: raise_floor.into(),
+            prune_ledger: prune_ledger.into(),
         }
     }
 }
@@ -288,6 +332,19 @@ impl SqliteFence {
             .journal_mode(if memory { SqliteJournalMode::Memory } else { SqliteJournalMode::Wal })
             .synchronous(synchronous)
             .busy_timeout(Duration::from_secs(10));
+        // A file this call creates is made `auto_vacuum = INCREMENTAL` (so that pruned pages can
+        // be given back, see `reclaim_space`) by one connection that sets it before anything
+        // else (SQLite accepts it only before the file's first page is written, which switching
+        // to WAL does). Not on every connection: on an existing file the pragma begins a write
+        // transaction, so opening a connection would wait for the write lock.
+        let file = opts.get_filename();
+        let new_file = !memory && std::fs::metadata(file).map(|m| m.len() == 0).unwrap_or(true);
+        if new_file {
+            let first = opts.clone().auto_vacuum(SqliteAutoVacuum::Incremental);
+            // Its pragmas run in order: auto_vacuum, then WAL, which writes the first page.
+            let conn = sqlx::ConnectOptions::connect(&first).await?;
+            conn.close().await?;
+        }
         // An in-memory database lives in one connection; a file serves several readers.
         let pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 8 }).connect_with(opts).await?;
         Ok(Self::new(pool))
@@ -474,6 +531,169 @@ impl SqliteFence {
 }
 
 type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
+
+/// What [`SqliteFence::reclaim_space`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReclaimReport {
+    /// `PRAGMA auto_vacuum` of the file: 0 none, 1 full, 2 incremental. Only 2 gives pages back
+    /// without a `VACUUM`.
+    pub auto_vacuum: i64,
+    /// Free pages in the file before.
+    pub free_pages_before: i64,
+    /// Free pages in the file after.
+    pub free_pages_after: i64,
+    /// Pages in the file after.
+    pub pages_after: i64,
+    /// Bytes per page.
+    pub page_size: i64,
+}
+
+impl SqliteFence {
+    /// Returns free pages (left by pruning, or any delete) to the file system: `PRAGMA
+    /// incremental_vacuum(pages)` (`None`: every free page), then a passive WAL checkpoint, after
+    /// which the file is shorter by the pages given back. It works on files whose `auto_vacuum`
+    /// is `INCREMENTAL`:
+    ///
+    /// - **New files** are: [`open`](Self::open) makes a file it creates `auto_vacuum =
+    ///   INCREMENTAL` before anything else is written to it.
+    /// - **Existing files** made before (or by other tools) are `NONE`: there the setting only
+    ///   changes with a full `VACUUM`, which [`enable_incremental_vacuum`](Self::enable_incremental_vacuum)
+    ///   runs once. Until then this call gives nothing back (`auto_vacuum` = 0 in the report) and
+    ///   SQLite reuses the free pages for new rows instead, so the file stops growing but does not
+    ///   shrink.
+    ///
+    /// Each call holds the write lock while it moves pages; give a page count to bound it.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+    /// let report = fence.reclaim_space(Some(10_000)).await?; // at most 10,000 pages per call
+    /// println!("{} free pages left", report.free_pages_after);
+    /// # Ok(()) }
+    /// ```
+    pub async fn reclaim_space(&self, pages: Option<u32>) -> Result<ReclaimReport> {
+        let span = tracing::info_span!("fence.reclaim_space", backend = "sqlite", pages);
+        async move {
+            let mut conn = self.pool.acquire().await?;
+            // freelist_count reads the file's header first: `auto_vacuum` answers from what this
+            // connection last read, which is stale after another connection's VACUUM.
+            let free_pages_before: i64 = sqlx::query_scalar("PRAGMA freelist_count").fetch_one(&mut *conn).await?;
+            let auto_vacuum: i64 = sqlx::query_scalar("PRAGMA auto_vacuum").fetch_one(&mut *conn).await?;
+            if auto_vacuum == 2 && free_pages_before > 0 {
+                let n = pages.map_or(0, i64::from);
+                // The pragma's argument cannot be a bound parameter; it is an integer we format.
+                sqlx::raw_sql(AssertSqlSafe(format!("PRAGMA incremental_vacuum({n})"))).execute(&mut *conn).await?;
+                sqlx::raw_sql("PRAGMA wal_checkpoint(PASSIVE)").execute(&mut *conn).await?;
+            }
+            let free_pages_after: i64 = sqlx::query_scalar("PRAGMA freelist_count").fetch_one(&mut *conn).await?;
+            let pages_after: i64 = sqlx::query_scalar("PRAGMA page_count").fetch_one(&mut *conn).await?;
+            let page_size: i64 = sqlx::query_scalar("PRAGMA page_size").fetch_one(&mut *conn).await?;
+            let report = ReclaimReport { auto_vacuum, free_pages_before, free_pages_after, pages_after, page_size };
+            tracing::info!(?report, "reclaimed space");
+            Ok(report)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Makes an existing file give space back: `PRAGMA auto_vacuum = INCREMENTAL` and a full
+    /// `VACUUM`, which rewrites the whole file. It holds the write lock for as long as that takes
+    /// (every other writer, heartbeats included, waits up to the busy timeout, 10 s, then fails),
+    /// and needs free disk space of up to twice the file. Run it once, in a maintenance window;
+    /// afterwards [`reclaim_space`](Self::reclaim_space) works on the file.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+    /// fence.enable_incremental_vacuum().await?;
+    /// assert_eq!(fence.reclaim_space(None).await?.auto_vacuum, 2);
+    /// # Ok(()) }
+    /// ```
+    pub async fn enable_incremental_vacuum(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await?;
+        sqlx::raw_sql("PRAGMA auto_vacuum = INCREMENTAL").execute(&mut *conn).await?;
+        sqlx::raw_sql("VACUUM").execute(&mut *conn).await?;
+        Ok(())
+    }
+
+    /// One batch of job pruning: one `BEGIN IMMEDIATE` transaction that deletes and raises the
+    /// queue's epoch floor.
+    async fn prune_jobs_batch(&self, queue: &QueueName, state: &str, age: Duration, batch: u32) -> Result<u64> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let epochs: Vec<i64> = sqlx::query_scalar(sql(&self.stmts.prune_jobs))
+            .bind(queue.as_str().to_owned())
+            .bind(state.to_owned())
+            .bind(crate::retention::age_ms(age))
+            .bind(i64::from(batch))
+            .fetch_all(&mut *tx)
+            .await?;
+        if let Some(floor) = epochs.iter().max() {
+            sqlx::query(sql(&self.stmts.raise_floor))
+                .bind(queue.as_str().to_owned())
+                .bind(*floor)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(epochs.len() as u64)
+    }
+
+    /// Prunes the ledger rows of `scope` older than `age`: (rows, batches).
+    pub(crate) async fn prune_ledger_scope(
+        &self,
+        scope: &str,
+        age: Duration,
+        batch: u32,
+        pause: Duration,
+    ) -> Result<(u64, u64)> {
+        let (mut rows, mut batches) = (0u64, 0u64);
+        loop {
+            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+            let n = sqlx::query(sql(&self.stmts.prune_ledger))
+                .bind(scope.to_owned())
+                .bind(crate::retention::age_ms(age))
+                .bind(i64::from(batch))
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            rows += n;
+            if n > 0 {
+                batches += 1;
+            }
+            if n < u64::from(batch) {
+                return Ok((rows, batches));
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    async fn prune_all(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
+        let mut report = crate::PruneReport::default();
+        let batch = retention.batch();
+        for (queue, state, age) in retention.targets() {
+            loop {
+                let n = self.prune_jobs_batch(queue, state, age, batch).await?;
+                if state == "completed" {
+                    report.completed += n;
+                } else {
+                    report.dead += n;
+                }
+                if n > 0 {
+                    report.batches += 1;
+                }
+                if n < u64::from(batch) {
+                    break;
+                }
+                tokio::time::sleep(retention.pause()).await;
+            }
+        }
+        for (scope, age) in retention.ledger_scopes() {
+            let (rows, batches) = self.prune_ledger_scope(scope, age, batch, retention.pause()).await?;
+            report.ledger += rows;
+            report.batches += batches;
+        }
+        Ok(report)
+    }
+}
 
 #[async_trait]
 impl FenceStore for SqliteFence {
@@ -683,6 +903,16 @@ impl FenceStore for SqliteFence {
             .fetch_optional(&self.pool)
             .await?;
         row.map(|row| job_record(queue, key, row)).transpose()
+    }
+
+    /// SQLite has one writer at a time: each batch is a `BEGIN IMMEDIATE` transaction, so two
+    /// pruners (or a pruner and a claim) never interleave; `contended` is always false.
+    async fn prune(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
+        let span = tracing::info_span!("fence.prune", backend = "sqlite", schema = self.schema.as_str());
+        let started = std::time::Instant::now();
+        let report = self.prune_all(retention).instrument(span.clone()).await?;
+        span.in_scope(|| tracing::info!(?report, elapsed = ?started.elapsed(), "prune run"));
+        Ok(report)
     }
 
     async fn db_now(&self) -> Result<DbTime> {

@@ -164,6 +164,30 @@ pub trait FenceStore: Send + Sync + 'static {
         Ok(out)
     }
 
+    /// Deletes finished jobs (and ledger rows) older than `retention` allows, in bounded batches
+    /// (each a short transaction of at most [`Retention::batch`](crate::Retention::batch) rows,
+    /// read by an index, ages on the database clock), and raises each queue's epoch floor to
+    /// the highest epoch it deleted, so that a key sent again after its row was pruned starts
+    /// above every epoch it ever had. Pending, running and failed jobs are never deleted. At
+    /// most one pruner works on a schema at a time (PostgreSQL: an advisory lock; a call that
+    /// finds another at work returns with [`PruneReport::contended`](crate::PruneReport::contended)).
+    ///
+    /// The default answers [`FenceError::Unsupported`](crate::FenceError::Unsupported): a store
+    /// that wraps another one should delegate this call to it.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &dyn fence::FenceStore) -> fence::Result<()> {
+    /// use fence::{QueueName, QueueRetention, Retention};
+    /// let r = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
+    /// let report = store.prune(&r).await?;
+    /// println!("deleted {} completed, {} dead", report.completed, report.dead);
+    /// # Ok(()) }
+    /// ```
+    async fn prune(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
+        let _ = retention;
+        Err(crate::FenceError::Unsupported("prune (a wrapping store should delegate it)"))
+    }
+
     /// The database clock now, in milliseconds since the Unix epoch.
     async fn db_now(&self) -> Result<crate::DbTime>;
 

@@ -161,9 +161,9 @@ pub trait TestStore: FenceStore + Clone + Sized {
 }
 
 impl TestStore for PgFence {
-    const MIGRATIONS: i64 = 4;
-    // The outbox (migration 4) is PostgreSQL only.
-    const TABLES: &'static [&'static str] = &["_migrations", "jobs", "ledger", "outbox"];
+    const MIGRATIONS: i64 = 5;
+    // The outbox (migration 4) is PostgreSQL only; epoch floors are migration 5.
+    const TABLES: &'static [&'static str] = &["_migrations", "epoch_floors", "jobs", "ledger", "outbox"];
 
     async fn unmigrated() -> Self {
         pg_unmigrated().await
@@ -257,8 +257,9 @@ fn sqlite_file(fence: &SqliteFence) -> PathBuf {
 }
 
 impl TestStore for SqliteFence {
-    const MIGRATIONS: i64 = 2;
-    const TABLES: &'static [&'static str] = &["_migrations", "jobs", "ledger"];
+    const MIGRATIONS: i64 = 3;
+    // Epoch floors are migration 3.
+    const TABLES: &'static [&'static str] = &["_migrations", "epoch_floors", "jobs", "ledger"];
 
     async fn unmigrated() -> Self {
         sqlite_unmigrated().await
