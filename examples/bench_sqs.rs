@@ -301,6 +301,13 @@ impl FenceStore for Counting {
     fn concrete(&self) -> brokerfence::fence::Backend<'_> {
         self.inner.concrete()
     }
+
+    async fn prune(
+        &self,
+        retention: &brokerfence::fence::Retention,
+    ) -> brokerfence::fence::Result<brokerfence::fence::PruneReport> {
+        self.inner.prune(retention).await
+    }
 }
 
 // ---------------------------------------------------------------- the queue

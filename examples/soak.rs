@@ -42,8 +42,14 @@ struct Opts {
 }
 
 fn parse() -> Result<Opts, String> {
-    let mut o =
-        Opts { jobs: 1_000_000, stream: 0, every: 100_000, keep: Duration::from_secs(5), concurrency: 64, backlog: 50_000 };
+    let mut o = Opts {
+        jobs: 1_000_000,
+        stream: 0,
+        every: 100_000,
+        keep: Duration::from_secs(5),
+        concurrency: 64,
+        backlog: 50_000,
+    };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -186,7 +192,12 @@ async fn run<S: Source, P: Producer>(
             let rate = n as f64 / mark_at.elapsed().as_secs_f64();
             stretches.push(rate);
             (mark, mark_at) = (done, Instant::now());
-            println!("  {done:>9} {rate:>10.0} {:>22} {:>22} {:>6} MiB", size(fence, "jobs").await?, size(fence, "ledger").await?, rss_mib());
+            println!(
+                "  {done:>9} {rate:>10.0} {:>22} {:>22} {:>6} MiB",
+                size(fence, "jobs").await?,
+                size(fence, "ledger").await?,
+                rss_mib()
+            );
             if autovacuum_off(fence).await? {
                 vacuum(fence).await?;
                 mark_at = Instant::now(); // the VACUUM is not the consumer's time
@@ -268,7 +279,8 @@ mod redis_soak {
         let redis = RedisConnections::connect(&url).await.map_err(|e| e.to_string())?;
         let stream = format!("soak-{:08x}", rand::random::<u32>());
         let queue = QueueName::new(stream.as_str()).map_err(|e| e.to_string())?;
-        let source = StreamSource::new(redis.clone(), queue.clone(), stream.as_str(), "soak").map_err(|e| e.to_string())?;
+        let source =
+            StreamSource::new(redis.clone(), queue.clone(), stream.as_str(), "soak").map_err(|e| e.to_string())?;
         let producer = StreamProducer { conn: redis.commands(), stream: stream.clone() };
         let result = super::run("Redis stream", o, fence, queue, source, o.stream, producer).await;
         let _: Result<i64, _> = client::cmd("DEL").arg(&stream).query_async(&mut redis.commands()).await;

@@ -1173,7 +1173,9 @@ mod tests {
         })
         .await;
         assert_eq!((m.claims, m.completions), (40, 40), "{m}");
-        assert!(m.claim_statements <= 3, "40 receives within ~40 ms took {} claim statements", m.claim_statements);
+        // Without the window: one statement per delivery (40). Sends spread over more than the window
+        // on a loaded machine make a third or fourth group; five is still the window at work.
+        assert!(m.claim_statements <= 5, "40 receives within ~40 ms took {} claim statements", m.claim_statements);
     }
 
     /// Deliveries that come one at a time (each after the previous job is done) are claimed at

@@ -611,6 +611,13 @@ impl FenceStore for EventStore {
     fn concrete(&self) -> brokerfence::fence::Backend<'_> {
         self.0.concrete()
     }
+
+    async fn prune(
+        &self,
+        retention: &brokerfence::fence::Retention,
+    ) -> brokerfence::fence::Result<brokerfence::fence::PruneReport> {
+        self.0.prune(retention).await
+    }
 }
 
 /// A supervisor hook printing `lease_lost` for every lease a heartbeat found taken over or
