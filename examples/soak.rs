@@ -12,7 +12,8 @@
 //! (as a downstream service would), so the ledger grows by a row per job unless pruned.
 //! Retention: completed jobs and ledger rows are kept `--keep-secs` (default 5), pruned by the
 //! consumer's background pruner every second. This PostgreSQL may run with autovacuum off: the soak
-//! then runs `VACUUM` on both tables after each stretch, as autovacuum would.
+//! then runs `VACUUM (ANALYZE)` on both tables after each stretch, as autovacuum would (without the
+//! statistics, `claim_next` on a large table collapses: issue 18).
 //!
 //! Options: `--jobs N` (table queue, 0 to skip), `--stream N` (Redis stream, feature `redis`),
 //! `--every N`, `--keep-secs S`, `--concurrency C` (default 64), `--backlog N` (most jobs waiting,
@@ -223,7 +224,8 @@ async fn size(fence: &PgFence, table: &str) -> Result<String, String> {
     .fetch_one(fence.pool())
     .await
     .map_err(|e| e.to_string())?;
-    Ok(format!("{} MiB ({} idx) ({rows})", total >> 20, indexes >> 20))
+    let mib = |b: i64| b as f64 / 1_048_576.0;
+    Ok(format!("{:.1} MiB ({:.1} idx) ({rows})", mib(total), mib(indexes)))
 }
 
 async fn autovacuum_off(fence: &PgFence) -> Result<bool, String> {
@@ -234,10 +236,12 @@ async fn autovacuum_off(fence: &PgFence) -> Result<bool, String> {
     Ok(on != "on")
 }
 
-/// What autovacuum would do: makes the space of deleted rows reusable.
+/// What autovacuum would do: makes the space of deleted rows reusable, and keeps the statistics
+/// current (without them, `claim_next` on a large table is planned as a scan and sort of every
+/// pending row: issue 18).
 async fn vacuum(fence: &PgFence) -> Result<(), String> {
     for table in ["jobs", "ledger"] {
-        let stmt = format!("VACUUM {}.{table}", fence.schema().as_str());
+        let stmt = format!("VACUUM (ANALYZE) {}.{table}", fence.schema().as_str());
         sqlx::query(AssertSqlSafe(stmt)).execute(fence.pool()).await.map_err(|e| e.to_string())?;
     }
     Ok(())
