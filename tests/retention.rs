@@ -655,3 +655,87 @@ async fn retention_prune_rate_pg() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The deduplication window for identical list items (Redis lists, `ItemKey::ContentHash`).
+// ---------------------------------------------------------------------------------------------
+
+/// Covers the defect of issue 14 for lists: with `ItemKey::ContentHash` an identical item sent
+/// again after its job completed was acknowledged as `Done` for ever and never ran. Now it is
+/// deduplicated while the completed row is kept (the window) and, once retention pruned the row,
+/// the same item is a new job that runs, under an epoch above the old one.
+#[cfg(feature = "redis")]
+async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S) {
+    use brokerfence::adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
+    use brokerfence::adapters::{Detail, Disposition};
+    use brokerfence::fence::Outcome;
+    use std::sync::atomic::{AtomicI64, Ordering};
+
+    let url = brokerfence::services::var("REDIS_URL")
+        .unwrap_or_else(|| panic!("REDIS_URL is not set and localstack/.env has none: run `localstack/up` first"));
+    let redis = RedisConnections::connect(&url).await.expect("Redis (run `localstack/up` first)");
+    let list = common::unique("ret-list");
+    let q = QueueName::new(list.as_str()).expect("queue");
+    let store: Arc<dyn FenceStore> = Arc::new(s.clone());
+    let fence = ListRetrofit::new(
+        store,
+        q.clone(),
+        SupervisorConfig::new(lease(30)),
+        redis.commands(),
+        list.as_str(),
+        ItemKey::ContentHash,
+    );
+    let item = b"invoice 42 paid".as_slice();
+    let (job_key, _) = ItemKey::ContentHash.decode(item).expect("content key");
+    // How many times the handler ran, and the epoch of its last run.
+    let (runs, last) = (Arc::new(AtomicI64::new(0)), Arc::new(AtomicI64::new(0)));
+    let handler = {
+        let (runs, last) = (Arc::clone(&runs), Arc::clone(&last));
+        move |ctx: JobContext| {
+            let (runs, last) = (Arc::clone(&runs), Arc::clone(&last));
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                last.store(ctx.epoch(), Ordering::SeqCst);
+                Ok(b"ran".to_vec())
+            }
+        }
+    };
+    let ran_under = |p: &brokerfence::adapters::redis::ListProcessed| {
+        assert!(matches!(&p.detail, Some(Detail::Ran(Outcome::Completed))), "expected a completed run: {p:?}");
+        last.load(Ordering::SeqCst)
+    };
+
+    let first = fence.process(item, handler.clone()).await;
+    assert_eq!(first.disposition, Disposition::Ack, "{first:?}");
+    let first_epoch = ran_under(&first);
+    // Within the window: the identical item is a redelivery of a completed job, acked unrun.
+    let again = fence.process(item, handler.clone()).await;
+    assert!(
+        matches!(&again.detail, Some(Detail::NotClaimed(Claim::Done { epoch })) if *epoch == first_epoch),
+        "{again:?}"
+    );
+    assert_eq!(again.disposition, Disposition::Ack);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the identical item ran again inside the window");
+
+    // The window passes (the row is aged past the retention) and the pruner deletes the row.
+    s.backdate(&q, job_key.as_str(), 2 * 3600).await;
+    let retention = Retention::new().queue(q.clone(), QueueRetention::completed_for(HOUR));
+    assert_eq!(s.prune(&retention).await.unwrap().completed, 1);
+    // After it: the same item is a new job, and it runs under a newer epoch.
+    let later = fence.process(item, handler).await;
+    assert_eq!(later.disposition, Disposition::Ack, "{later:?}");
+    assert!(ran_under(&later) > first_epoch, "{later:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_identical_list_items_run_again_after_the_window_pg() {
+    identical_list_items_run_again_after_the_window(common::pg().await).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_identical_list_items_run_again_after_the_window_sqlite() {
+    identical_list_items_run_again_after_the_window(common::sqlite().await).await;
+}
