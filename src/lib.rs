@@ -88,7 +88,7 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `postgres` | yes | [`PgFence`], [`PgLedger`], the transactional outbox ([`PgFence::outbox_in`], [`outbox::OutboxRelay`]) |
+//! | `postgres` | yes | [`PgFence`], [`PgLedger`], the transactional outbox ([`PgFence::outbox_in`], [`adapters::outbox::OutboxRelay`]) |
 //! | `sqlite` | yes | [`SqliteFence`], [`SqliteLedger`] (compiles the bundled SQLite from C) |
 //! | `sqs` | | [`adapters::sqs`][sqs-mod]: source, retrofit and outbox publisher (aws-sdk-sqs, one rustls/*ring* HTTP stack) |
 //! | `redis` | | [`adapters::redis`][redis-mod]: streams, lists, lease keys, outbox publisher |
@@ -106,8 +106,9 @@
 //! (`brokerfence::PgFence`, `brokerfence::Consumer`, `brokerfence::sqs::SqsRetrofit`), and
 //! under the member's name ([`brokerfence::fence`](fence), the epoch authority: store, supervisor,
 //! ledger, wire format; [`brokerfence::adapters`](adapters), the consumer runtime, the sources
-//! and the retrofit middleware). Both paths name the same items. [`outbox`] holds both halves of
-//! the transactional outbox. Depend on `brokerfence` only: the members are an implementation
+//! and the retrofit middleware). Both paths name the same items. The outbox's rows are in
+//! [`outbox`] (`brokerfence::fence::outbox`), its relay in `brokerfence::adapters::outbox`
+//! (both PostgreSQL only). Depend on `brokerfence` only: the members are an implementation
 //! detail that keeps the layering (adapters → fence) compiler-enforced.
 //!
 //! ## Where to read next
@@ -132,12 +133,12 @@
            [sqs-mod]: https://docs.rs/brokerfence/latest/brokerfence/adapters/sqs/index.html"
 )]
 #![cfg_attr(
-    feature = "redis",
+    any(feature = "redis", feature = "redis-tls"),
     doc = "[list-retrofit]: redis::ListRetrofit::process\n[list-requeue]: redis::ListRetrofit::requeue_popped\n\
            [stream-source]: redis::StreamSource\n[reliable-list]: redis::ReliableList\n[redis-mod]: adapters::redis"
 )]
 #![cfg_attr(
-    not(feature = "redis"),
+    not(any(feature = "redis", feature = "redis-tls")),
     doc = "[list-retrofit]: https://docs.rs/brokerfence/latest/brokerfence/redis/struct.ListRetrofit.html#method.process\n\
            [list-requeue]: https://docs.rs/brokerfence/latest/brokerfence/redis/struct.ListRetrofit.html#method.requeue_popped\n\
            [stream-source]: https://docs.rs/brokerfence/latest/brokerfence/redis/struct.StreamSource.html\n\
@@ -158,28 +159,31 @@
 #![warn(missing_docs)]
 
 #[doc(inline)]
-pub use adapters::*;
-#[doc(inline)]
 pub use fence::*;
 
-/// The table-queue source, also at the crate root: it runs on [`PgFence`] and [`SqliteFence`]
-/// alike (its module is named after the architecture).
+#[doc(inline)]
+pub use adapters::{
+    Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, Detail, Disposition, Handler, HandlerFuture, Incoming, Processed,
+    ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
+};
+
+/// The table-queue source: jobs in the fence's own table, no broker. It runs on [`PgFence`] and
+/// [`SqliteFence`] alike (its home module, `adapters::postgres`, is named after the architecture).
 #[doc(inline)]
 pub use adapters::postgres::TableQueue;
 
-/// The transactional outbox, both halves: the rows a handler writes in its own transaction
-/// ([`PgFence::outbox_in`], [`OutboxRow`]) and the relay that publishes them to brokers
-/// ([`OutboxRelay`], with [`SqsPublisher`](crate::sqs::SqsPublisher) or
-/// [`RedisPublisher`](crate::redis::RedisPublisher) under their features).
-///
-/// The same items are at `brokerfence::fence::outbox` (rows) and `brokerfence::adapters::outbox`
-/// (relay).
-pub mod outbox {
-    #[doc(inline)]
-    pub use adapters::outbox::*;
-    #[doc(inline)]
-    pub use fence::outbox::*;
-}
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+#[doc(inline)]
+pub use adapters::http;
+#[cfg(any(feature = "redis", feature = "redis-tls"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[doc(inline)]
+pub use adapters::redis;
+#[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
+#[doc(inline)]
+pub use adapters::sqs;
 
 /// The epoch authority: stores ([`PgFence`], [`SqliteFence`]), the supervisor, the receiver
 /// ledger and the wire format. Its items are also at the crate root.

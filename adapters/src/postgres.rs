@@ -22,7 +22,7 @@ use crate::source::{Incoming, Source, SourceError};
 /// store.migrate().await?;
 /// let q = QueueName::new("thumbnails")?;
 /// store.enqueue(&q, &JobKey::new("img-1")?, b"{\"w\":128}").await?;
-/// let source = brokerfence::postgres::TableQueue::new(store, q);
+/// let source = brokerfence::TableQueue::new(store, q);
 /// # let _ = source; Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -340,7 +340,7 @@ impl<S: Source> Consumer<S> {
     /// [`ConsumerConfig::unsettled_limit`].
     ///
     /// ```no_run
-    /// # fn demo(consumer: &brokerfence::Consumer<brokerfence::postgres::TableQueue>) {
+    /// # fn demo(consumer: &brokerfence::Consumer<brokerfence::TableQueue>) {
     /// println!("{} deliveries unsettled", consumer.unsettled());
     /// # }
     /// ```

@@ -8,7 +8,7 @@
 //! the zombie's outbox row never exists. A committed outbox row therefore always carries the
 //! epoch of the attempt whose result committed.
 //!
-//! A relay (`brokerfence::outbox::OutboxRelay`, or your own loop on
+//! A relay (`brokerfence::adapters::outbox::OutboxRelay`, or your own loop on
 //! [`PgFence::outbox_claim_in`] and [`PgFence::outbox_mark_sent_in`]) publishes the rows with
 //! their [`FenceStamp`] and marks each sent only after the broker accepted it. A relay that
 //! crashes between the broker's answer and its own commit publishes those rows again: delivery is
