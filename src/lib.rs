@@ -122,6 +122,7 @@
 //! - The repository's README: side effects, retention, what happens at the edges (slow brokers,
 //!   rolling deploys, destructive pops, dead letters) and the tests that show each rule;
 //!   `docs/performance.md` for the measurements; `examples/` for workers to copy.
+//!
 #![cfg_attr(
     feature = "sqs",
     doc = "[sqs-retrofit]: sqs::SqsRetrofit::process\n[sqs-source]: sqs::SqsSource\n[sqs-mod]: adapters::sqs"

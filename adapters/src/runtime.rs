@@ -258,7 +258,7 @@ impl<S: Source> LeaseHook for SourceHook<S> {
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), brokerfence::SourceError> {
-/// use brokerfence::{Consumer, ConsumerConfig, postgres::TableQueue};
+/// use brokerfence::{Consumer, ConsumerConfig, TableQueue};
 /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let source = TableQueue::new(store.clone(), QueueName::new("emails").unwrap());
 /// let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
