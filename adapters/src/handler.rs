@@ -12,9 +12,9 @@ pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, JobError>> 
 /// returning the result bytes to commit, or a [`JobError`].
 ///
 /// ```
-/// use adapters::Handler;
+/// use brokerfence::Handler;
 /// fn assert_handler<H: Handler>(_: H) {}
-/// assert_handler(|ctx: fence::JobContext| async move { Ok::<_, fence::JobError>(ctx.payload().to_vec()) });
+/// assert_handler(|ctx: brokerfence::JobContext| async move { Ok::<_, brokerfence::JobError>(ctx.payload().to_vec()) });
 /// ```
 pub trait Handler: Clone + Send + Sync + 'static {
     /// Handles one job.

@@ -20,9 +20,9 @@
 //! | otherwise (epoch newest or equal: a retry)| passed on; the handler can extract [`AcceptedStamp`] |
 //!
 //! ```no_run
-//! # async fn demo(ledger: fence::Ledger) -> std::io::Result<()> {
+//! # async fn demo(ledger: brokerfence::Ledger) -> std::io::Result<()> {
 //! use axum::{Router, routing::post};
-//! use adapters::http::{AcceptedStamp, EpochGuard};
+//! use brokerfence::http::{AcceptedStamp, EpochGuard};
 //!
 //! async fn charge(AcceptedStamp { stamp, .. }: AcceptedStamp, body: String) -> String {
 //!     format!("charged {body} for {} at epoch {}", stamp.job, stamp.epoch)
@@ -67,10 +67,10 @@ pub type FenceLayer = FromFnLayer<EnforceFn, EpochGuard, (State<EpochGuard>, Req
 /// Enforces the epoch convention on an HTTP receiver: one [`Ledger`] check per request.
 ///
 /// ```no_run
-/// # fn demo(ledger: fence::Ledger) {
+/// # fn demo(ledger: brokerfence::Ledger) {
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
-///     .layer(adapters::http::EpochGuard::new(ledger).layer());
+///     .layer(brokerfence::http::EpochGuard::new(ledger).layer());
 /// # }
 /// ```
 #[derive(Debug, Clone)]
@@ -82,8 +82,8 @@ impl EpochGuard {
     /// A guard checking stamps against `ledger` (give each receiver its own ledger scope).
     ///
     /// ```no_run
-    /// # fn demo(fence: fence::PgFence) {
-    /// let guard = adapters::http::EpochGuard::new(fence::Ledger::Pg(fence::PgLedger::new(&fence, "payments")));
+    /// # fn demo(fence: brokerfence::PgFence) {
+    /// let guard = brokerfence::http::EpochGuard::new(brokerfence::Ledger::Pg(brokerfence::PgLedger::new(&fence, "payments")));
     /// # }
     /// ```
     pub fn new(ledger: Ledger) -> Self {
@@ -93,7 +93,7 @@ impl EpochGuard {
     /// The ledger.
     ///
     /// ```no_run
-    /// # async fn demo(guard: adapters::http::EpochGuard) -> fence::Result<()> {
+    /// # async fn demo(guard: brokerfence::http::EpochGuard) -> brokerfence::Result<()> {
     /// println!("newest: {:?}", guard.ledger().newest("orders/o-1").await?);
     /// # Ok(()) }
     /// ```
@@ -104,7 +104,7 @@ impl EpochGuard {
     /// The axum layer.
     ///
     /// ```no_run
-    /// # fn demo(guard: adapters::http::EpochGuard) {
+    /// # fn demo(guard: brokerfence::http::EpochGuard) {
     /// let app: axum::Router = axum::Router::new().layer(guard.layer());
     /// # }
     /// ```
@@ -115,7 +115,7 @@ impl EpochGuard {
     /// Checks one request's headers: the accepted stamp, or the response refusing the call.
     ///
     /// ```no_run
-    /// # async fn demo(guard: adapters::http::EpochGuard, headers: axum::http::HeaderMap) {
+    /// # async fn demo(guard: brokerfence::http::EpochGuard, headers: axum::http::HeaderMap) {
     /// match guard.check(&headers).await {
     ///     Ok(accepted) => println!("accepted {}", accepted.stamp),
     ///     Err(refusal) => println!("refused with {}", refusal.status()),
@@ -161,9 +161,9 @@ impl EpochGuard {
 /// [`EpochGuard::layer`].
 ///
 /// ```no_run
-/// # fn demo(guard: adapters::http::EpochGuard) {
+/// # fn demo(guard: brokerfence::http::EpochGuard) {
 /// let app: axum::Router = axum::Router::new()
-///     .layer(axum::middleware::from_fn_with_state(guard, adapters::http::enforce));
+///     .layer(axum::middleware::from_fn_with_state(guard, brokerfence::http::enforce));
 /// # }
 /// ```
 pub async fn enforce(State(guard): State<EpochGuard>, mut req: Request, next: Next) -> Response {
@@ -185,7 +185,7 @@ fn enforce_boxed(state: State<EpochGuard>, req: Request, next: Next) -> BoxFutur
 /// in a handler. Extracting it on a route without the middleware is a `500` (a wiring mistake).
 ///
 /// ```no_run
-/// async fn handler(adapters::http::AcceptedStamp { stamp, newest }: adapters::http::AcceptedStamp) -> String {
+/// async fn handler(brokerfence::http::AcceptedStamp { stamp, newest }: brokerfence::http::AcceptedStamp) -> String {
 ///     format!("{stamp} accepted (newest {newest})")
 /// }
 /// ```
@@ -214,7 +214,7 @@ impl<S: Send + Sync> FromRequestParts<S> for AcceptedStamp {
 /// `400` with the same body as the middleware.
 ///
 /// ```no_run
-/// async fn handler(adapters::http::Stamp(stamp): adapters::http::Stamp) -> String {
+/// async fn handler(brokerfence::http::Stamp(stamp): brokerfence::http::Stamp) -> String {
 ///     format!("job {} epoch {}", stamp.job, stamp.epoch)
 /// }
 /// ```
@@ -237,8 +237,8 @@ impl<S: Send + Sync> FromRequestParts<S> for Stamp {
 /// ```
 /// use axum::http::HeaderMap;
 /// let mut headers = HeaderMap::new();
-/// adapters::http::insert_stamp(&mut headers, &fence::wire::FenceStamp::new("q", "k 1", 3));
-/// let stamp = adapters::http::stamp_from_headers(&headers).unwrap();
+/// brokerfence::http::insert_stamp(&mut headers, &brokerfence::wire::FenceStamp::new("q", "k 1", 3));
+/// let stamp = brokerfence::http::stamp_from_headers(&headers).unwrap();
 /// assert_eq!((stamp.job.as_str(), stamp.epoch), ("k 1", 3));
 /// ```
 pub fn stamp_from_headers(headers: &HeaderMap) -> Result<FenceStamp, StampError> {
@@ -259,7 +259,7 @@ pub fn stamp_from_headers(headers: &HeaderMap) -> Result<FenceStamp, StampError>
 ///
 /// ```
 /// let mut headers = axum::http::HeaderMap::new();
-/// adapters::http::insert_stamp(&mut headers, &fence::wire::FenceStamp::new("q", "k", 2).with_owner("w"));
+/// brokerfence::http::insert_stamp(&mut headers, &brokerfence::wire::FenceStamp::new("q", "k", 2).with_owner("w"));
 /// assert_eq!(headers["fence-epoch"], "2");
 /// assert_eq!(headers.len(), 4);
 /// ```
@@ -287,8 +287,8 @@ fn lower(name: &'static str) -> &'static str {
 /// The `409 Conflict` for a stale epoch, with a JSON body naming job, epoch and newest.
 ///
 /// ```
-/// let stamp = fence::wire::FenceStamp::new("orders", "o-1", 1);
-/// let response = adapters::http::stale_response(&stamp, 2);
+/// let stamp = brokerfence::wire::FenceStamp::new("orders", "o-1", 1);
+/// let response = brokerfence::http::stale_response(&stamp, 2);
 /// assert_eq!(response.status(), axum::http::StatusCode::CONFLICT);
 /// ```
 pub fn stale_response(stamp: &FenceStamp, newest: i64) -> Response {
@@ -298,8 +298,8 @@ pub fn stale_response(stamp: &FenceStamp, newest: i64) -> Response {
 /// The `400 Bad Request` for a missing or malformed stamp, with a JSON body naming the header.
 ///
 /// ```
-/// let err = fence::wire::StampError::Missing { name: fence::wire::EPOCH };
-/// assert_eq!(adapters::http::stamp_error_response(&err).status(), axum::http::StatusCode::BAD_REQUEST);
+/// let err = brokerfence::wire::StampError::Missing { name: brokerfence::wire::EPOCH };
+/// assert_eq!(brokerfence::http::stamp_error_response(&err).status(), axum::http::StatusCode::BAD_REQUEST);
 /// ```
 pub fn stamp_error_response(err: &StampError) -> Response {
     json(StatusCode::BAD_REQUEST, err.to_json())

@@ -5,7 +5,13 @@
 //! inside a loop you already own. What the broker is told always follows from what the fence
 //! decided ([`Disposition`]): only a committed result is acknowledged.
 //!
-//! Sources: [`postgres::TableQueue`] (no broker), `sqs` (feature `sqs`), `redis` (feature `redis`).
+//! Sources: [`postgres::TableQueue`] (no broker), `sqs` (feature `sqs`), `redis` (feature `redis`);
+//! `http` (feature `http`) is the receiver side: the axum middleware that enforces the epoch.
+//!
+//! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports everything here
+//! at its root (`brokerfence::Consumer`, `brokerfence::sqs::SqsRetrofit`) and as
+//! `brokerfence::adapters`.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 mod disposition;
@@ -17,10 +23,13 @@ mod runtime;
 mod source;
 
 #[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 #[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
 pub mod sqs;
 
 pub use disposition::Disposition;

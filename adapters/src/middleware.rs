@@ -42,12 +42,12 @@ impl Processed {
 /// The fence as middleware: one per worker process (it owns the heartbeat task).
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> fence::Result<()> {
-/// use adapters::Retrofit;
-/// use fence::{JobKey, LeaseDuration, QueueName, SupervisorConfig};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> brokerfence::Result<()> {
+/// use brokerfence::Retrofit;
+/// use brokerfence::{JobKey, LeaseDuration, QueueName, SupervisorConfig};
 /// let fence = Retrofit::new(store, QueueName::new("orders")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?));
 /// // inside your existing loop, for each message you popped:
-/// let done = fence.process(&JobKey::new("msg-123")?, b"body".to_vec(), |ctx: fence::JobContext| async move {
+/// let done = fence.process(&JobKey::new("msg-123")?, b"body".to_vec(), |ctx: brokerfence::JobContext| async move {
 ///     Ok(format!("handled epoch {}", ctx.epoch()).into_bytes())
 /// }).await;
 /// if done.should_ack() { /* delete / XACK / LREM the message */ }
@@ -70,7 +70,7 @@ impl Retrofit {
         Self { supervisor: Supervisor::new(store, owner, config), queue }
     }
 
-    /// The supervisor (add a [`fence::LeaseHook`] to extend your broker's visibility).
+    /// The supervisor (add a [`LeaseHook`](fence::LeaseHook) to extend your broker's visibility).
     pub fn supervisor(&self) -> &Supervisor {
         &self.supervisor
     }

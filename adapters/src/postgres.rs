@@ -12,17 +12,17 @@ use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
 
 /// A table-queue source over any [`FenceStore`] (the name of the module follows the
-/// architecture; the same source runs on [`fence::SqliteFence`]).
+/// architecture; the same source runs on [`SqliteFence`](fence::SqliteFence)).
 ///
 /// ```no_run
-/// # async fn demo() -> fence::Result<()> {
+/// # async fn demo() -> brokerfence::Result<()> {
 /// use std::sync::Arc;
-/// use fence::{FenceStore, JobKey, PgFence, QueueName};
+/// use brokerfence::{FenceStore, JobKey, PgFence, QueueName};
 /// let store = Arc::new(PgFence::connect("postgres://postgres@127.0.0.1/test").await?);
 /// store.migrate().await?;
 /// let q = QueueName::new("thumbnails")?;
 /// store.enqueue(&q, &JobKey::new("img-1")?, b"{\"w\":128}").await?;
-/// let source = adapters::postgres::TableQueue::new(store, q);
+/// let source = brokerfence::TableQueue::new(store, q);
 /// # let _ = source; Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -23,8 +23,8 @@ use crate::source::{Incoming, Source, SourceError};
 /// How a consumer runs.
 ///
 /// ```
-/// use fence::{LeaseDuration, SupervisorConfig};
-/// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+/// use brokerfence::{LeaseDuration, SupervisorConfig};
+/// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
 ///     .concurrency(32)
 ///     .batch(10);
 /// assert_eq!(config.concurrency_limit(), 32);
@@ -73,9 +73,9 @@ impl ConsumerConfig {
     /// warning. Off by default: nothing is ever deleted unless this is set (or `prune` called).
     ///
     /// ```
-    /// use fence::{LeaseDuration, QueueName, QueueRetention, Retention, SupervisorConfig};
+    /// use brokerfence::{LeaseDuration, QueueName, QueueRetention, Retention, SupervisorConfig};
     /// let retention = Retention::new().queue(QueueName::new("emails").unwrap(), QueueRetention::default());
-    /// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+    /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .retention(retention);
     /// assert!(config.retention_policy().is_some());
     /// ```
@@ -124,8 +124,8 @@ impl ConsumerConfig {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use fence::{LeaseDuration, SupervisorConfig};
-    /// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
+    /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .claim_window(Duration::from_millis(10));
     /// assert_eq!(config.claim_window_length(), Duration::from_millis(10));
     /// ```
@@ -159,8 +159,8 @@ impl ConsumerConfig {
     /// deliveries ahead; at least 1.
     ///
     /// ```
-    /// use fence::{LeaseDuration, SupervisorConfig};
-    /// let config = adapters::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
+    /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .concurrency(8);
     /// assert_eq!(config.unsettled_limit(), 4 * 8 + 4 * 10);
     /// assert_eq!(config.max_unsettled(100).unsettled_limit(), 100);
@@ -257,14 +257,14 @@ impl<S: Source> LeaseHook for SourceHook<S> {
 /// A consumer: one worker (one owner) reading one source.
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), adapters::SourceError> {
-/// use adapters::{Consumer, ConsumerConfig, postgres::TableQueue};
-/// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), brokerfence::SourceError> {
+/// use brokerfence::{Consumer, ConsumerConfig, TableQueue};
+/// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let source = TableQueue::new(store.clone(), QueueName::new("emails").unwrap());
 /// let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
 /// let consumer = Consumer::new(source, store, config);
-/// let stop = adapters::shutdown_signal();
-/// consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, stop).await?;
+/// let stop = brokerfence::shutdown_signal();
+/// consumer.run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, stop).await?;
 /// # Ok(()) }
 /// ```
 pub struct Consumer<S: Source> {
@@ -340,7 +340,7 @@ impl<S: Source> Consumer<S> {
     /// [`ConsumerConfig::unsettled_limit`].
     ///
     /// ```no_run
-    /// # fn demo(consumer: &adapters::Consumer<adapters::postgres::TableQueue>) {
+    /// # fn demo(consumer: &brokerfence::Consumer<brokerfence::TableQueue>) {
     /// println!("{} deliveries unsettled", consumer.unsettled());
     /// # }
     /// ```
@@ -1061,7 +1061,7 @@ impl Backoff {
 ///
 /// ```no_run
 /// # async fn demo() {
-/// let stop = adapters::shutdown_signal();
+/// let stop = brokerfence::shutdown_signal();
 /// stop.cancelled().await;
 /// # }
 /// ```

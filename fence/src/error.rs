@@ -5,7 +5,7 @@ use std::time::Duration;
 /// Everything that can go wrong in the fence, named for what happened.
 ///
 /// ```
-/// use fence::FenceError;
+/// use brokerfence::FenceError;
 /// let err = FenceError::Fenced { key: "job-1".into(), epoch: 1, current_epoch: 2, current_owner: Some("w2".into()) };
 /// assert!(err.is_fenced());
 /// assert_eq!(err.to_string(), "job job-1: epoch 1 was superseded (current epoch 2, owner w2)");
@@ -72,7 +72,7 @@ pub enum FenceError {
     /// once per deploy (or a worker's `--migrate` flag) before starting workers of this build.
     ///
     /// ```
-    /// use fence::FenceError;
+    /// use brokerfence::FenceError;
     /// let err = FenceError::SchemaTooOld { found: 0, required: 3 };
     /// assert!(err.to_string().contains("run migrations"));
     /// ```

@@ -102,7 +102,7 @@ name_type!(
     /// your choosing.
     ///
     /// ```
-    /// use fence::JobKey;
+    /// use brokerfence::JobKey;
     /// assert!(JobKey::new("order-42").is_ok());
     /// assert!(JobKey::new("").is_err());
     /// assert!(JobKey::from_bytes(b"\xff\xfe").is_err());
@@ -114,7 +114,7 @@ name_type!(
     /// A queue name: the namespace a job key lives in (an SQS queue, a Redis stream, a table queue).
     ///
     /// ```
-    /// use fence::QueueName;
+    /// use brokerfence::QueueName;
     /// let q = QueueName::new("emails").unwrap();
     /// assert_eq!(q.as_str(), "emails");
     /// ```
@@ -125,7 +125,7 @@ name_type!(
     /// The identity of a worker holding leases. Make it unique per process (host, pid, random).
     ///
     /// ```
-    /// use fence::Owner;
+    /// use brokerfence::Owner;
     /// let me = Owner::unique("worker");
     /// assert!(me.as_str().starts_with("worker-"));
     /// ```

@@ -63,8 +63,8 @@ fn verdict(accepted: Option<i64>, current: Option<i64>, epoch: i64) -> Verdict {
 /// The epoch ledger on PostgreSQL, in the fence's schema.
 ///
 /// ```no_run
-/// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
-/// use fence::{PgLedger, Verdict};
+/// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
+/// use brokerfence::{PgLedger, Verdict};
 /// let ledger = PgLedger::new(&fence, "payments-api");
 /// match ledger.accept("order-7", 2).await? {
 ///     Verdict::Accepted { .. } => { /* apply the effect */ }
@@ -87,8 +87,8 @@ impl PgLedger {
     /// The receiver scope this ledger keeps epochs for.
     ///
     /// ```no_run
-    /// # fn demo(fence: fence::PgFence) {
-    /// assert_eq!(fence::PgLedger::new(&fence, "payments-api").scope(), "payments-api");
+    /// # fn demo(fence: brokerfence::PgFence) {
+    /// assert_eq!(brokerfence::PgLedger::new(&fence, "payments-api").scope(), "payments-api");
     /// # }
     /// ```
     pub fn scope(&self) -> &str {
@@ -100,7 +100,7 @@ impl PgLedger {
     /// tables must be in the same database as the ledger).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: fence::PgLedger) -> fence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::PgLedger) -> brokerfence::Result<()> {
     /// let mut tx = ledger.pool().begin().await?;
     /// let verdict = ledger.accept_in(&mut tx, "orders/o-1", 2).await?;
     /// if verdict.is_accepted() { tx.commit().await?; }
@@ -113,7 +113,7 @@ impl PgLedger {
     /// The guards of the fence the ledger was made from (see [`crate::Guards`]).
     ///
     /// ```no_run
-    /// # fn demo(ledger: fence::PgLedger) {
+    /// # fn demo(ledger: brokerfence::PgLedger) {
     /// assert!(ledger.guards().receiver_ledger_lock());
     /// # }
     /// ```
@@ -169,8 +169,8 @@ impl PgLedger {
     /// [`DEFAULT_LEDGER_AGE`](crate::retention::DEFAULT_LEDGER_AGE)).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: fence::PgLedger) -> fence::Result<()> {
-    /// let report = ledger.prune(fence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
+    /// # async fn demo(ledger: brokerfence::PgLedger) -> brokerfence::Result<()> {
+    /// let report = ledger.prune(brokerfence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
     /// println!("{} ledger rows deleted", report.ledger);
     /// # Ok(()) }
     /// ```
@@ -189,8 +189,8 @@ impl PgLedger {
 /// The epoch ledger on SQLite.
 ///
 /// ```no_run
-/// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
-/// let ledger = fence::SqliteLedger::new(&fence, "mailer");
+/// # async fn demo(fence: brokerfence::SqliteFence) -> brokerfence::Result<()> {
+/// let ledger = brokerfence::SqliteLedger::new(&fence, "mailer");
 /// assert!(ledger.accept("job-1", 1).await?.is_accepted());
 /// # Ok(()) }
 /// ```
@@ -243,8 +243,8 @@ impl SqliteLedger {
     /// [`PgLedger::prune`]).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: fence::SqliteLedger) -> fence::Result<()> {
-    /// let report = ledger.prune(fence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
+    /// # async fn demo(ledger: brokerfence::SqliteLedger) -> brokerfence::Result<()> {
+    /// let report = ledger.prune(brokerfence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
     /// println!("{} ledger rows deleted", report.ledger);
     /// # Ok(()) }
     /// ```

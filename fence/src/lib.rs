@@ -6,8 +6,8 @@
 //! refused with [`FenceError::Fenced`].
 //!
 //! ```no_run
-//! # async fn demo() -> fence::Result<()> {
-//! use fence::{Claim, FenceStore, JobKey, LeaseDuration, Owner, PgFence, QueueName};
+//! # async fn demo() -> brokerfence::Result<()> {
+//! use brokerfence::{Claim, FenceStore, JobKey, LeaseDuration, Owner, PgFence, QueueName};
 //! let store = PgFence::connect("postgres://postgres@127.0.0.1/test").await?;
 //! store.migrate().await?;
 //! let (q, me) = (QueueName::new("orders")?, Owner::unique("worker"));
@@ -17,6 +17,10 @@
 //! }
 //! # Ok(()) }
 //! ```
+//!
+//! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports everything here
+//! at its root (`brokerfence::PgFence`) and as `brokerfence::fence`.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 mod error;

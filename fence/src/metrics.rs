@@ -16,7 +16,7 @@ macro_rules! counters {
         /// Live counters, shared by a supervisor and the runtime around it (cheap atomics).
         ///
         /// ```
-        /// use fence::{Counter, Metrics};
+        /// use brokerfence::{Counter, Metrics};
         /// let m = Metrics::default();
         /// m.add(Counter::Claims, 3);
         /// assert_eq!(m.snapshot().claims, 3);

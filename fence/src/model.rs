@@ -13,7 +13,7 @@ pub const MIN_LEASE: Duration = Duration::from_secs(3);
 ///
 /// ```
 /// use std::time::Duration;
-/// use fence::LeaseDuration;
+/// use brokerfence::LeaseDuration;
 /// let lease = LeaseDuration::new(Duration::from_secs(30)).unwrap();
 /// assert_eq!(lease.heartbeat_interval(), Duration::from_secs(10));
 /// assert!(LeaseDuration::new(Duration::from_secs(1)).is_err());
@@ -209,7 +209,7 @@ pub struct Heartbeat {
 ///
 /// ```
 /// use std::time::Duration;
-/// use fence::RetryPolicy;
+/// use brokerfence::RetryPolicy;
 /// let p = RetryPolicy::default();
 /// assert_eq!(p.backoff(1), Duration::from_secs(1));
 /// assert_eq!(p.backoff(3), Duration::from_secs(4));
@@ -244,7 +244,7 @@ impl RetryPolicy {
     /// `max(4 × max_attempts, 20)`.
     ///
     /// ```
-    /// use fence::RetryPolicy;
+    /// use brokerfence::RetryPolicy;
     /// assert_eq!(RetryPolicy::default().max_claims(), 20);
     /// assert_eq!(RetryPolicy { max_attempts: 10, ..RetryPolicy::default() }.max_claims(), 40);
     /// ```

@@ -8,7 +8,7 @@
 //! the zombie's outbox row never exists. A committed outbox row therefore always carries the
 //! epoch of the attempt whose result committed.
 //!
-//! A relay (`adapters::outbox::OutboxRelay`, or your own loop on
+//! A relay (`brokerfence::adapters::outbox::OutboxRelay`, or your own loop on
 //! [`PgFence::outbox_claim_in`] and [`PgFence::outbox_mark_sent_in`]) publishes the rows with
 //! their [`FenceStamp`] and marks each sent only after the broker accepted it. A relay that
 //! crashes between the broker's answer and its own commit publishes those rows again: delivery is
@@ -59,7 +59,7 @@ pub(crate) const MIGRATION: &[&str] = &[
 /// One outbox row, as the relay claims it.
 ///
 /// ```
-/// let row = fence::OutboxRow {
+/// let row = brokerfence::OutboxRow {
 ///     id: 7,
 ///     queue: "orders".into(),
 ///     key: "order-1".into(),
@@ -92,7 +92,7 @@ impl OutboxRow {
     /// The fence stamp to send with the message (see [`crate::wire`]).
     ///
     /// ```
-    /// # let row = fence::OutboxRow { id: 1, queue: "q".into(), key: "k".into(), epoch: 3, owner: "w".into(),
+    /// # let row = brokerfence::OutboxRow { id: 1, queue: "q".into(), key: "k".into(), epoch: 3, owner: "w".into(),
     /// #     destination: "d".into(), payload: vec![] };
     /// let headers = row.stamp().to_headers();
     /// assert_eq!(headers[2], ("Fence-Epoch", "3".to_string()));
@@ -119,7 +119,7 @@ impl PgFence {
     /// attempt's row would be published.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence, lease: fence::Lease) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::PgFence, lease: brokerfence::Lease) -> brokerfence::Result<()> {
     /// let mut tx = fence.pool().begin().await?;
     /// sqlx::query("INSERT INTO shop.orders (id, state) VALUES ($1, 'paid')").bind(7_i64).execute(&mut *tx).await?;
     /// fence.outbox_in(&mut tx, &lease, "billing", b"charge order 7").await?;
@@ -162,7 +162,7 @@ impl PgFence {
     /// the broker accepted, commit.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
     /// let mut tx = fence.pool().begin().await?;
     /// let rows = fence.outbox_claim_in(&mut tx, 100).await?;
     /// let accepted: Vec<i64> = rows.iter().map(|r| r.id).collect(); // what the broker accepted
@@ -196,7 +196,7 @@ impl PgFence {
     /// claimed them, after the broker accepted them, and only for those.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence, tx: &mut sqlx::PgConnection) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::PgFence, tx: &mut sqlx::PgConnection) -> brokerfence::Result<()> {
     /// let marked = fence.outbox_mark_sent_in(tx, &[1, 2, 3]).await?;
     /// assert!(marked <= 3);
     /// # Ok(()) }
@@ -213,7 +213,7 @@ impl PgFence {
     /// How many outbox rows are unsent (the relay's backlog).
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
     /// println!("backlog: {}", fence.outbox_unsent().await?);
     /// # Ok(()) }
     /// ```

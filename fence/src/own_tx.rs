@@ -18,15 +18,15 @@ use crate::store::Backend;
 /// Sealed: the statements it runs are the fence's own.
 ///
 /// ```no_run
-/// # async fn handler(ctx: fence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, fence::JobError> {
-/// let mut tx = pool.begin().await.map_err(fence::JobError::retry)?;
+/// # async fn handler(ctx: brokerfence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, brokerfence::JobError> {
+/// let mut tx = pool.begin().await.map_err(brokerfence::JobError::retry)?;
 /// sqlx::query("INSERT INTO shipments (job) VALUES ($1)")
 ///     .bind(ctx.key().as_str())
 ///     .execute(&mut *tx)
 ///     .await
-///     .map_err(fence::JobError::retry)?;
-/// ctx.complete_in(&mut *tx, b"shipped").await.map_err(fence::JobError::retry)?; // Fenced: rolled back
-/// tx.commit().await.map_err(fence::JobError::retry)?;
+///     .map_err(brokerfence::JobError::retry)?;
+/// ctx.complete_in(&mut *tx, b"shipped").await.map_err(brokerfence::JobError::retry)?; // Fenced: rolled back
+/// tx.commit().await.map_err(brokerfence::JobError::retry)?;
 /// Ok(Vec::new()) // ignored: the result above is what committed
 /// # }
 /// ```

@@ -471,8 +471,8 @@ fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 /// The fence on PostgreSQL.
 ///
 /// ```no_run
-/// # async fn demo() -> fence::Result<()> {
-/// use fence::{FenceStore, PgFence, SchemaName};
+/// # async fn demo() -> brokerfence::Result<()> {
+/// use brokerfence::{FenceStore, PgFence, SchemaName};
 /// let fence = PgFence::connect("postgres://postgres@127.0.0.1/test").await?
 ///     .with_schema(SchemaName::new("my_fence")?);
 /// fence.migrate().await?;
@@ -520,11 +520,11 @@ impl std::fmt::Debug for PgFence {
 /// # async fn demo() -> Result<(), sqlx::Error> {
 /// let pool = sqlx::postgres::PgPoolOptions::new()
 ///     .after_connect(|conn, _| Box::pin(async move {
-///         sqlx::Executor::execute(&mut *conn, fence::PG_SESSION_SETUP).await.map(drop)
+///         sqlx::Executor::execute(&mut *conn, brokerfence::PG_SESSION_SETUP).await.map(drop)
 ///     }))
 ///     .connect("postgres://127.0.0.1/jobs")
 ///     .await?;
-/// let fence = fence::PgFence::new(pool);
+/// let fence = brokerfence::PgFence::new(pool);
 /// # let _ = fence; Ok(()) }
 /// ```
 pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
@@ -553,9 +553,9 @@ pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_hashjoi
 /// on the database role instead (`ALTER ROLE … SET lock_timeout = …`).
 ///
 /// ```no_run
-/// # async fn demo() -> fence::Result<()> {
+/// # async fn demo() -> brokerfence::Result<()> {
 /// use std::time::Duration;
-/// use fence::{PgFence, PgTimeouts};
+/// use brokerfence::{PgFence, PgTimeouts};
 /// let timeouts = PgTimeouts { lock: Duration::from_secs(10), statement: Duration::from_secs(30), ..PgTimeouts::default() };
 /// let options: sqlx::postgres::PgConnectOptions = "postgres://127.0.0.1/jobs".parse()?;
 /// let fence = PgFence::connect_with_timeouts(options, timeouts).await?;
@@ -667,8 +667,8 @@ impl PgFence {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), sqlx::Error> {
-    /// let pool = fence::PgFence::pool_options().max_connections(4).connect("postgres://127.0.0.1/jobs").await?;
-    /// let fence = fence::PgFence::new(pool);
+    /// let pool = brokerfence::PgFence::pool_options().max_connections(4).connect("postgres://127.0.0.1/jobs").await?;
+    /// let fence = brokerfence::PgFence::new(pool);
     /// # let _ = fence; Ok(()) }
     /// ```
     pub fn pool_options() -> PgPoolOptions {
@@ -711,7 +711,7 @@ impl PgFence {
     /// [`PgFence`]'s own `Debug` shows neither the options nor the credentials.
     ///
     /// ```no_run
-    /// # async fn demo() -> fence::Result<()> {
+    /// # async fn demo() -> brokerfence::Result<()> {
     /// use sqlx::postgres::{PgConnectOptions, PgSslMode};
     /// let password = std::env::var("PGPASSWORD").unwrap_or_default();
     /// let options = PgConnectOptions::new()
@@ -722,7 +722,7 @@ impl PgFence {
     ///     .ssl_mode(PgSslMode::VerifyFull)
     ///     .ssl_root_cert("/etc/ssl/certs/db-ca.pem")
     ///     .application_name("billing-worker");
-    /// let fence = fence::PgFence::connect_with(options).await?;
+    /// let fence = brokerfence::PgFence::connect_with(options).await?;
     /// # let _ = fence; Ok(()) }
     /// ```
     pub async fn connect_with(options: sqlx::postgres::PgConnectOptions) -> Result<Self> {
@@ -843,7 +843,7 @@ impl PgFence {
     /// [`Heartbeat::held`]).
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence, lease: fence::Lease) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::PgFence, lease: brokerfence::Lease) -> brokerfence::Result<()> {
     /// let mut tx = fence.pool().begin().await?;
     /// sqlx::query("INSERT INTO outbox (body) VALUES ($1)").bind("hello").execute(&mut *tx).await?;
     /// fence.complete_in(&mut tx, &lease, b"done").await?; // Fenced => the transaction is aborted
@@ -869,8 +869,8 @@ impl PgFence {
     /// that exists is left as it is).
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
-    /// use fence::{JobKey, QueueName};
+    /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, QueueName};
     /// let mut tx = fence.pool().begin().await?;
     /// sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind("o-1").execute(&mut *tx).await?;
     /// fence.enqueue_in(&mut tx, &QueueName::new("emails")?, &JobKey::new("o-1/confirm")?, b"o-1").await?;
@@ -891,8 +891,8 @@ impl PgFence {
     /// returns how many were new.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::PgFence) -> fence::Result<()> {
-    /// use fence::{JobKey, QueueName};
+    /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, QueueName};
     /// let mut tx = fence.pool().begin().await?;
     /// let jobs = vec![(JobKey::new("a")?, b"1".to_vec()), (JobKey::new("b")?, b"2".to_vec())];
     /// assert_eq!(fence.enqueue_many_in(&mut tx, &QueueName::new("q")?, &jobs).await?, 2);

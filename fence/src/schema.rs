@@ -11,7 +11,7 @@ pub const DEFAULT_SCHEMA: &str = "brokerfence";
 /// strictly; everything else is a bound parameter.
 ///
 /// ```
-/// use fence::SchemaName;
+/// use brokerfence::SchemaName;
 /// assert!(SchemaName::new("brokerfence").is_ok());
 /// assert!(SchemaName::new("x; DROP TABLE jobs").is_err());
 /// assert!(SchemaName::new("Upper").is_err());

@@ -258,8 +258,8 @@ fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 /// The fence on SQLite: one file, one host, no server.
 ///
 /// ```no_run
-/// # async fn demo() -> fence::Result<()> {
-/// use fence::{FenceStore, SqliteFence};
+/// # async fn demo() -> brokerfence::Result<()> {
+/// use brokerfence::{FenceStore, SqliteFence};
 /// let fence = SqliteFence::open("sqlite:brokerfence.db").await?;
 /// fence.migrate().await?;
 /// # Ok(()) }
@@ -315,8 +315,8 @@ impl SqliteFence {
     /// the newest commits at a power loss for throughput.
     ///
     /// ```no_run
-    /// # async fn demo() -> fence::Result<()> {
-    /// use fence::{SqliteDurability, SqliteFence};
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use brokerfence::{SqliteDurability, SqliteFence};
     /// // Only on storage that survives power loss, or where losing the last commits is acceptable.
     /// let fence = SqliteFence::open_with("sqlite:brokerfence.db", SqliteDurability::Normal).await?;
     /// # let _ = fence; Ok(()) }
@@ -415,7 +415,7 @@ impl SqliteFence {
     /// heartbeats included) waits for it, up to the busy timeout (10 s). Keep it short.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::SqliteFence, lease: fence::Lease) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::SqliteFence, lease: brokerfence::Lease) -> brokerfence::Result<()> {
     /// let mut tx = fence.pool().begin_with("BEGIN IMMEDIATE").await?;
     /// fence.complete_in(&mut tx, &lease, b"done").await?;
     /// tx.commit().await?;
@@ -438,8 +438,8 @@ impl SqliteFence {
     /// if the caller's transaction commits. Says whether it inserted.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
-    /// use fence::{JobKey, QueueName};
+    /// # async fn demo(fence: brokerfence::SqliteFence) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, QueueName};
     /// let mut tx = fence.pool().begin_with("BEGIN IMMEDIATE").await?;
     /// fence.enqueue_in(&mut tx, &QueueName::new("emails")?, &JobKey::new("o-1/confirm")?, b"o-1").await?;
     /// tx.commit().await?;
@@ -459,8 +459,8 @@ impl SqliteFence {
     /// were new.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
-    /// use fence::{JobKey, QueueName};
+    /// # async fn demo(fence: brokerfence::SqliteFence) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, QueueName};
     /// let mut tx = fence.pool().begin_with("BEGIN IMMEDIATE").await?;
     /// let jobs = vec![(JobKey::new("a")?, b"1".to_vec()), (JobKey::new("b")?, b"2".to_vec())];
     /// fence.enqueue_many_in(&mut tx, &QueueName::new("q")?, &jobs).await?;
@@ -565,7 +565,7 @@ impl SqliteFence {
     /// Each call holds the write lock while it moves pages; give a page count to bound it.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::SqliteFence) -> brokerfence::Result<()> {
     /// let report = fence.reclaim_space(Some(10_000)).await?; // at most 10,000 pages per call
     /// println!("{} free pages left", report.free_pages_after);
     /// # Ok(()) }
@@ -602,7 +602,7 @@ impl SqliteFence {
     /// afterwards [`reclaim_space`](Self::reclaim_space) works on the file.
     ///
     /// ```no_run
-    /// # async fn demo(fence: fence::SqliteFence) -> fence::Result<()> {
+    /// # async fn demo(fence: brokerfence::SqliteFence) -> brokerfence::Result<()> {
     /// fence.enable_incremental_vacuum().await?;
     /// assert_eq!(fence.reclaim_space(None).await?.auto_vacuum, 2);
     /// # Ok(()) }

@@ -13,8 +13,8 @@ use crate::model::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, Lease, 
 /// [`FenceError::Fenced`](crate::FenceError::Fenced) and nothing was written.
 ///
 /// ```no_run
-/// # async fn demo() -> fence::Result<()> {
-/// use fence::{FenceStore, JobKey, LeaseDuration, Owner, QueueName, SqliteFence, Claim};
+/// # async fn demo() -> brokerfence::Result<()> {
+/// use brokerfence::{FenceStore, JobKey, LeaseDuration, Owner, QueueName, SqliteFence, Claim};
 /// let store = SqliteFence::open("sqlite:demo.db").await?;
 /// store.migrate().await?;
 /// let q = QueueName::new("emails")?;
@@ -39,8 +39,8 @@ pub trait FenceStore: Send + Sync + 'static {
     /// that wraps another one should delegate this call to it.
     ///
     /// ```no_run
-    /// # async fn demo() -> fence::Result<()> {
-    /// use fence::{FenceError, FenceStore, PgFence};
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use brokerfence::{FenceError, FenceStore, PgFence};
     /// let store = PgFence::connect("postgres://postgres@127.0.0.1/test").await?;
     /// match store.check_schema().await {
     ///     Ok(()) => {}
@@ -176,8 +176,8 @@ pub trait FenceStore: Send + Sync + 'static {
     /// that wraps another one should delegate this call to it.
     ///
     /// ```no_run
-    /// # async fn demo(store: &dyn fence::FenceStore) -> fence::Result<()> {
-    /// use fence::{QueueName, QueueRetention, Retention};
+    /// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
+    /// use brokerfence::{QueueName, QueueRetention, Retention};
     /// let r = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
     /// let report = store.prune(&r).await?;
     /// println!("deleted {} completed, {} dead", report.completed, report.dead);
@@ -200,8 +200,8 @@ pub trait FenceStore: Send + Sync + 'static {
     /// those statements answer [`FenceError::Unsupported`](crate::FenceError::Unsupported).
     ///
     /// ```
-    /// # async fn demo() -> fence::Result<()> {
-    /// use fence::{Backend, FenceStore, SqliteFence};
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use brokerfence::{Backend, FenceStore, SqliteFence};
     /// let store = SqliteFence::open("sqlite::memory:").await?;
     /// assert!(matches!(store.concrete(), Backend::Sqlite(_)));
     /// # Ok(()) }

@@ -37,11 +37,11 @@ use crate::{JobKey, Owner, QueueName};
 ///
 /// ```
 /// use std::time::Duration;
-/// use fence::{LeaseDuration, SupervisorConfig};
+/// use brokerfence::{LeaseDuration, SupervisorConfig};
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
 ///     .attempt_timeout(Duration::from_secs(120));
 /// assert_eq!(config.lease().heartbeat_interval(), Duration::from_secs(10));
-/// assert_eq!(config.commit_window_length(), fence::DEFAULT_COMMIT_WINDOW);
+/// assert_eq!(config.commit_window_length(), brokerfence::DEFAULT_COMMIT_WINDOW);
 /// assert_eq!(config.hook_timeout_length(), Duration::from_secs(10)); // lease/3
 /// assert_eq!(config.settle_timeout_length(), Duration::from_secs(60)); // 2 × lease, at least 30 s
 /// ```
@@ -83,7 +83,7 @@ impl SupervisorConfig {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap());
     /// assert_eq!(config.clone().hook_timeout(Duration::from_secs(2)).hook_timeout_length(), Duration::from_secs(2));
     /// assert_eq!(config.hook_timeout(Duration::from_secs(60)).hook_timeout_length(), Duration::from_secs(10));
@@ -106,7 +106,7 @@ impl SupervisorConfig {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(5).unwrap());
     /// assert_eq!(config.settle_timeout_length(), Duration::from_secs(30));
     /// let config = config.settle_timeout(Duration::from_secs(12));
@@ -141,7 +141,7 @@ impl SupervisorConfig {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use fence::{LeaseDuration, SupervisorConfig};
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
     ///     .commit_window(Duration::from_millis(20)); // fewer, larger statements
     /// assert_eq!(config.commit_window_length(), Duration::from_millis(20));
@@ -207,9 +207,9 @@ pub enum LossReason {
 /// A failure a handler reports: retried (with backoff) or final.
 ///
 /// ```
-/// let e = fence::JobError::retry("upstream 503");
+/// let e = brokerfence::JobError::retry("upstream 503");
 /// assert!(e.retry);
-/// let e = fence::JobError::fatal("malformed order");
+/// let e = brokerfence::JobError::fatal("malformed order");
 /// assert!(!e.retry);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -284,7 +284,7 @@ impl Outcome {
 ///
 /// ```
 /// use async_trait::async_trait;
-/// use fence::{Lease, LeaseHook};
+/// use brokerfence::{Lease, LeaseHook};
 /// struct Visibility;
 /// #[async_trait]
 /// impl LeaseHook for Visibility {
@@ -362,7 +362,7 @@ impl JobContext {
     /// The fencing stamp to send with every downstream call of this attempt (see [`crate::wire`]).
     ///
     /// ```no_run
-    /// # fn demo(ctx: fence::JobContext) {
+    /// # fn demo(ctx: brokerfence::JobContext) {
     /// for (name, value) in ctx.stamp().to_headers() {
     ///     println!("{name}: {value}"); // e.g. request.header(name, value)
     /// }
@@ -375,8 +375,8 @@ impl JobContext {
     /// Stores progress under the lease. A `Fenced` answer also cancels this attempt.
     ///
     /// ```no_run
-    /// # async fn handler(ctx: fence::JobContext) -> Result<Vec<u8>, fence::JobError> {
-    /// ctx.checkpoint(b"page 3 of 10").await.map_err(fence::JobError::retry)?;
+    /// # async fn handler(ctx: brokerfence::JobContext) -> Result<Vec<u8>, brokerfence::JobError> {
+    /// ctx.checkpoint(b"page 3 of 10").await.map_err(brokerfence::JobError::retry)?;
     /// # Ok(vec![]) }
     /// ```
     pub async fn checkpoint(&self, progress: &[u8]) -> Result<()> {
@@ -407,16 +407,16 @@ impl JobContext {
     /// worker-side deadline the handler is cancelled and its transaction dropped (rolled back).
     ///
     /// ```no_run
-    /// # async fn handler(ctx: fence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, fence::JobError> {
-    /// let mut tx = pool.begin().await.map_err(fence::JobError::retry)?;
+    /// # async fn handler(ctx: brokerfence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, brokerfence::JobError> {
+    /// let mut tx = pool.begin().await.map_err(brokerfence::JobError::retry)?;
     /// sqlx::query("INSERT INTO invoices (job, epoch) VALUES ($1, $2)")
     ///     .bind(ctx.key().as_str())
     ///     .bind(ctx.epoch())
     ///     .execute(&mut *tx)
     ///     .await
-    ///     .map_err(fence::JobError::retry)?;
-    /// ctx.complete_in(&mut *tx, b"invoiced").await.map_err(fence::JobError::retry)?;
-    /// tx.commit().await.map_err(fence::JobError::retry)?;
+    ///     .map_err(brokerfence::JobError::retry)?;
+    /// ctx.complete_in(&mut *tx, b"invoiced").await.map_err(brokerfence::JobError::retry)?;
+    /// tx.commit().await.map_err(brokerfence::JobError::retry)?;
     /// Ok(Vec::new()) // not stored: the result given to complete_in is
     /// # }
     /// ```
@@ -585,8 +585,8 @@ async fn verify_loop(store: Arc<dyn FenceStore>, mut groups: Grouper<VerifyReque
 /// Runs handlers under leases for one worker (one owner).
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>, lease: fence::Lease) {
-/// use fence::{Supervisor, SupervisorConfig, LeaseDuration};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, lease: brokerfence::Lease) {
+/// use brokerfence::{Supervisor, SupervisorConfig, LeaseDuration};
 /// let sup = Supervisor::new(store, lease.owner.clone(), SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
 /// let outcome = sup.run(lease, b"payload".to_vec(), None, |ctx| async move {
 ///     // call downstream with ctx.key() and ctx.epoch() ...
@@ -720,7 +720,7 @@ impl Supervisor {
     /// the verdict on their commit, failure record or release (a lease is renewed until then).
     ///
     /// ```no_run
-    /// # fn demo(sup: fence::Supervisor) {
+    /// # fn demo(sup: brokerfence::Supervisor) {
     /// assert!(sup.leases_held() >= sup.in_flight());
     /// # }
     /// ```
@@ -761,8 +761,8 @@ impl Supervisor {
     /// outlive its database lease.
     ///
     /// ```no_run
-    /// # async fn demo(sup: fence::Supervisor, store: std::sync::Arc<dyn fence::FenceStore>,
-    /// #   q: fence::QueueName, me: fence::Owner) -> fence::Result<()> {
+    /// # async fn demo(sup: brokerfence::Supervisor, store: std::sync::Arc<dyn brokerfence::FenceStore>,
+    /// #   q: brokerfence::QueueName, me: brokerfence::Owner) -> brokerfence::Result<()> {
     /// let sent = std::time::Instant::now();
     /// let jobs = store.claim_next(&q, &me, sup.config().lease(), 10).await?;
     /// for job in jobs {

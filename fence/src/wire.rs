@@ -21,7 +21,7 @@
 //! exactly as spelled here.
 //!
 //! ```
-//! use fence::wire::FenceStamp;
+//! use brokerfence::wire::FenceStamp;
 //! let stamp = FenceStamp::new("orders", "order 7", 2).with_owner("worker-a");
 //! let headers = stamp.to_headers();
 //! assert_eq!(headers[1], ("Fence-Job", "order%207".to_string()));
@@ -45,14 +45,14 @@ pub const OWNER: &str = "Fence-Owner";
 /// All four names, in the order [`FenceStamp::to_headers`] emits them.
 ///
 /// ```
-/// assert_eq!(fence::wire::NAMES, ["Fence-Queue", "Fence-Job", "Fence-Epoch", "Fence-Owner"]);
+/// assert_eq!(brokerfence::wire::NAMES, ["Fence-Queue", "Fence-Job", "Fence-Epoch", "Fence-Owner"]);
 /// ```
 pub const NAMES: [&str; 4] = [QUEUE, JOB, EPOCH, OWNER];
 
 /// The fencing token of one call: which job, which epoch, sent by whom.
 ///
 /// ```
-/// use fence::wire::FenceStamp;
+/// use brokerfence::wire::FenceStamp;
 /// let stamp = FenceStamp::new("mail", "msg-1", 3);
 /// assert_eq!(stamp.to_string(), "mail/msg-1@3");
 /// ```
@@ -71,7 +71,7 @@ pub struct FenceStamp {
 /// Why a stamp could not be read from headers or attributes.
 ///
 /// ```
-/// use fence::wire::{FenceStamp, StampError};
+/// use brokerfence::wire::{FenceStamp, StampError};
 /// let err = FenceStamp::from_headers([("Fence-Queue", "q"), ("Fence-Epoch", "1")]).unwrap_err();
 /// assert_eq!(err, StampError::Missing { name: "Fence-Job" });
 /// let err = FenceStamp::from_headers([("Fence-Queue", "q"), ("Fence-Job", "k"), ("Fence-Epoch", "0")]).unwrap_err();
@@ -105,7 +105,7 @@ impl StampError {
     /// The header or attribute name concerned.
     ///
     /// ```
-    /// let err = fence::wire::StampError::Missing { name: fence::wire::EPOCH };
+    /// let err = brokerfence::wire::StampError::Missing { name: brokerfence::wire::EPOCH };
     /// assert_eq!(err.name(), "Fence-Epoch");
     /// ```
     pub fn name(&self) -> &'static str {
@@ -119,7 +119,7 @@ impl StampError {
     /// A JSON body describing the error, for a `400 Bad Request`.
     ///
     /// ```
-    /// let err = fence::wire::StampError::Missing { name: "Fence-Job" };
+    /// let err = brokerfence::wire::StampError::Missing { name: "Fence-Job" };
     /// assert_eq!(
     ///     err.to_json(),
     ///     r#"{"error":"missing_stamp","header":"Fence-Job","message":"missing Fence-Job"}"#
@@ -142,7 +142,7 @@ impl FenceStamp {
     /// A stamp without an owner.
     ///
     /// ```
-    /// let s = fence::wire::FenceStamp::new("q", "k", 1);
+    /// let s = brokerfence::wire::FenceStamp::new("q", "k", 1);
     /// assert_eq!(s.owner, None);
     /// ```
     pub fn new(queue: impl Into<String>, job: impl Into<String>, epoch: i64) -> Self {
@@ -152,7 +152,7 @@ impl FenceStamp {
     /// Adds the sender's owner id.
     ///
     /// ```
-    /// let s = fence::wire::FenceStamp::new("q", "k", 1).with_owner("w1");
+    /// let s = brokerfence::wire::FenceStamp::new("q", "k", 1).with_owner("w1");
     /// assert_eq!(s.owner.as_deref(), Some("w1"));
     /// ```
     pub fn with_owner(mut self, owner: impl Into<String>) -> Self {
@@ -163,8 +163,8 @@ impl FenceStamp {
     /// The stamp of a lease: its queue, key, epoch and owner.
     ///
     /// ```no_run
-    /// # fn demo(lease: fence::Lease) {
-    /// let stamp = fence::wire::FenceStamp::of_lease(&lease);
+    /// # fn demo(lease: brokerfence::Lease) {
+    /// let stamp = brokerfence::wire::FenceStamp::of_lease(&lease);
     /// assert_eq!(stamp.epoch, lease.epoch);
     /// # }
     /// ```
@@ -181,7 +181,7 @@ impl FenceStamp {
     /// Use them as HTTP headers or as message attributes.
     ///
     /// ```
-    /// let pairs = fence::wire::FenceStamp::new("q", "100%", 4).to_headers();
+    /// let pairs = brokerfence::wire::FenceStamp::new("q", "100%", 4).to_headers();
     /// assert_eq!(pairs, vec![
     ///     ("Fence-Queue", "q".to_string()),
     ///     ("Fence-Job", "100%25".to_string()),
@@ -204,7 +204,7 @@ impl FenceStamp {
     /// twice must carry the same value both times.
     ///
     /// ```
-    /// use fence::wire::FenceStamp;
+    /// use brokerfence::wire::FenceStamp;
     /// let s = FenceStamp::from_headers([
     ///     ("content-type", "text/plain"),
     ///     ("fence-queue", "orders"),
@@ -240,7 +240,7 @@ impl FenceStamp {
     /// use std::collections::HashMap;
     /// let attrs: HashMap<&str, &str> =
     ///     [("Fence-Queue", "q"), ("Fence-Job", "k"), ("Fence-Epoch", "2")].into();
-    /// let s = fence::wire::FenceStamp::from_lookup(|name| attrs.get(name).copied()).unwrap();
+    /// let s = brokerfence::wire::FenceStamp::from_lookup(|name| attrs.get(name).copied()).unwrap();
     /// assert_eq!(s.epoch, 2);
     /// ```
     pub fn from_lookup<F, V>(mut lookup: F) -> Result<Self, StampError>
@@ -287,7 +287,7 @@ impl FenceStamp {
     /// `/` and `%`, so the first `/` always separates the two.
     ///
     /// ```
-    /// let s = fence::wire::FenceStamp::new("a/b", "c/d", 1);
+    /// let s = brokerfence::wire::FenceStamp::new("a/b", "c/d", 1);
     /// assert_eq!(s.ledger_job(), "a%2Fb/c/d");
     /// ```
     pub fn ledger_job(&self) -> String {
@@ -301,9 +301,9 @@ impl FenceStamp {
     /// the newest seen for the job (and the ledger now keeps it), stale otherwise.
     ///
     /// ```no_run
-    /// # async fn demo(ledger: fence::Ledger, stamp: fence::wire::FenceStamp) -> fence::Result<()> {
-    /// if let fence::Verdict::Stale { newest } = stamp.accept(&ledger).await? {
-    ///     println!("refused: {}", fence::wire::stale_epoch_json(&stamp, newest));
+    /// # async fn demo(ledger: brokerfence::Ledger, stamp: brokerfence::wire::FenceStamp) -> brokerfence::Result<()> {
+    /// if let brokerfence::Verdict::Stale { newest } = stamp.accept(&ledger).await? {
+    ///     println!("refused: {}", brokerfence::wire::stale_epoch_json(&stamp, newest));
     /// }
     /// # Ok(()) }
     /// ```
@@ -350,7 +350,7 @@ fn truncate(v: &str) -> &str {
 /// Encodes a value for a header or attribute: bytes outside `!`..=`~`, and `%`, become `%XX`.
 ///
 /// ```
-/// assert_eq!(fence::wire::encode("a b/ü%"), "a%20b/%C3%BC%25");
+/// assert_eq!(brokerfence::wire::encode("a b/ü%"), "a%20b/%C3%BC%25");
 /// ```
 pub fn encode(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
@@ -368,10 +368,10 @@ pub fn encode(value: &str) -> String {
 /// without NUL bytes. Other characters are taken as they are.
 ///
 /// ```
-/// assert_eq!(fence::wire::decode("a%20b/%C3%BC%25").unwrap(), "a b/ü%");
-/// assert!(fence::wire::decode("100%").is_err());
-/// assert!(fence::wire::decode("%00").is_err());
-/// assert!(fence::wire::decode("%+A").is_err()); // a sign is no hex digit
+/// assert_eq!(brokerfence::wire::decode("a%20b/%C3%BC%25").unwrap(), "a b/ü%");
+/// assert!(brokerfence::wire::decode("100%").is_err());
+/// assert!(brokerfence::wire::decode("%00").is_err());
+/// assert!(brokerfence::wire::decode("%+A").is_err()); // a sign is no hex digit
 /// ```
 pub fn decode(value: &str) -> Result<String, String> {
     let bytes = value.as_bytes();
@@ -402,8 +402,8 @@ pub fn decode(value: &str) -> Result<String, String> {
 /// newest the receiver has accepted.
 ///
 /// ```
-/// let s = fence::wire::FenceStamp::new("orders", "o-7", 1).with_owner("w1");
-/// let body = fence::wire::stale_epoch_json(&s, 2);
+/// let s = brokerfence::wire::FenceStamp::new("orders", "o-7", 1).with_owner("w1");
+/// let body = brokerfence::wire::stale_epoch_json(&s, 2);
 /// assert!(body.starts_with(r#"{"error":"stale_epoch","queue":"orders","job":"o-7","epoch":1,"newest":2,"owner":"w1""#));
 /// ```
 pub fn stale_epoch_json(stamp: &FenceStamp, newest: i64) -> String {
@@ -421,9 +421,9 @@ pub fn stale_epoch_json(stamp: &FenceStamp, newest: i64) -> String {
 /// The human sentence of a stale-epoch refusal.
 ///
 /// ```
-/// let s = fence::wire::FenceStamp::new("orders", "o-7", 1);
+/// let s = brokerfence::wire::FenceStamp::new("orders", "o-7", 1);
 /// assert_eq!(
-///     fence::wire::stale_epoch_message(&s, 2),
+///     brokerfence::wire::stale_epoch_message(&s, 2),
 ///     "job orders/o-7: epoch 1 is older than epoch 2 already accepted; the caller was superseded and nothing was applied"
 /// );
 /// ```

@@ -30,9 +30,9 @@
 //! | handler leaked its connection guard                  | `500`, rolled back (see below)          |
 //!
 //! ```no_run
-//! # async fn demo(ledger: fence::PgLedger) -> std::io::Result<()> {
+//! # async fn demo(ledger: brokerfence::PgLedger) -> std::io::Result<()> {
 //! use axum::{Router, http::StatusCode, routing::post};
-//! use adapters::http::{AcceptedStamp, AtomicEpochGuard, EffectTx};
+//! use brokerfence::http::{AcceptedStamp, AtomicEpochGuard, EffectTx};
 //!
 //! async fn charge(AcceptedStamp { stamp, .. }: AcceptedStamp, tx: EffectTx, body: String)
 //!     -> Result<&'static str, StatusCode>
@@ -99,7 +99,7 @@
 //!
 //! ## The `receiver_ledger_lock` guard
 //!
-//! Taking the ledger row inside the effect's transaction is what [`fence::Guards`] calls
+//! Taking the ledger row inside the effect's transaction is what [`Guards`](fence::Guards) calls
 //! `receiver_ledger_lock` (on by default; only the test-only feature `guard-switches` can turn it
 //! off, through the ledger's fence). Switched off, the layer accepts the epoch in an autocommit
 //! statement of its own before beginning the effect's transaction: check-then-act, the
@@ -145,9 +145,9 @@ pub type AtomicFenceLayer = FromFnLayer<AtomicEnforceFn, AtomicEpochGuard, (Stat
 /// commit together, in one PostgreSQL transaction the handler gets as [`EffectTx`].
 ///
 /// ```no_run
-/// # fn demo(fence: fence::PgFence) {
+/// # fn demo(fence: brokerfence::PgFence) {
 /// use std::time::Duration;
-/// let guard = adapters::http::AtomicEpochGuard::new(fence::PgLedger::new(&fence, "payments"))
+/// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::PgLedger::new(&fence, "payments"))
 ///     .with_handler_timeout(Duration::from_secs(5));
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
@@ -166,8 +166,8 @@ impl AtomicEpochGuard {
     /// the ledger's database: the transaction is begun on [`PgLedger::pool`].
     ///
     /// ```no_run
-    /// # fn demo(fence: fence::PgFence) {
-    /// let guard = adapters::http::AtomicEpochGuard::new(fence::PgLedger::new(&fence, "payments"));
+    /// # fn demo(fence: brokerfence::PgFence) {
+    /// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::PgLedger::new(&fence, "payments"));
     /// # }
     /// ```
     pub fn new(ledger: PgLedger) -> Self {
@@ -177,7 +177,7 @@ impl AtomicEpochGuard {
     /// Another limit for each database step ([`DEFAULT_DB_TIMEOUT`]; at least 1 ms).
     ///
     /// ```no_run
-    /// # fn demo(guard: adapters::http::AtomicEpochGuard) {
+    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
     /// let guard = guard.with_db_timeout(std::time::Duration::from_secs(2));
     /// # }
     /// ```
@@ -190,7 +190,7 @@ impl AtomicEpochGuard {
     /// of the job stays locked while the handler runs: newer epochs wait.
     ///
     /// ```no_run
-    /// # fn demo(guard: adapters::http::AtomicEpochGuard) {
+    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
     /// let guard = guard.with_handler_timeout(std::time::Duration::from_secs(5));
     /// # }
     /// ```
@@ -202,7 +202,7 @@ impl AtomicEpochGuard {
     /// The ledger.
     ///
     /// ```no_run
-    /// # async fn demo(guard: adapters::http::AtomicEpochGuard) -> fence::Result<()> {
+    /// # async fn demo(guard: brokerfence::http::AtomicEpochGuard) -> brokerfence::Result<()> {
     /// println!("newest: {:?}", guard.ledger().newest("orders/o-1").await?);
     /// # Ok(()) }
     /// ```
@@ -213,7 +213,7 @@ impl AtomicEpochGuard {
     /// The axum layer.
     ///
     /// ```no_run
-    /// # fn demo(guard: adapters::http::AtomicEpochGuard) {
+    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
     /// let app: axum::Router = axum::Router::new().layer(guard.layer());
     /// # }
     /// ```
@@ -385,9 +385,9 @@ fn retry_later(error: &str, message: &str) -> Response {
 /// `axum::middleware::from_fn_with_state(guard, enforce_atomic)`, or through the layer.
 ///
 /// ```no_run
-/// # fn demo(guard: adapters::http::AtomicEpochGuard) {
+/// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
 /// let app: axum::Router = axum::Router::new()
-///     .layer(axum::middleware::from_fn_with_state(guard, adapters::http::enforce_atomic));
+///     .layer(axum::middleware::from_fn_with_state(guard, brokerfence::http::enforce_atomic));
 /// # }
 /// ```
 pub async fn enforce_atomic(State(guard): State<AtomicEpochGuard>, req: Request, next: Next) -> Response {
@@ -420,7 +420,7 @@ fn enforce_atomic_boxed(state: State<AtomicEpochGuard>, req: Request, next: Next
 /// Cloning is cheap and shares the one transaction; statements from clones run one at a time.
 ///
 /// ```no_run
-/// use adapters::http::{EffectTx, EffectTxError};
+/// use brokerfence::http::{EffectTx, EffectTxError};
 /// async fn handler(tx: EffectTx) -> Result<&'static str, EffectTxError> {
 ///     let mut conn = tx.conn().await?;
 ///     sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 7")
@@ -445,7 +445,7 @@ impl EffectTx {
     /// returned).
     ///
     /// ```no_run
-    /// # async fn demo(tx: adapters::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn demo(tx: brokerfence::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut conn = tx.conn().await?;
     /// let n: i64 = sqlx::query_scalar("SELECT count(*) FROM charges").fetch_one(&mut *conn).await?;
     /// # let _ = n; Ok(()) }
@@ -473,7 +473,7 @@ impl<S: Send + Sync> FromRequestParts<S> for EffectTx {
 /// [`PgConnection`], so `&mut *conn` is an executor. Drop it before the handler returns.
 ///
 /// ```no_run
-/// # async fn demo(tx: adapters::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn demo(tx: brokerfence::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
 /// let mut conn = tx.conn().await?;
 /// sqlx::query("INSERT INTO audit (what) VALUES ($1)").bind("charged").execute(&mut *conn).await?;
 /// drop(conn);
@@ -509,7 +509,7 @@ impl std::ops::DerefMut for EffectConn {
 ///
 /// ```
 /// use axum::response::IntoResponse;
-/// let response = adapters::http::EffectTxError::Finished.into_response();
+/// let response = brokerfence::http::EffectTxError::Finished.into_response();
 /// assert_eq!(response.status(), axum::http::StatusCode::INTERNAL_SERVER_ERROR);
 /// ```
 #[derive(Debug, thiserror::Error)]

@@ -40,7 +40,7 @@ use super::error::RedisError;
 ///
 /// ```
 /// use std::time::Duration;
-/// use adapters::redis::RedisTimeouts;
+/// use brokerfence::redis::RedisTimeouts;
 /// let t = RedisTimeouts::default().response(Duration::from_millis(500));
 /// assert_eq!(t.response_timeout(), Duration::from_millis(500));
 /// // With a 30 s lease hint calls get the whole response timeout; with a 1.2 s one, a quarter of it.
@@ -135,11 +135,11 @@ pub(crate) async fn bounded_op<T>(
 /// built on them apply ([`RedisTimeouts`]).
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), adapters::redis::RedisError> {
-/// let redis = adapters::redis::RedisConnections::connect("redis://127.0.0.1:6379").await?;
+/// # async fn demo() -> Result<(), brokerfence::redis::RedisError> {
+/// let redis = brokerfence::redis::RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let mut conn = redis.commands();
-/// let pong: String = adapters::redis::client::cmd("PING").query_async(&mut conn).await
-///     .map_err(|e| adapters::redis::RedisError::Command { command: "PING", source: e })?;
+/// let pong: String = brokerfence::redis::client::cmd("PING").query_async(&mut conn).await
+///     .map_err(|e| brokerfence::redis::RedisError::Command { command: "PING", source: e })?;
 /// assert_eq!(pong, "PONG");
 /// # Ok(()) }
 /// ```
@@ -167,9 +167,9 @@ impl RedisConnections {
     /// Like [`connect`](Self::connect) with your timeouts.
     ///
     /// ```no_run
-    /// # async fn demo() -> Result<(), adapters::redis::RedisError> {
+    /// # async fn demo() -> Result<(), brokerfence::redis::RedisError> {
     /// use std::time::Duration;
-    /// use adapters::redis::{RedisConnections, RedisTimeouts};
+    /// use brokerfence::redis::{RedisConnections, RedisTimeouts};
     /// let timeouts = RedisTimeouts::default().response(Duration::from_millis(500));
     /// let redis = RedisConnections::connect_with("redis://127.0.0.1:6379", timeouts).await?;
     /// assert_eq!(redis.timeouts().response_timeout(), Duration::from_millis(500));

@@ -7,10 +7,10 @@ use crate::source::SourceError;
 /// What went wrong talking to Redis.
 ///
 /// ```
-/// use adapters::redis::RedisError;
+/// use brokerfence::redis::RedisError;
 /// let e = RedisError::Config("stream name must not be empty".into());
 /// assert_eq!(e.to_string(), "invalid redis adapter configuration: stream name must not be empty");
-/// assert!(matches!(adapters::SourceError::from(e), adapters::SourceError::Fatal(_)));
+/// assert!(matches!(brokerfence::SourceError::from(e), brokerfence::SourceError::Fatal(_)));
 /// ```
 #[derive(Debug, thiserror::Error)]
 pub enum RedisError {
@@ -68,7 +68,7 @@ impl RedisError {
     ///
     /// ```
     /// use std::time::Duration;
-    /// let e = adapters::redis::RedisError::Timeout { command: "XCLAIM", after: Duration::from_millis(750) };
+    /// let e = brokerfence::redis::RedisError::Timeout { command: "XCLAIM", after: Duration::from_millis(750) };
     /// assert!(e.is_timeout() && !e.is_fatal());
     /// assert_eq!(e.to_string(), "redis XCLAIM did not answer within 750ms");
     /// ```

@@ -8,7 +8,7 @@ use fence::{JobKey, Owner, QueueName};
 /// whole key.
 ///
 /// ```
-/// use adapters::redis::slot_part;
+/// use brokerfence::redis::slot_part;
 /// assert_eq!(slot_part(b"orders"), b"orders");
 /// assert_eq!(slot_part(b"{app}:orders"), b"app");
 /// assert_eq!(slot_part(b"a{}b"), b"a{}b");
@@ -30,7 +30,7 @@ pub fn slot_part(key: &[u8]) -> &[u8] {
 /// result is `base` + `suffix`, which is fine on a single server; give such keys a tag on a cluster.)
 ///
 /// ```
-/// use adapters::redis::sibling_key;
+/// use brokerfence::redis::sibling_key;
 /// assert_eq!(sibling_key("orders", ":dead"), "{orders}:dead");
 /// assert_eq!(sibling_key("{app}:orders", ":dead"), "{app}:orders:dead");
 /// ```
@@ -44,8 +44,8 @@ pub fn sibling_key(base: &str, suffix: &str) -> String {
 /// The queue name is length-prefixed so that no two (queue, key) pairs share a lease key.
 ///
 /// ```
-/// use adapters::redis::lease_key;
-/// use fence::{JobKey, QueueName};
+/// use brokerfence::redis::lease_key;
+/// use brokerfence::{JobKey, QueueName};
 /// let k = lease_key("orders", &QueueName::new("billing").unwrap(), &JobKey::new("1-0").unwrap());
 /// assert_eq!(k, "{orders}:lease:7:billing:1-0");
 /// ```
@@ -57,8 +57,8 @@ pub fn lease_key(anchor: &str, queue: &QueueName, key: &JobKey) -> String {
 /// before the database claim (the reliable list); a claimed epoch is at least 1.
 ///
 /// ```
-/// let me = fence::Owner::new("w1").unwrap();
-/// assert_eq!(adapters::redis::token(&me, 3), "w1:3");
+/// let me = brokerfence::Owner::new("w1").unwrap();
+/// assert_eq!(brokerfence::redis::token(&me, 3), "w1:3");
 /// ```
 pub fn token(owner: &Owner, epoch: i64) -> String {
     format!("{}:{epoch}", owner.as_str())

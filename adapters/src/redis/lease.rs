@@ -56,9 +56,9 @@ pub(crate) fn millis(d: Duration) -> u64 {
 /// [`confirm`](Self::confirm), made for the heartbeat, within a quarter of the lease at most.
 ///
 /// ```no_run
-/// # async fn demo(redis: adapters::redis::RedisConnections) -> Result<(), adapters::redis::RedisError> {
+/// # async fn demo(redis: brokerfence::redis::RedisConnections) -> Result<(), brokerfence::redis::RedisError> {
 /// use std::time::Duration;
-/// use adapters::redis::{LeaseKeys, Renewed};
+/// use brokerfence::redis::{LeaseKeys, Renewed};
 /// let leases = LeaseKeys::new(redis.commands(), "orders");
 /// let key = "{orders}:lease:6:orders:42".to_owned();
 /// leases.acquire(&[(key.clone(), "w1:1".into(), 1)], Duration::from_secs(30)).await?;
@@ -333,9 +333,9 @@ impl LeaseKeys {
 /// keys of lost leases by compare-and-set.
 ///
 /// ```no_run
-/// # fn demo(retrofit: &adapters::Retrofit, redis: &adapters::redis::RedisConnections) {
+/// # fn demo(retrofit: &brokerfence::Retrofit, redis: &brokerfence::redis::RedisConnections) {
 /// use std::sync::Arc;
-/// use adapters::redis::{LeaseKeyHook, LeaseKeys};
+/// use brokerfence::redis::{LeaseKeyHook, LeaseKeys};
 /// let hook = LeaseKeyHook::new(LeaseKeys::new(redis.commands(), "jobs"));
 /// retrofit.supervisor().add_hook(Arc::new(hook));
 /// # }

@@ -42,7 +42,7 @@ type DecodeFn = dyn Fn(&[u8]) -> Result<(JobKey, Vec<u8>), String> + Send + Sync
 ///   redelivery of the same item (a put-back after a crash) is recognised.
 ///
 /// ```
-/// use adapters::redis::ItemKey;
+/// use brokerfence::redis::ItemKey;
 /// let (key, payload) = ItemKey::Split(b'|').decode(b"order-7|{\"qty\":2}").unwrap();
 /// assert_eq!(key.as_str(), "order-7");
 /// assert_eq!(payload, b"{\"qty\":2}");
@@ -150,15 +150,15 @@ struct ListState {
 /// Producers `LPUSH` to the queue list.
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use adapters::redis::{ItemKey, RedisConnections, ReliableList};
-/// use adapters::{Consumer, ConsumerConfig};
-/// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use brokerfence::redis::{ItemKey, RedisConnections, ReliableList};
+/// use brokerfence::{Consumer, ConsumerConfig};
+/// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let source = ReliableList::new(redis, QueueName::new("mail")?, "mail", ItemKey::Split(b'|'))?;
 /// assert_eq!(source.processing_list(), "{mail}:processing");
 /// let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
-/// consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal()).await?;
+/// consumer.run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal()).await?;
 /// # Ok(()) }
 /// ```
 pub struct ReliableList {
@@ -485,9 +485,9 @@ impl ListProcessed {
 /// blocking read too, as below ([`RedisTimeouts::blocking`](super::RedisTimeouts::blocking)).
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
-/// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use brokerfence::redis::{ItemKey, ListRetrofit, RedisConnections};
+/// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
 /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, redis.commands(), "mail", ItemKey::Split(b'|'));
@@ -496,12 +496,12 @@ impl ListProcessed {
 /// loop {
 ///     // your loop, as before, with the blocking read bounded (block time + margin: a stalled
 ///     // Redis must not hang it for ever; the blocking connection has no response timeout):
-///     let mut brpop = adapters::redis::client::cmd("BRPOP");
+///     let mut brpop = brokerfence::redis::client::cmd("BRPOP");
 ///     brpop.arg("mail").arg(block.as_secs());
 ///     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
 ///     let Ok(popped) = tokio::time::timeout(redis.timeouts().blocking(block), read).await else { continue };
 ///     let Some((_, item)) = popped? else { continue };
-///     let done = fence.process(&item, |ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }).await;
+///     let done = fence.process(&item, |ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }).await;
 ///     fence.requeue_popped(&item, &done).await?; // puts back what must run again
 /// }
 /// # }
@@ -555,10 +555,10 @@ impl ListRetrofit {
     /// timeout, or lower.
     ///
     /// ```no_run
-    /// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>, redis: adapters::redis::RedisConnections) -> fence::Result<()> {
+    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, redis: brokerfence::redis::RedisConnections) -> brokerfence::Result<()> {
     /// use std::time::Duration;
-    /// use adapters::redis::{ItemKey, ListRetrofit};
-    /// use fence::{LeaseDuration, QueueName, SupervisorConfig};
+    /// use brokerfence::redis::{ItemKey, ListRetrofit};
+    /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
     /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, redis.commands(), "mail", ItemKey::Split(b'|'))
     ///     .command_timeout(Duration::from_millis(500));

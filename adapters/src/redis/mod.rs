@@ -20,15 +20,15 @@
 //!   item whose lease key lapsed back on the queue.
 //!
 //! ```no_run
-//! # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-//! use adapters::redis::{RedisConnections, StreamSource};
-//! use adapters::{Consumer, ConsumerConfig};
-//! use fence::{LeaseDuration, QueueName, SupervisorConfig};
+//! # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+//! use brokerfence::redis::{RedisConnections, StreamSource};
+//! use brokerfence::{Consumer, ConsumerConfig};
+//! use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 //! let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 //! let source = StreamSource::new(redis, QueueName::new("orders")?, "orders", "billing")?;
 //! let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?));
 //! let consumer = Consumer::new(source, store, config);
-//! consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal()).await?;
+//! consumer.run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal()).await?;
 //! # Ok(()) }
 //! ```
 

@@ -14,16 +14,16 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 ///
 /// Each row's destination names a stream through [`route`](Self::route). An entry's fields are
 /// the fence stamp (`Fence-Queue`, `Fence-Job`, `Fence-Epoch`, `Fence-Owner`, see
-/// [`fence::wire`]), [`OUTBOX_ID`], and the payload under the body field (default `body`, the
+/// [`brokerfence::wire`](fence::wire)), [`OUTBOX_ID`], and the payload under the body field (default `body`, the
 /// field [`StreamSource`](super::StreamSource) reads). A pipeline that fails or times out counts
 /// as not accepted for all its rows, even though some `XADD`s may have run: those rows are sent
 /// again in a later round (at least once).
 ///
 /// ```no_run
-/// # async fn demo(fence: fence::PgFence) -> Result<(), adapters::redis::RedisError> {
+/// # async fn demo(fence: brokerfence::PgFence) -> Result<(), brokerfence::redis::RedisError> {
 /// use std::sync::Arc;
-/// use adapters::outbox::{OutboxRelay, RelayConfig};
-/// use adapters::redis::{RedisConnections, RedisPublisher};
+/// use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+/// use brokerfence::redis::{RedisConnections, RedisPublisher};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let publisher = RedisPublisher::new(redis).route("audit", "audit-events");
 /// let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(Arc::new(publisher));

@@ -82,9 +82,9 @@ struct State {
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use adapters::redis::{KeyFrom, RedisConnections, StreamSource};
+/// use brokerfence::redis::{KeyFrom, RedisConnections, StreamSource};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
-/// let source = StreamSource::new(redis, fence::QueueName::new("orders")?, "orders", "billing")?
+/// let source = StreamSource::new(redis, brokerfence::QueueName::new("orders")?, "orders", "billing")?
 ///     .key_from(KeyFrom::Field("order_id".into()))
 ///     .max_deliveries(5)
 ///     .block(Duration::from_secs(2));

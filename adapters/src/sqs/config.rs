@@ -22,7 +22,7 @@ pub const MAX_BATCH: usize = 10;
 ///
 /// ```no_run
 /// # async fn demo() {
-/// let http = adapters::sqs::http_client();
+/// let http = brokerfence::sqs::http_client();
 /// let sdk = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http).load().await;
 /// let client = aws_sdk_sqs::Client::new(&sdk);
 /// # let _ = client; }
@@ -46,7 +46,7 @@ pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
 ///
 /// ```
 /// use std::time::Duration;
-/// let t = adapters::sqs::SqsTimeouts::default().attempt(Duration::from_secs(22));
+/// let t = brokerfence::sqs::SqsTimeouts::default().attempt(Duration::from_secs(22));
 /// let c = t.timeout_config();
 /// assert_eq!(c.operation_attempt_timeout(), Some(Duration::from_secs(22)));
 /// assert_eq!(c.operation_timeout(), Some(Duration::from_secs(60)));
@@ -99,7 +99,7 @@ impl SqsTimeouts {
 ///
 /// ```no_run
 /// # async fn demo() {
-/// let client = adapters::sqs::client_from_env().await;
+/// let client = brokerfence::sqs::client_from_env().await;
 /// assert!(client.config().timeout_config().and_then(|t| t.operation_timeout()).is_some());
 /// # }
 /// ```
@@ -112,8 +112,8 @@ pub async fn client_from_env() -> Client {
 /// ```no_run
 /// # async fn demo() {
 /// use std::time::Duration;
-/// let timeouts = adapters::sqs::SqsTimeouts::default().operation(Duration::from_secs(30));
-/// let client = adapters::sqs::client_from_env_with(timeouts).await;
+/// let timeouts = brokerfence::sqs::SqsTimeouts::default().operation(Duration::from_secs(30));
+/// let client = brokerfence::sqs::client_from_env_with(timeouts).await;
 /// # let _ = client; }
 /// ```
 pub async fn client_from_env_with(timeouts: SqsTimeouts) -> Client {
@@ -126,7 +126,7 @@ pub async fn client_from_env_with(timeouts: SqsTimeouts) -> Client {
 /// ```no_run
 /// # async fn demo() {
 /// let loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).endpoint_url("http://127.0.0.1:4566");
-/// let client = adapters::sqs::client_from_loader(loader, adapters::sqs::SqsTimeouts::default()).await;
+/// let client = brokerfence::sqs::client_from_loader(loader, brokerfence::sqs::SqsTimeouts::default()).await;
 /// # let _ = client; }
 /// ```
 pub async fn client_from_loader(loader: aws_config::ConfigLoader, timeouts: SqsTimeouts) -> Client {
@@ -137,8 +137,8 @@ pub async fn client_from_loader(loader: aws_config::ConfigLoader, timeouts: SqsT
 /// Whether a queue URL names a FIFO queue (its name ends in `.fifo`).
 ///
 /// ```
-/// assert!(adapters::sqs::is_fifo_url("http://127.0.0.1:4566/000000000000/jobs.fifo"));
-/// assert!(!adapters::sqs::is_fifo_url("https://sqs.eu-west-1.amazonaws.com/123/jobs"));
+/// assert!(brokerfence::sqs::is_fifo_url("http://127.0.0.1:4566/000000000000/jobs.fifo"));
+/// assert!(!brokerfence::sqs::is_fifo_url("https://sqs.eu-west-1.amazonaws.com/123/jobs"));
 /// ```
 pub fn is_fifo_url(url: &str) -> bool {
     url.trim_end_matches('/').ends_with(".fifo")
@@ -147,9 +147,9 @@ pub fn is_fifo_url(url: &str) -> bool {
 /// The queue name of a queue URL: its last path segment.
 ///
 /// ```
-/// let q = adapters::sqs::queue_name_of_url("http://127.0.0.1:4566/000000000000/orders").unwrap();
+/// let q = brokerfence::sqs::queue_name_of_url("http://127.0.0.1:4566/000000000000/orders").unwrap();
 /// assert_eq!(q.as_str(), "orders");
-/// assert!(adapters::sqs::queue_name_of_url("http://127.0.0.1:4566/").is_err());
+/// assert!(brokerfence::sqs::queue_name_of_url("http://127.0.0.1:4566/").is_err());
 /// ```
 pub fn queue_name_of_url(url: &str) -> Result<QueueName, SqsError> {
     let invalid = |reason: String| SqsError::InvalidQueueUrl { url: url.to_owned(), reason };
@@ -196,7 +196,7 @@ pub enum ReceiveCountCheck {
 ///
 /// ```
 /// use std::time::Duration;
-/// use adapters::sqs::{KeyStrategy, SqsConfig};
+/// use brokerfence::sqs::{KeyStrategy, SqsConfig};
 /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
 ///     .unwrap()
 ///     .key(KeyStrategy::attribute("order-id"))
@@ -284,7 +284,7 @@ impl SqsConfig {
     /// `SqsConfig::dead_letter(DeadLetterTarget::Queue(url))` (`sqs_worker --dead-letter-queue URL`).
     ///
     /// ```
-    /// use adapters::sqs::{DeadLetterTarget, SqsConfig};
+    /// use brokerfence::sqs::{DeadLetterTarget, SqsConfig};
     /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
     ///     .unwrap()
     ///     .dead_letter(DeadLetterTarget::Queue("http://127.0.0.1:4566/000000000000/orders-dlq".into()));
@@ -305,7 +305,7 @@ impl SqsConfig {
     /// before turning it on: with the runtime claiming in its own task the gain was within noise.
     ///
     /// ```
-    /// let config = adapters::sqs::SqsConfig::new("http://127.0.0.1:4566/000000000000/q").unwrap().read_ahead(true);
+    /// let config = brokerfence::sqs::SqsConfig::new("http://127.0.0.1:4566/000000000000/q").unwrap().read_ahead(true);
     /// # let _ = config;
     /// ```
     pub fn read_ahead(mut self, on: bool) -> Self {
@@ -331,10 +331,10 @@ impl SqsConfig {
     /// [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count).
     ///
     /// ```
-    /// use adapters::sqs::{ReceiveCountCheck, SqsConfig};
+    /// use brokerfence::sqs::{ReceiveCountCheck, SqsConfig};
     /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
     ///     .unwrap()
-    ///     .check_receive_count(fence::RetryPolicy::default(), ReceiveCountCheck::Refuse);
+    ///     .check_receive_count(brokerfence::RetryPolicy::default(), ReceiveCountCheck::Refuse);
     /// # let _ = config;
     /// ```
     pub fn check_receive_count(mut self, retry: RetryPolicy, mode: ReceiveCountCheck) -> Self {
@@ -375,9 +375,9 @@ impl SqsConfig {
 ///
 /// ```
 /// use std::time::Duration;
-/// assert_eq!(adapters::sqs::visibility_secs(Duration::from_millis(1)), 1);
-/// assert_eq!(adapters::sqs::visibility_secs(Duration::from_secs(3)), 3);
-/// assert_eq!(adapters::sqs::visibility_secs(Duration::from_secs(100_000)), 43_200);
+/// assert_eq!(brokerfence::sqs::visibility_secs(Duration::from_millis(1)), 1);
+/// assert_eq!(brokerfence::sqs::visibility_secs(Duration::from_secs(3)), 3);
+/// assert_eq!(brokerfence::sqs::visibility_secs(Duration::from_secs(100_000)), 43_200);
 /// ```
 pub fn visibility_secs(d: Duration) -> i32 {
     let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);

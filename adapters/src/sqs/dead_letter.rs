@@ -33,10 +33,10 @@ pub(crate) struct Redrive {
 ///
 /// ```
 /// use std::time::Duration;
-/// let policy = fence::RetryPolicy { max_attempts: 5, base_backoff: Duration::from_secs(1), max_backoff: Duration::from_secs(300) };
-/// assert_eq!(adapters::sqs::receives_needed(&policy, 3), (5, 8));
-/// let long = fence::RetryPolicy { max_attempts: 2, base_backoff: Duration::from_secs(30 * 3600), max_backoff: Duration::from_secs(30 * 3600) };
-/// assert_eq!(adapters::sqs::receives_needed(&long, 0), (4, 4)); // 2 attempts + 2 more for a 30 h wait
+/// let policy = brokerfence::RetryPolicy { max_attempts: 5, base_backoff: Duration::from_secs(1), max_backoff: Duration::from_secs(300) };
+/// assert_eq!(brokerfence::sqs::receives_needed(&policy, 3), (5, 8));
+/// let long = brokerfence::RetryPolicy { max_attempts: 2, base_backoff: Duration::from_secs(30 * 3600), max_backoff: Duration::from_secs(30 * 3600) };
+/// assert_eq!(brokerfence::sqs::receives_needed(&long, 0), (4, 4)); // 2 attempts + 2 more for a 30 h wait
 /// ```
 pub fn receives_needed(retry: &RetryPolicy, headroom: u32) -> (u32, u32) {
     let attempts = retry.max_attempts.clamp(1, i64::from(u32::MAX / 2));
@@ -57,7 +57,7 @@ impl SqsSource {
     /// The dead-letter queue URL: configured, or read once from the queue's RedrivePolicy.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource) -> Result<(), adapters::sqs::SqsError> {
+    /// # async fn demo(source: brokerfence::sqs::SqsSource) -> Result<(), brokerfence::sqs::SqsError> {
     /// println!("{:?}", source.dead_letter_queue_url().await?);
     /// # Ok(()) }
     /// ```
@@ -113,8 +113,8 @@ impl SqsSource {
     /// [`SqsError::MaxReceiveCountTooLow`] naming the numbers and the fix.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource) -> Result<(), adapters::sqs::SqsError> {
-    /// source.check_max_receive_count(&fence::RetryPolicy::default()).await?;
+    /// # async fn demo(source: brokerfence::sqs::SqsSource) -> Result<(), brokerfence::sqs::SqsError> {
+    /// source.check_max_receive_count(&brokerfence::RetryPolicy::default()).await?;
     /// # Ok(()) }
     /// ```
     pub async fn check_max_receive_count(&self, retry: &RetryPolicy) -> Result<Option<u32>, SqsError> {
@@ -194,7 +194,7 @@ impl SqsSource {
     /// [`REASON_ATTRIBUTE`], the original id in [`SOURCE_MESSAGE_ID_ATTRIBUTE`]), then deletes it.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource, d: adapters::sqs::SqsDelivery) -> Result<(), adapters::sqs::SqsError> {
+    /// # async fn demo(source: brokerfence::sqs::SqsSource, d: brokerfence::sqs::SqsDelivery) -> Result<(), brokerfence::sqs::SqsError> {
     /// source.move_to_dead_letter(&d, "body is not JSON").await?;
     /// # Ok(()) }
     /// ```

@@ -36,7 +36,7 @@ use super::error::SqsError;
 /// extend, delete, re-hide or dead-letter it. Cheap to clone.
 ///
 /// ```no_run
-/// # fn demo(d: adapters::sqs::SqsDelivery) {
+/// # fn demo(d: brokerfence::sqs::SqsDelivery) {
 /// println!("{} received {} times", d.message_id(), d.receive_count());
 /// # }
 /// ```

@@ -9,7 +9,7 @@ use crate::source::SourceError;
 /// What went wrong talking to SQS.
 ///
 /// ```
-/// use adapters::sqs::SqsError;
+/// use brokerfence::sqs::SqsError;
 /// let e = SqsError::Transient { operation: "ReceiveMessage", code: Some("ThrottlingException".into()), message: "slow down".into() };
 /// assert!(e.is_transient());
 /// assert_eq!(e.code(), Some("ThrottlingException"));

@@ -7,7 +7,7 @@ use fence::JobKey;
 /// second delivery of a completed job is acknowledged as a duplicate.
 ///
 /// ```
-/// use adapters::sqs::KeyStrategy;
+/// use brokerfence::sqs::KeyStrategy;
 /// // default: MessageDeduplicationId on FIFO queues, MessageId on standard queues
 /// assert_eq!(KeyStrategy::default(), KeyStrategy::Auto);
 /// // a producer-chosen id, so a message re-sent by the producer dedupes:
@@ -54,7 +54,7 @@ impl KeyStrategy {
     /// reason). `fifo` says whether the queue is a FIFO queue (for [`KeyStrategy::Auto`]).
     ///
     /// ```
-    /// use adapters::sqs::KeyStrategy;
+    /// use brokerfence::sqs::KeyStrategy;
     /// use aws_sdk_sqs::types::{Message, MessageAttributeValue};
     /// let msg = Message::builder()
     ///     .message_id("m-1")

@@ -29,9 +29,9 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use adapters::sqs::{KeyStrategy, SqsConfig, SqsSource, client_from_env};
-//! use adapters::{Consumer, ConsumerConfig};
-//! use fence::{FenceStore, LeaseDuration, PgFence, SupervisorConfig};
+//! use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsSource, client_from_env};
+//! use brokerfence::{Consumer, ConsumerConfig};
+//! use brokerfence::{FenceStore, LeaseDuration, PgFence, SupervisorConfig};
 //!
 //! let store = Arc::new(PgFence::connect("postgres://postgres@127.0.0.1/test").await?);
 //! store.migrate().await?;
@@ -39,7 +39,7 @@
 //! let source = SqsSource::new(client_from_env().await, config);
 //! let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
 //! consumer
-//!     .run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal())
+//!     .run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal())
 //!     .await?;
 //! # Ok(()) }
 //! ```

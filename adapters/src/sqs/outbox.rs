@@ -17,16 +17,16 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// Each row's destination names a queue through [`route`](Self::route). The message body is the
 /// row's payload, which must be UTF-8 text SQS accepts (a row whose payload is not stays unsent,
 /// with [`PublishError::Encode`]); its attributes are the fence stamp (`Fence-Queue`, `Fence-Job`,
-/// `Fence-Epoch`, `Fence-Owner`, type `String`, see [`fence::wire`]) and [`OUTBOX_ID`]. On a FIFO
+/// `Fence-Epoch`, `Fence-Owner`, type `String`, see [`brokerfence::wire`](fence::wire)) and [`OUTBOX_ID`]. On a FIFO
 /// queue the message group is the job key and the deduplication id the outbox row id with the
 /// epoch and job, so a relay's re-send within five minutes is dropped by SQS. Only entries SQS lists as successful
 /// count as accepted; every call is bounded by the call timeout (default 10 s).
 ///
 /// ```no_run
-/// # async fn demo(fence: fence::PgFence) {
+/// # async fn demo(fence: brokerfence::PgFence) {
 /// use std::sync::Arc;
-/// use adapters::outbox::{OutboxRelay, RelayConfig};
-/// use adapters::sqs::{SqsPublisher, client_from_env};
+/// use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+/// use brokerfence::sqs::{SqsPublisher, client_from_env};
 /// let sqs = SqsPublisher::new(client_from_env().await)
 ///     .route("billing", "http://127.0.0.1:4566/000000000000/billing");
 /// let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(Arc::new(sqs));

@@ -133,8 +133,8 @@ impl SqsSource {
     /// than after their visibility timeout. Returns how many messages were given back.
     ///
     /// ```no_run
-    /// # async fn demo(consumer: adapters::Consumer<adapters::sqs::SqsSource>) {
-    /// consumer.run(|ctx: fence::JobContext| async move { Ok(Vec::new()) }, adapters::shutdown_signal()).await.ok();
+    /// # async fn demo(consumer: brokerfence::Consumer<brokerfence::sqs::SqsSource>) {
+    /// consumer.run(|ctx: brokerfence::JobContext| async move { Ok(Vec::new()) }, brokerfence::shutdown_signal()).await.ok();
     /// consumer.source().release_unstarted(std::time::Duration::from_secs(25)).await;
     /// # }
     /// ```

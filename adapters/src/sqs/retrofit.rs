@@ -44,8 +44,8 @@ impl SqsProcessed {
     /// True when the handler's result was committed and the message deleted.
     ///
     /// ```no_run
-    /// # async fn demo(fence: adapters::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
-    /// let done = fence.process(&m, |ctx: fence::JobContext| async move { Ok(Vec::new()) }).await;
+    /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
+    /// let done = fence.process(&m, |ctx: brokerfence::JobContext| async move { Ok(Vec::new()) }).await;
     /// assert!(done.is_completed());
     /// # }
     /// ```
@@ -113,9 +113,9 @@ impl LeaseHook for ExtendHook {
 /// The fence inside a consumer loop you already own. One per worker process.
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use adapters::sqs::{SqsConfig, SqsRetrofit, SqsSource, client_from_env};
-/// use fence::{LeaseDuration, SupervisorConfig};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use brokerfence::sqs::{SqsConfig, SqsRetrofit, SqsSource, client_from_env};
+/// use brokerfence::{LeaseDuration, SupervisorConfig};
 /// let client = client_from_env().await;
 /// let url = "http://127.0.0.1:4566/000000000000/orders";
 /// let fence = SqsRetrofit::new(store, SqsSource::new(client.clone(), SqsConfig::new(url)?),
@@ -123,7 +123,7 @@ impl LeaseHook for ExtendHook {
 /// loop {
 ///     let out = client.receive_message().queue_url(url).wait_time_seconds(20).send().await?;
 ///     for message in out.messages() {
-///         let done = fence.process(message, |ctx: fence::JobContext| async move {
+///         let done = fence.process(message, |ctx: brokerfence::JobContext| async move {
 ///             Ok(format!("handled {} at epoch {}", ctx.key(), ctx.epoch()).into_bytes())
 ///         }).await;
 ///         println!("{:?}", done.disposition); // deleted, re-hidden, dead-lettered or left

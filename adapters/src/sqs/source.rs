@@ -39,14 +39,14 @@ use crate::source::{Incoming, Source, SourceError};
 ///   `Fence-Dead-Letter-Reason` attribute, then `DeleteMessage`.
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn fence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use adapters::sqs::{SqsConfig, SqsSource, client_from_env};
-/// use adapters::{Consumer, ConsumerConfig};
-/// use fence::{LeaseDuration, SupervisorConfig};
+/// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use brokerfence::sqs::{SqsConfig, SqsSource, client_from_env};
+/// use brokerfence::{Consumer, ConsumerConfig};
+/// use brokerfence::{LeaseDuration, SupervisorConfig};
 /// let client = client_from_env().await;
 /// let source = SqsSource::new(client, SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?);
 /// let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
-/// consumer.run(|ctx: fence::JobContext| async move { Ok(ctx.payload().to_vec()) }, adapters::shutdown_signal()).await?;
+/// consumer.run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal()).await?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -110,9 +110,9 @@ impl SqsSource {
     /// Wraps a message received elsewhere (your own `ReceiveMessage`) so this source can act on it.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource, m: aws_sdk_sqs::types::Message) -> Result<(), adapters::sqs::SqsError> {
+    /// # async fn demo(source: brokerfence::sqs::SqsSource, m: aws_sdk_sqs::types::Message) -> Result<(), brokerfence::sqs::SqsError> {
     /// let d = source.delivery(m)?;
-    /// source.apply(&d, &adapters::Disposition::Abandon).await?; // visible again at once
+    /// source.apply(&d, &brokerfence::Disposition::Abandon).await?; // visible again at once
     /// # Ok(()) }
     /// ```
     pub fn delivery(&self, message: aws_sdk_sqs::types::Message) -> Result<SqsDelivery, SqsError> {
@@ -122,8 +122,8 @@ impl SqsSource {
     /// What the runtime gets for a delivery: its key and body, or the reason it has no key.
     ///
     /// ```no_run
-    /// # fn demo(source: adapters::sqs::SqsSource, d: adapters::sqs::SqsDelivery) {
-    /// if let adapters::Incoming::Malformed { reason, .. } = source.incoming(d) {
+    /// # fn demo(source: brokerfence::sqs::SqsSource, d: brokerfence::sqs::SqsDelivery) {
+    /// if let brokerfence::Incoming::Malformed { reason, .. } = source.incoming(d) {
     ///     eprintln!("no job key: {reason}");
     /// }
     /// # }
@@ -194,7 +194,7 @@ impl SqsSource {
     /// with it: it comes back, and its redelivery is acknowledged as a duplicate.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource, done: Vec<adapters::sqs::SqsDelivery>) -> Result<(), adapters::sqs::SqsError> {
+    /// # async fn demo(source: brokerfence::sqs::SqsSource, done: Vec<brokerfence::sqs::SqsDelivery>) -> Result<(), brokerfence::sqs::SqsError> {
     /// source.delete(&done).await?; // only after the fenced commit succeeded
     /// # Ok(()) }
     /// ```
@@ -227,7 +227,7 @@ impl SqsSource {
     /// Never call it for a lease the database did not just confirm: a stale handle is no fence.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource, confirmed: Vec<(fence::Lease, adapters::sqs::SqsDelivery)>) -> Result<(), adapters::sqs::SqsError> {
+    /// # async fn demo(source: brokerfence::sqs::SqsSource, confirmed: Vec<(brokerfence::Lease, brokerfence::sqs::SqsDelivery)>) -> Result<(), brokerfence::sqs::SqsError> {
     /// source.extend_visibility(&confirmed).await?;
     /// # Ok(()) }
     /// ```
@@ -250,8 +250,8 @@ impl SqsSource {
     /// the [`Source`] methods itself). `Leave` touches nothing.
     ///
     /// ```no_run
-    /// # async fn demo(source: adapters::sqs::SqsSource, d: adapters::sqs::SqsDelivery) -> Result<(), adapters::sqs::SqsError> {
-    /// source.apply(&d, &adapters::Disposition::Ack).await?; // DeleteMessage
+    /// # async fn demo(source: brokerfence::sqs::SqsSource, d: brokerfence::sqs::SqsDelivery) -> Result<(), brokerfence::sqs::SqsError> {
+    /// source.apply(&d, &brokerfence::Disposition::Ack).await?; // DeleteMessage
     /// # Ok(()) }
     /// ```
     pub async fn apply(&self, d: &SqsDelivery, disposition: &Disposition) -> Result<(), SqsError> {
