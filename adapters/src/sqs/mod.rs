@@ -66,7 +66,7 @@ pub use error::SqsError;
 pub use key::KeyStrategy;
 pub use outbox::SqsPublisher;
 pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};
-pub use source::SqsSource;
+pub use source::{CHECK_ATTEMPTS, SqsSource};
 
 /// The AWS configuration loader, re-exported for the same reason.
 pub use aws_config;
