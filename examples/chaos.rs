@@ -391,12 +391,14 @@ impl From<String> for RunnerArgsError {
 }
 
 fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerArgsError> {
-    let cli = <RunnerCli as clap::Parser>::try_parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()))
-        .map_err(RunnerArgsError::Cli)?;
+    let cli =
+        <RunnerCli as clap::Parser>::try_parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()))
+            .map_err(RunnerArgsError::Cli)?;
     let database_url = match cli.database_url {
         Some(url) => url,
-        None => brokerfence::services::var("DATABASE_URL")
-            .ok_or_else(|| "DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first".to_owned())?,
+        None => brokerfence::services::var("DATABASE_URL").ok_or_else(|| {
+            "DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first".to_owned()
+        })?,
     };
     let mut c = ChaosConfig::new(SourceKind::Table, database_url, Launcher::this_example()?);
     c.keep_logs = cli.keep_logs;

@@ -79,8 +79,11 @@ fn main() {
             std::process::exit(e.exit_code());
         }
     };
-    let result =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string()).and_then(|rt| rt.block_on(soak(o)));
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())
+        .and_then(|rt| rt.block_on(soak(o)));
     if let Err(e) = result {
         eprintln!("soak: {e}");
         std::process::exit(1);

@@ -78,8 +78,7 @@ async fn run(args: Args, queue_url: String) -> Result<(), Box<dyn std::error::Er
                     }
                     entries.push(entry.build()?);
                 }
-                let out =
-                    client.send_message_batch().queue_url(queue_url).set_entries(Some(entries)).send().await?;
+                let out = client.send_message_batch().queue_url(queue_url).set_entries(Some(entries)).send().await?;
                 if let Some(f) = out.failed().first() {
                     return Err(format!(
                         "{} messages not sent, e.g. {}: {:?}",
@@ -118,7 +117,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(args, queue_url)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{PROG}: {}", brokerfence::adapters::sqs::aws_sdk_sqs::error::DisplayErrorContext(&*e));
+            eprintln!("{PROG}: {}", brokerfence::adapters::sqs::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

@@ -70,7 +70,8 @@ pub enum RedisError {
     /// the password) and the cause.
     #[error(
         "cannot connect to Redis at {addr}: {}; check that Redis is running and listening there, and the \
-         URL (REDIS_URL or --redis-url)", connect_cause(source)
+         URL (REDIS_URL or --redis-url)",
+        connect_cause(source)
     )]
     Unreachable {
         /// `host:port`, or the socket path.

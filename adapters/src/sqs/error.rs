@@ -2,7 +2,7 @@
 //! retrying.
 
 use aws_sdk_sqs::config::http::HttpResponse;
-use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 
 use crate::source::SourceError;
 
@@ -262,13 +262,8 @@ pub(crate) fn short_cause<E>(err: &SdkError<E, HttpResponse>) -> String
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
 {
-    if let SdkError::ServiceError(ctx) = err {
-        let status = ctx.raw().status().as_u16();
-        return match (ctx.err().code(), ctx.err().message()) {
-            (Some(code), Some(message)) => format!("{code}: {message} (HTTP {status})"),
-            (Some(code), None) => format!("{code} (HTTP {status})"),
-            _ => format!("{} (HTTP {status})", DisplayErrorContext(err)),
-        };
+    if let SdkError::ServiceError(_) = err {
+        return sdk_error_text(err);
     }
     let kind = match err {
         SdkError::TimeoutError(_) => "timed out",
@@ -291,13 +286,52 @@ where
     }
 }
 
+/// An error and its causes on one line, each message once, joined by ": " (the chain
+/// `DisplayErrorContext` prints, without the `Debug` dump it appends: for an SDK service error
+/// that dump holds the whole HTTP response, headers and body, some 2 KB).
+///
+/// ```
+/// let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused (os error 111)");
+/// assert_eq!(adapters::sqs::error_chain(&io), "Connection refused (os error 111)");
+/// ```
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(err);
+    while let Some(e) = next {
+        let text = e.to_string();
+        // A wrapper that repeats its source's text (or ends with it) adds nothing.
+        if !text.is_empty() && !parts.last().is_some_and(|p| p.ends_with(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+/// The text of an SDK error: for an answer of SQS its code, message and HTTP status; otherwise
+/// the chain of causes ([`error_chain`]).
+pub(crate) fn sdk_error_text<E>(err: &SdkError<E, HttpResponse>) -> String
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+{
+    if let SdkError::ServiceError(ctx) = err {
+        let status = ctx.raw().status().as_u16();
+        match (ctx.err().code(), ctx.err().message()) {
+            (Some(code), Some(message)) => return format!("{code}: {message} (HTTP {status})"),
+            (Some(code), None) => return format!("{code} (HTTP {status})"),
+            _ => return format!("{} (HTTP {status})", error_chain(ctx.err())),
+        }
+    }
+    error_chain(err)
+}
+
 /// Classifies an SDK error: throttling, 5xx, timeouts and connection failures are transient;
 /// everything SQS refused on purpose is not.
 pub(crate) fn classify<E>(operation: &'static str, err: SdkError<E, HttpResponse>) -> SqsError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
 {
-    let message = DisplayErrorContext(&err).to_string();
+    let message = sdk_error_text(&err);
     match &err {
         SdkError::ServiceError(ctx) => {
             let code = ctx.err().code().map(str::to_owned);

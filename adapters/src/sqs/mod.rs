@@ -62,7 +62,7 @@ pub use config::{
 };
 pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_needed};
 pub use delivery::SqsDelivery;
-pub use error::SqsError;
+pub use error::{SqsError, error_chain};
 pub use key::KeyStrategy;
 pub use outbox::SqsPublisher;
 pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};

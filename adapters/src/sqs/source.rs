@@ -155,7 +155,8 @@ impl SqsSource {
             let cause = match tokio::time::timeout(limit, call).await {
                 Ok(Ok(_)) => return Ok(()),
                 Ok(Err(SdkError::ServiceError(ctx))) if ctx.err().code().is_some_and(is_missing_queue_code) => {
-                    let region = self.inner.client.config().region().map_or_else(|| "not set".to_owned(), |r| r.to_string());
+                    let region =
+                        self.inner.client.config().region().map_or_else(|| "not set".to_owned(), |r| r.to_string());
                     return Err(SqsError::QueueNotFound { queue_url: queue_url.clone(), endpoint, region });
                 }
                 Ok(Err(e)) => {
@@ -169,14 +170,11 @@ impl SqsSource {
                 Err(_) => format!("no answer within {limit:?}"),
             };
             if attempt >= CHECK_ATTEMPTS {
-                return Err(SqsError::Unreachable {
-                    endpoint,
-                    queue_url: queue_url.clone(),
-                    attempts: attempt,
-                    cause,
-                });
+                return Err(SqsError::Unreachable { endpoint, queue_url: queue_url.clone(), attempts: attempt, cause });
             }
-            tracing::warn!("SQS at {endpoint}: attempt {attempt} of {CHECK_ATTEMPTS} failed: {cause}; retrying in {wait:?}");
+            tracing::warn!(
+                "SQS at {endpoint}: attempt {attempt} of {CHECK_ATTEMPTS} failed: {cause}; retrying in {wait:?}"
+            );
             tokio::time::sleep(wait).await;
             wait = wait.saturating_mul(2);
             attempt += 1;
