@@ -1761,50 +1761,81 @@ struct WorkerOpts {
     guards: Vec<String>,
 }
 
-fn parse_worker_args(args: &[String]) -> Result<WorkerOpts, String> {
-    let mut o = WorkerOpts {
-        source: SourceKind::Table,
-        db: String::new(),
-        app: "chaos-w".into(),
-        schema: String::new(),
-        queue: String::new(),
-        receiver: String::new(),
-        lease_secs: 3,
-        concurrency: 4,
-        batch: 10,
-        work: Duration::from_millis(20),
-        slow: Duration::from_secs(4),
-        id: 0,
-        sqs_queue_url: None,
-        redis_url: None,
-        stream: None,
-        guards: Vec::new(),
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?.clone();
-        let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--source" => o.source = SourceKind::parse(&value)?,
-            "--db" => o.db = value,
-            "--app" => o.app = value,
-            "--schema" => o.schema = value,
-            "--queue" => o.queue = value,
-            "--receiver" => o.receiver = value,
-            "--lease-secs" => o.lease_secs = num(&value)?,
-            "--concurrency" => o.concurrency = num(&value)? as usize,
-            "--batch" => o.batch = num(&value)? as usize,
-            "--work-ms" => o.work = Duration::from_millis(num(&value)?),
-            "--slow-ms" => o.slow = Duration::from_millis(num(&value)?),
-            "--id" => o.id = num(&value)? as usize,
-            "--sqs-queue-url" => o.sqs_queue_url = Some(value),
-            "--redis-url" => o.redis_url = Some(value),
-            "--stream" => o.stream = Some(value),
-            "--guards" => o.guards = value.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
-            other => return Err(format!("unknown worker option {other}")),
-        }
-    }
-    Ok(o)
+/// A chaos worker process (started by the chaos runner): runs one consumer until SIGTERM.
+#[derive(clap::Parser)]
+#[command(name = "chaos --worker", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+struct WorkerCli {
+    /// table, sqs or redis
+    #[arg(long, value_name = "SOURCE", default_value = "table", value_parser = SourceKind::parse)]
+    source: SourceKind,
+    /// PostgreSQL URL
+    #[arg(long, value_name = "URL", default_value = "")]
+    db: String,
+    /// application_name prefix
+    #[arg(long, value_name = "NAME", default_value = "chaos-w")]
+    app: String,
+    /// Schema of the fence tables
+    #[arg(long, value_name = "NAME", default_value = "")]
+    schema: String,
+    /// The queue
+    #[arg(long, value_name = "NAME", default_value = "")]
+    queue: String,
+    /// The receiver's URL
+    #[arg(long, value_name = "URL", default_value = "")]
+    receiver: String,
+    /// Lease in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 3)]
+    lease_secs: u64,
+    /// Jobs at once
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    concurrency: usize,
+    /// Claim batch
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    batch: usize,
+    /// Milliseconds of work per job
+    #[arg(long = "work-ms", value_name = "MS", default_value_t = 20)]
+    work_ms: u64,
+    /// Milliseconds a slow job waits
+    #[arg(long = "slow-ms", value_name = "MS", default_value_t = 4000)]
+    slow_ms: u64,
+    /// Worker number
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    id: usize,
+    /// SQS queue URL (source sqs)
+    #[arg(long, value_name = "URL")]
+    sqs_queue_url: Option<String>,
+    /// Redis URL (source redis)
+    #[arg(long, value_name = "URL")]
+    redis_url: Option<String>,
+    /// Redis stream (source redis)
+    #[arg(long, value_name = "KEY")]
+    stream: Option<String>,
+    /// Test builds with feature guard-switches only: guards to turn off
+    #[arg(long, value_name = "LIST", default_value = "")]
+    guards: String,
+}
+
+fn parse_worker_args(args: &[String]) -> Result<WorkerOpts, clap::Error> {
+    let c =
+        <WorkerCli as clap::Parser>::try_parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()))?;
+    Ok(WorkerOpts {
+        source: c.source,
+        db: c.db,
+        app: c.app,
+        schema: c.schema,
+        queue: c.queue,
+        receiver: c.receiver,
+        lease_secs: c.lease_secs,
+        concurrency: c.concurrency,
+        batch: c.batch,
+        work: Duration::from_millis(c.work_ms),
+        slow: Duration::from_millis(c.slow_ms),
+        id: c.id,
+        sqs_queue_url: c.sqs_queue_url,
+        redis_url: c.redis_url,
+        stream: c.stream,
+        guards: c.guards.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
+    })
 }
 
 fn event(line: impl std::fmt::Display) {
@@ -1832,8 +1863,8 @@ pub fn worker_main(args: Vec<String>) -> i32 {
     let opts = match parse_worker_args(&args) {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("chaos worker: {e}");
-            return 2;
+            let _ = e.print();
+            return e.exit_code();
         }
     };
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
