@@ -301,44 +301,163 @@ impl ChaosConfig {
     }
 }
 
-fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, String> {
-    let database_url = brokerfence::services::var("DATABASE_URL")
-        .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
+/// Chaos run: worker processes consume jobs while faults are injected (SIGSTOP, SIGKILL,
+/// connections cut, broker and PostgreSQL stalls); the report checks that every job ended once,
+/// with its newest epoch's effect. Exit codes: 0 no violation, 1 violations, 2 could not run.
+/// (`chaos --worker …` is the worker process the runner starts.)
+#[derive(clap::Parser)]
+#[command(name = "chaos", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+struct RunnerCli {
+    /// table, sqs or redis
+    #[arg(long, value_name = "SOURCE", value_parser = SourceKind::parse)]
+    source: Option<SourceKind>,
+    /// Worker processes at once
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    workers: Option<usize>,
+    /// Jobs
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    jobs: Option<usize>,
+    /// Jobs at once per worker
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    concurrency: Option<usize>,
+    /// Claim batch per worker
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    batch: Option<usize>,
+    /// Milliseconds of work per job
+    #[arg(long = "work-ms", value_name = "MS")]
+    work_ms: Option<u64>,
+    /// Lease in seconds
+    #[arg(long, value_name = "SECS")]
+    lease_secs: Option<u64>,
+    /// Milliseconds between faults (at least 100)
+    #[arg(long = "fault-every-ms", value_name = "MS")]
+    fault_every_ms: Option<u64>,
+    /// Seconds the run may take
+    #[arg(long, value_name = "SECS")]
+    deadline_secs: Option<u64>,
+    /// Every Nth job is poison (0: none)
+    #[arg(long, value_name = "N")]
+    poison_every: Option<usize>,
+    /// Every Nth job fails its first attempt (0: none)
+    #[arg(long, value_name = "N")]
+    flaky_every: Option<usize>,
+    /// Every Nth job is slow (0: none)
+    #[arg(long, value_name = "N")]
+    slow_every: Option<usize>,
+    /// Milliseconds a slow job waits [default: twice the lease]
+    #[arg(long = "slow-ms", value_name = "MS")]
+    slow_ms: Option<u64>,
+    /// Faults to inject, comma separated
+    #[arg(long, value_name = "LIST")]
+    faults: Option<String>,
+    /// Milliseconds a stall lasts [default: lease + 2 s]
+    #[arg(long = "stall-ms", value_name = "MS")]
+    stall_ms: Option<u64>,
+    /// Most faults to inject
+    #[arg(long, value_name = "N")]
+    max_faults: Option<usize>,
+    /// Random seed
+    #[arg(long, value_name = "N")]
+    seed: Option<u64>,
+    /// PostgreSQL URL (else DATABASE_URL, else localstack/.env)
+    #[arg(long, value_name = "URL")]
+    database_url: Option<String>,
+    /// Test builds with feature guard-switches only: guards the workers turn off
+    #[arg(long, value_name = "LIST")]
+    guards: Option<String>,
+    /// Keep the workers' logs
+    #[arg(long)]
+    keep_logs: bool,
+    /// Less output
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn at_least_one(v: &str) -> Result<usize, String> {
+    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+}
+
+/// Why the runner's command line was not run: clap's answer (help or a usage error), or a
+/// setting that is missing or wrong.
+enum RunnerArgsError {
+    Cli(clap::Error),
+    Setup(String),
+}
+
+impl From<String> for RunnerArgsError {
+    fn from(e: String) -> Self {
+        RunnerArgsError::Setup(e)
+    }
+}
+
+fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerArgsError> {
+    let cli =
+        <RunnerCli as clap::Parser>::try_parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()))
+            .map_err(RunnerArgsError::Cli)?;
+    let database_url = match cli.database_url {
+        Some(url) => url,
+        None => brokerfence::services::var("DATABASE_URL").ok_or_else(|| {
+            "DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first".to_owned()
+        })?,
+    };
     let mut c = ChaosConfig::new(SourceKind::Table, database_url, Launcher::this_example()?);
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        if flag == "--keep-logs" {
-            c.keep_logs = true;
-            continue;
-        }
-        if flag == "--quiet" {
-            c.verbose = false;
-            continue;
-        }
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--source" => c.source = SourceKind::parse(value)?,
-            "--workers" => c.workers = num(value)?.max(1) as usize,
-            "--jobs" => c.jobs = num(value)?.max(1) as usize,
-            "--concurrency" => c.concurrency = num(value)?.max(1) as usize,
-            "--batch" => c.batch = num(value)?.max(1) as usize,
-            "--work-ms" => c.work = Duration::from_millis(num(value)?),
-            "--lease-secs" => c.lease_secs = num(value)?,
-            "--fault-every-ms" => c.fault_every = Duration::from_millis(num(value)?.max(100)),
-            "--deadline-secs" => c.deadline = Duration::from_secs(num(value)?),
-            "--poison-every" => c.poison_every = num(value)? as usize,
-            "--flaky-every" => c.flaky_every = num(value)? as usize,
-            "--slow-every" => c.slow_every = num(value)? as usize,
-            "--slow-ms" => c.slow_work = Some(Duration::from_millis(num(value)?)),
-            "--faults" => c.faults = FaultKind::parse_list(value)?,
-            "--stall-ms" => c.stall = Some(Duration::from_millis(num(value)?)),
-            "--max-faults" => c.max_faults = Some(num(value)? as usize),
-            "--seed" => c.seed = num(value)?,
-            "--database-url" => c.database_url = value.clone(),
-            "--guards" => c.worker_guards = value.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
-            other => return Err(format!("unknown option {other}")),
-        }
+    c.keep_logs = cli.keep_logs;
+    if cli.quiet {
+        c.verbose = false;
+    }
+    if let Some(v) = cli.source {
+        c.source = v;
+    }
+    if let Some(v) = cli.workers {
+        c.workers = v;
+    }
+    if let Some(v) = cli.jobs {
+        c.jobs = v;
+    }
+    if let Some(v) = cli.concurrency {
+        c.concurrency = v;
+    }
+    if let Some(v) = cli.batch {
+        c.batch = v;
+    }
+    if let Some(v) = cli.work_ms {
+        c.work = Duration::from_millis(v);
+    }
+    if let Some(v) = cli.lease_secs {
+        c.lease_secs = v;
+    }
+    if let Some(v) = cli.fault_every_ms {
+        c.fault_every = Duration::from_millis(v.max(100));
+    }
+    if let Some(v) = cli.deadline_secs {
+        c.deadline = Duration::from_secs(v);
+    }
+    if let Some(v) = cli.poison_every {
+        c.poison_every = v;
+    }
+    if let Some(v) = cli.flaky_every {
+        c.flaky_every = v;
+    }
+    if let Some(v) = cli.slow_every {
+        c.slow_every = v;
+    }
+    if let Some(v) = cli.slow_ms {
+        c.slow_work = Some(Duration::from_millis(v));
+    }
+    if let Some(v) = cli.faults {
+        c.faults = FaultKind::parse_list(&v)?;
+    }
+    if let Some(v) = cli.stall_ms {
+        c.stall = Some(Duration::from_millis(v));
+    }
+    if cli.max_faults.is_some() {
+        c.max_faults = cli.max_faults;
+    }
+    if let Some(v) = cli.seed {
+        c.seed = v;
+    }
+    if let Some(v) = cli.guards {
+        c.worker_guards = v.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect();
     }
     LeaseDuration::from_secs(c.lease_secs).map_err(|e| e.to_string())?;
     Ok(c)
@@ -347,7 +466,11 @@ fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, String> {
 fn runner_main(args: Vec<String>) -> i32 {
     let config = match parse_runner_args(&args) {
         Ok(c) => c,
-        Err(e) => {
+        Err(RunnerArgsError::Cli(e)) => {
+            let _ = e.print();
+            return e.exit_code();
+        }
+        Err(RunnerArgsError::Setup(e)) => {
             eprintln!("chaos: {e}");
             return 2;
         }
@@ -1638,50 +1761,81 @@ struct WorkerOpts {
     guards: Vec<String>,
 }
 
-fn parse_worker_args(args: &[String]) -> Result<WorkerOpts, String> {
-    let mut o = WorkerOpts {
-        source: SourceKind::Table,
-        db: String::new(),
-        app: "chaos-w".into(),
-        schema: String::new(),
-        queue: String::new(),
-        receiver: String::new(),
-        lease_secs: 3,
-        concurrency: 4,
-        batch: 10,
-        work: Duration::from_millis(20),
-        slow: Duration::from_secs(4),
-        id: 0,
-        sqs_queue_url: None,
-        redis_url: None,
-        stream: None,
-        guards: Vec::new(),
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?.clone();
-        let num = |v: &str| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--source" => o.source = SourceKind::parse(&value)?,
-            "--db" => o.db = value,
-            "--app" => o.app = value,
-            "--schema" => o.schema = value,
-            "--queue" => o.queue = value,
-            "--receiver" => o.receiver = value,
-            "--lease-secs" => o.lease_secs = num(&value)?,
-            "--concurrency" => o.concurrency = num(&value)? as usize,
-            "--batch" => o.batch = num(&value)? as usize,
-            "--work-ms" => o.work = Duration::from_millis(num(&value)?),
-            "--slow-ms" => o.slow = Duration::from_millis(num(&value)?),
-            "--id" => o.id = num(&value)? as usize,
-            "--sqs-queue-url" => o.sqs_queue_url = Some(value),
-            "--redis-url" => o.redis_url = Some(value),
-            "--stream" => o.stream = Some(value),
-            "--guards" => o.guards = value.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
-            other => return Err(format!("unknown worker option {other}")),
-        }
-    }
-    Ok(o)
+/// A chaos worker process (started by the chaos runner): runs one consumer until SIGTERM.
+#[derive(clap::Parser)]
+#[command(name = "chaos --worker", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+struct WorkerCli {
+    /// table, sqs or redis
+    #[arg(long, value_name = "SOURCE", default_value = "table", value_parser = SourceKind::parse)]
+    source: SourceKind,
+    /// PostgreSQL URL
+    #[arg(long, value_name = "URL", default_value = "")]
+    db: String,
+    /// application_name prefix
+    #[arg(long, value_name = "NAME", default_value = "chaos-w")]
+    app: String,
+    /// Schema of the fence tables
+    #[arg(long, value_name = "NAME", default_value = "")]
+    schema: String,
+    /// The queue
+    #[arg(long, value_name = "NAME", default_value = "")]
+    queue: String,
+    /// The receiver's URL
+    #[arg(long, value_name = "URL", default_value = "")]
+    receiver: String,
+    /// Lease in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 3)]
+    lease_secs: u64,
+    /// Jobs at once
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    concurrency: usize,
+    /// Claim batch
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    batch: usize,
+    /// Milliseconds of work per job
+    #[arg(long = "work-ms", value_name = "MS", default_value_t = 20)]
+    work_ms: u64,
+    /// Milliseconds a slow job waits
+    #[arg(long = "slow-ms", value_name = "MS", default_value_t = 4000)]
+    slow_ms: u64,
+    /// Worker number
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    id: usize,
+    /// SQS queue URL (source sqs)
+    #[arg(long, value_name = "URL")]
+    sqs_queue_url: Option<String>,
+    /// Redis URL (source redis)
+    #[arg(long, value_name = "URL")]
+    redis_url: Option<String>,
+    /// Redis stream (source redis)
+    #[arg(long, value_name = "KEY")]
+    stream: Option<String>,
+    /// Test builds with feature guard-switches only: guards to turn off
+    #[arg(long, value_name = "LIST", default_value = "")]
+    guards: String,
+}
+
+fn parse_worker_args(args: &[String]) -> Result<WorkerOpts, clap::Error> {
+    let c =
+        <WorkerCli as clap::Parser>::try_parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()))?;
+    Ok(WorkerOpts {
+        source: c.source,
+        db: c.db,
+        app: c.app,
+        schema: c.schema,
+        queue: c.queue,
+        receiver: c.receiver,
+        lease_secs: c.lease_secs,
+        concurrency: c.concurrency,
+        batch: c.batch,
+        work: Duration::from_millis(c.work_ms),
+        slow: Duration::from_millis(c.slow_ms),
+        id: c.id,
+        sqs_queue_url: c.sqs_queue_url,
+        redis_url: c.redis_url,
+        stream: c.stream,
+        guards: c.guards.split(',').filter(|g| !g.is_empty()).map(str::to_owned).collect(),
+    })
 }
 
 fn event(line: impl std::fmt::Display) {
@@ -1709,8 +1863,8 @@ pub fn worker_main(args: Vec<String>) -> i32 {
     let opts = match parse_worker_args(&args) {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("chaos worker: {e}");
-            return 2;
+            let _ = e.print();
+            return e.exit_code();
         }
     };
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {

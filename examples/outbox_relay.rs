@@ -35,17 +35,62 @@ use sqlx::AssertSqlSafe;
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{Cli, CliExit, Common, EventSource, EventStore, StartError, event, lease_event};
+use common::{Common, EventSource, EventStore, StartError, event, lease_event};
 
 const PROG: &str = "outbox_relay";
 
-fn usage() -> String {
-    format!(
-        "usage: outbox_relay worker --queue NAME [--destination DEST]... [--in-tx-delay MS=0] [--idle-wait MS=100]\n{}\n\
-         usage: outbox_relay relay [--sqs DEST=QUEUE_URL]... [--redis DEST=STREAM]... [--redis-url URL]\n       \
-         [--batch N=100] [--idle-wait MS=200] [--database-url URL] [--schema NAME] [--migrate] [--help]",
-        common::COMMON_USAGE
-    )
+/// The transactional outbox: `worker` completes table-queue jobs and writes outbox rows in the
+/// same transaction; `relay` publishes the outbox rows to SQS queues and Redis streams. Prints
+/// `EVENT` lines on stdout (examples/README.md). Exit codes: 0 stopped by SIGTERM/Ctrl-C,
+/// 1 failed, 2 refused.
+#[derive(clap::Parser)]
+#[command(name = PROG, help_template = common::HELP_TEMPLATE)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Complete table-queue jobs, writing an order row and outbox rows in one transaction
+    #[command(help_template = common::HELP_TEMPLATE)]
+    Worker {
+        /// The table queue
+        #[arg(long, value_name = "NAME", required = true)]
+        queue: Option<String>,
+        /// An outbox destination of every job (repeat for several)
+        #[arg(long = "destination", value_name = "DEST")]
+        destinations: Vec<String>,
+        /// Milliseconds to wait inside the transaction, before the commit
+        #[arg(long, value_name = "MS", default_value = "0", value_parser = common::millis)]
+        in_tx_delay: Duration,
+        /// Milliseconds to wait when the queue is empty
+        #[arg(long, value_name = "MS", default_value = "100", value_parser = common::millis)]
+        idle_wait: Duration,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Publish outbox rows: DEST=QUEUE_URL to SQS, DEST=STREAM to Redis
+    #[command(help_template = common::HELP_TEMPLATE)]
+    Relay {
+        /// Publish destination DEST to this SQS queue (repeat for several)
+        #[arg(long, value_name = "DEST=QUEUE_URL", value_parser = pair)]
+        sqs: Vec<(String, String)>,
+        /// Publish destination DEST to this Redis stream (repeat for several)
+        #[arg(long, value_name = "DEST=STREAM", value_parser = pair)]
+        redis: Vec<(String, String)>,
+        /// Redis URL (else REDIS_URL, else localstack/.env)
+        #[arg(long, value_name = "URL")]
+        redis_url: Option<String>,
+        /// Rows per relay round
+        #[arg(long, value_name = "N", default_value_t = 100, value_parser = batch_size)]
+        batch: u32,
+        /// Milliseconds to wait when the outbox is empty
+        #[arg(long, value_name = "MS", default_value = "200", value_parser = common::millis)]
+        idle_wait: Duration,
+        #[command(flatten)]
+        common: Common,
+    },
 }
 
 enum Args {
@@ -66,56 +111,27 @@ enum Args {
     },
 }
 
-fn pair(flag: &mut common::Flag<'_>) -> Result<(String, String), CliExit> {
-    let v = flag.value()?;
+fn pair(v: &str) -> Result<(String, String), String> {
     match v.split_once('=') {
         Some((d, t)) if !d.is_empty() && !t.is_empty() => Ok((d.to_owned(), t.to_owned())),
-        _ => Err(CliExit::Usage(format!("{} {v:?}: expected DEST=TARGET", flag.name))),
+        _ => Err(format!("{v:?}: expected DEST=TARGET")),
     }
 }
 
-fn parse_args(mut raw: Vec<String>) -> Result<Args, CliExit> {
-    if raw.first().is_some_and(|a| a == "--help" || a == "-h") {
-        return Err(CliExit::Help);
-    }
-    if raw.is_empty() {
-        return Err(CliExit::Usage("give a subcommand: worker or relay".into()));
-    }
-    let sub = raw.remove(0);
-    let mut common = Common::default();
-    let (mut queue, mut destinations, mut sqs, mut redis, mut redis_url) =
-        (None, Vec::new(), Vec::new(), Vec::new(), None);
-    let (mut batch, mut idle_wait, mut in_tx_delay) = (100u32, None, Duration::ZERO);
-    let mut cli = Cli::new(raw);
-    while let Some(flag) = cli.next_flag() {
-        let mut flag = flag?;
-        if common.take(&mut flag)? {
-            continue;
+fn batch_size(v: &str) -> Result<u32, String> {
+    v.parse::<u32>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+}
+
+fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
+    let cli: Cli = common::parse(PROG, raw)?;
+    Ok(match cli.command {
+        Command::Worker { queue, destinations, in_tx_delay, idle_wait, common } => {
+            Args::Worker { common, queue: queue.unwrap_or_default(), destinations, in_tx_delay, idle_wait }
         }
-        match (sub.as_str(), flag.name.as_str()) {
-            (_, "--idle-wait") => idle_wait = Some(flag.ms()?),
-            ("worker", "--queue") => queue = Some(flag.value()?),
-            ("worker", "--destination") => destinations.push(flag.value()?),
-            ("worker", "--in-tx-delay") => in_tx_delay = flag.ms()?,
-            ("relay", "--sqs") => sqs.push(pair(&mut flag)?),
-            ("relay", "--redis") => redis.push(pair(&mut flag)?),
-            ("relay", "--redis-url") => redis_url = Some(flag.value()?),
-            ("relay", "--batch") => batch = flag.num::<u32>()?.max(1),
-            _ => return Err(flag.unknown()),
+        Command::Relay { sqs, redis, redis_url, batch, idle_wait, common } => {
+            Args::Relay { common, sqs, redis, redis_url, batch, idle_wait }
         }
-    }
-    match sub.as_str() {
-        "worker" => {
-            let queue = queue.ok_or_else(|| CliExit::Usage("--queue is required".into()))?;
-            let idle_wait = idle_wait.unwrap_or(Duration::from_millis(100));
-            Ok(Args::Worker { common, queue, destinations, in_tx_delay, idle_wait })
-        }
-        "relay" => {
-            let idle_wait = idle_wait.unwrap_or(Duration::from_millis(200));
-            Ok(Args::Relay { common, sqs, redis, redis_url, batch, idle_wait })
-        }
-        other => Err(CliExit::Usage(format!("unknown subcommand {other:?} (worker or relay)"))),
-    }
+    })
 }
 
 /// The example's business table (created with `--migrate`).
@@ -283,7 +299,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
 
 /// Runs the program with command-line arguments (without the program name); the exit code.
 pub fn run(raw: Vec<String>) -> i32 {
-    common::run_program(PROG, &usage, "info", parse_args(raw), serve)
+    common::run_program(PROG, "info", parse_args(raw), serve)
 }
 
 #[allow(dead_code)] // not called when a test includes this file as a module

@@ -32,56 +32,69 @@ pub use producer::run;
 
 #[cfg(feature = "redis")]
 mod producer {
-    use brokerfence::adapters::redis::client::{self, aio::MultiplexedConnection};
+    use brokerfence::adapters::redis::client;
+    use brokerfence::adapters::redis::{RedisConnections, RedisError};
 
-    use super::common::{Cli, CliExit};
+    /// Why the producer did not finish: exit 2 (refused) or 1 (failed).
+    enum Failure {
+        Refused(String),
+        Failed(String),
+    }
 
-    const USAGE: &str = "usage: redis_produce (--stream KEY | --list KEY) [--count N=100] [--start I=0]
-       [--key-prefix P] [--body TEXT=hello] [--bad N=0] [--redis-url URL] [--help]";
+    impl From<client::RedisError> for Failure {
+        fn from(e: client::RedisError) -> Self {
+            Failure::Failed(e.to_string())
+        }
+    }
 
-    #[derive(Debug, Default)]
+    use super::common;
+
+    const PROG: &str = "redis_produce";
+
+    /// Sends N jobs to a Redis stream (XADD, field `body`, optionally a `key` field) or list
+    /// (LPUSH key|body), for redis_worker. Prints `EVENT produced n=…`. Exit codes: 0 done,
+    /// 1 failed, 2 bad command line or Redis URL.
+    #[derive(Debug, clap::Parser)]
+    #[command(name = PROG, help_template = common::HELP_TEMPLATE)]
     struct Args {
+        /// Send to this stream (give --stream or --list)
+        #[arg(long, value_name = "KEY", required_unless_present = "list", conflicts_with = "list")]
         stream: Option<String>,
+        /// Send to this list
+        #[arg(long, value_name = "KEY")]
         list: Option<String>,
+        /// How many jobs
+        #[arg(long, value_name = "N", default_value_t = 100)]
         count: u64,
+        /// The first job's number
+        #[arg(long, value_name = "I", default_value_t = 0)]
         start: u64,
+        /// Give every job the key P-<i> (else the entry id is the key; a list item is its body)
+        #[arg(long, value_name = "P")]
         key_prefix: Option<String>,
+        /// Payload text
+        #[arg(long, value_name = "TEXT", default_value = "hello")]
         body: String,
+        /// Also send N stream entries without a body field (dead-lettered by the worker)
+        #[arg(long, value_name = "N", default_value_t = 0)]
         bad: u64,
+        /// Redis URL, redis://HOST:PORT (else REDIS_URL, else localstack/.env)
+        #[arg(long, value_name = "URL")]
         redis_url: Option<String>,
     }
 
-    fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
-        let mut args = Args { count: 100, body: "hello".into(), ..Args::default() };
-        let mut cli = Cli::new(raw);
-        while let Some(flag) = cli.next_flag() {
-            let mut flag = flag?;
-            match flag.name.as_str() {
-                "--stream" => args.stream = Some(flag.value()?),
-                "--list" => args.list = Some(flag.value()?),
-                "--count" => args.count = flag.num()?,
-                "--start" => args.start = flag.num()?,
-                "--key-prefix" => args.key_prefix = Some(flag.value()?),
-                "--body" => args.body = flag.value()?,
-                "--bad" => args.bad = flag.num()?,
-                "--redis-url" => args.redis_url = Some(flag.value()?),
-                _ => return Err(flag.unknown()),
-            }
-        }
-        if args.stream.is_some() == args.list.is_some() {
-            return Err(CliExit::Usage("give exactly one of --stream and --list".into()));
-        }
-        Ok(args)
-    }
-
-    async fn produce(args: Args) -> Result<u64, client::RedisError> {
+    async fn produce(args: Args) -> Result<u64, Failure> {
         let url = args
             .redis_url
             .clone()
             .or_else(|| brokerfence::services::var("REDIS_URL"))
             .unwrap_or_else(|| "redis://127.0.0.1:6379".into());
-        let mut conn: MultiplexedConnection =
-            client::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
+        // The library's checks and messages: the scheme (exit 2), the address on a failed connect.
+        let conns = RedisConnections::connect(&url).await.map_err(|e| match e {
+            RedisError::UnsupportedScheme { .. } => Failure::Refused(e.to_string()),
+            e => Failure::Failed(e.to_string()),
+        })?;
+        let mut conn = conns.commands();
         let mut sent = 0;
         let ids: Vec<u64> = (args.start..args.start + args.count).collect();
         for chunk in ids.chunks(500) {
@@ -120,9 +133,9 @@ mod producer {
     /// Runs the producer with command-line arguments (without the program name); returns the exit
     /// code.
     pub fn run(raw: Vec<String>) -> i32 {
-        let args = match parse_args(raw) {
+        let args: Args = match common::parse(PROG, raw) {
             Ok(a) => a,
-            Err(e) => return e.report("redis_produce", USAGE),
+            Err(e) => return common::report_cli(&e),
         };
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(r) => r,
@@ -136,8 +149,12 @@ mod producer {
                 println!("EVENT produced n={n}");
                 0
             }
-            Err(e) => {
-                eprintln!("redis_produce: {e}");
+            Err(Failure::Refused(e)) => {
+                eprintln!("{PROG}: {e}");
+                2
+            }
+            Err(Failure::Failed(e)) => {
+                eprintln!("{PROG}: {e}");
                 1
             }
         }

@@ -46,87 +46,71 @@ mod worker {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use brokerfence::adapters::redis::{ItemKey, KeyFrom, RedisConnections, ReliableList, StreamSource};
+    use brokerfence::adapters::redis::{ItemKey, KeyFrom, RedisConnections, RedisError, ReliableList, StreamSource};
     use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
     use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, Owner, QueueName, SupervisorConfig};
 
-    use super::common::{self, CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
+    use super::common::{self, CallReceiver, Common, EventSource, EventStore, StartError};
 
     const PROG: &str = "redis_worker";
 
-    fn usage() -> String {
-        format!(
-            "usage: redis_worker (--stream KEY [--group NAME=workers] | --list KEY --item-key hash|split:C) [--queue NAME]
-       [--key-field FIELD] [--block MS=2000] [--visibility MS]
-       [--autoclaim-every MS=1000] [--max-deliveries N=10] [--redis-url URL]
-{}",
-            common::COMMON_USAGE
-        )
-    }
-
+    /// A fenced Redis worker: reads a stream as a consumer group (or a reliable list), claims
+    /// each entry's job in PostgreSQL, and calls an HTTP receiver with the job's fencing stamp.
+    /// Prints `EVENT` lines on stdout (examples/README.md). Exit codes: 0 stopped by
+    /// SIGTERM/Ctrl-C, 1 failed, 2 refused.
+    #[derive(clap::Parser)]
+    #[command(name = PROG, help_template = common::HELP_TEMPLATE)]
     struct Args {
-        common: Common,
+        /// Read this stream as a consumer group (give --stream or --list)
+        #[arg(long, value_name = "KEY", required_unless_present = "list", conflicts_with = "list")]
         stream: Option<String>,
+        /// Read this list reliably (BLMOVE to a processing list); needs --item-key
+        #[arg(long, value_name = "KEY")]
         list: Option<String>,
+        /// Consumer group of the stream
+        #[arg(long, value_name = "NAME", default_value = "workers")]
         group: String,
+        /// Queue name in the fence (default: the stream or list key)
+        #[arg(long, value_name = "NAME")]
         queue: Option<String>,
+        /// Stream field holding the job key (default: the entry id is the key)
+        #[arg(long, value_name = "FIELD")]
         key_field: Option<String>,
+        /// Job key of a list item: `hash` (identical items are one job) or `split:C` (the item
+        /// names its job before the byte C)
+        #[arg(long, value_name = "hash|split:C", value_parser = parse_item_key)]
         item_key: Option<ItemKey>,
+        /// Milliseconds a read blocks
+        #[arg(long, value_name = "MS", default_value = "2000", value_parser = common::millis)]
         block: Duration,
+        /// Milliseconds before a stream entry's holder counts as gone (stream only)
+        #[arg(long, value_name = "MS", value_parser = common::millis)]
         visibility: Option<Duration>,
+        /// Milliseconds between XAUTOCLAIM rounds (stream only)
+        #[arg(long, value_name = "MS", default_value = "1000", value_parser = common::millis)]
         autoclaim_every: Duration,
+        /// Deliveries of an entry before it is dead-lettered (stream only)
+        #[arg(long, value_name = "N", default_value_t = 10)]
         max_deliveries: u32,
+        /// Redis URL, redis://HOST:PORT (else REDIS_URL, else localstack/.env)
+        #[arg(long, value_name = "URL")]
         redis_url: Option<String>,
+        #[command(flatten)]
+        common: Common,
     }
 
-    fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
-        let mut args = Args {
-            common: Common::default(),
-            stream: None,
-            list: None,
-            group: "workers".into(),
-            queue: None,
-            key_field: None,
-            item_key: None,
-            block: Duration::from_secs(2),
-            visibility: None,
-            autoclaim_every: Duration::from_secs(1),
-            max_deliveries: 10,
-            redis_url: None,
-        };
-        let mut cli = Cli::new(raw);
-        while let Some(flag) = cli.next_flag() {
-            let mut flag = flag?;
-            if args.common.take(&mut flag)? {
-                continue;
-            }
-            match flag.name.as_str() {
-                "--stream" => args.stream = Some(flag.value()?),
-                "--list" => args.list = Some(flag.value()?),
-                "--group" => args.group = flag.value()?,
-                "--queue" => args.queue = Some(flag.value()?),
-                "--key-field" => args.key_field = Some(flag.value()?),
-                "--item-key" => {
-                    args.item_key = Some(match flag.value()?.as_str() {
-                        "hash" => ItemKey::ContentHash,
-                        v => match v.strip_prefix("split:").map(str::as_bytes) {
-                            Some([c]) => ItemKey::Split(*c),
-                            _ => return Err(CliExit::Usage(format!("--item-key {v:?}: expected hash or split:C"))),
-                        },
-                    })
-                }
-                "--block" => args.block = flag.ms()?,
-                "--visibility" => args.visibility = Some(flag.ms()?),
-                "--autoclaim-every" => args.autoclaim_every = flag.ms()?,
-                "--max-deliveries" => args.max_deliveries = flag.num()?,
-                "--redis-url" => args.redis_url = Some(flag.value()?),
-                _ => return Err(flag.unknown()),
-            }
+    fn parse_item_key(v: &str) -> Result<ItemKey, String> {
+        match v {
+            "hash" => Ok(ItemKey::ContentHash),
+            v => match v.strip_prefix("split:").map(str::as_bytes) {
+                Some([c]) => Ok(ItemKey::Split(*c)),
+                _ => Err(format!("{v:?}: expected hash or split:C")),
+            },
         }
-        if args.stream.is_some() == args.list.is_some() {
-            return Err(CliExit::Usage("give exactly one of --stream and --list".into()));
-        }
-        Ok(args)
+    }
+
+    fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
+        common::parse(PROG, raw)
     }
 
     async fn consume<S: Source, H: Handler>(
@@ -160,7 +144,10 @@ mod worker {
         let url = common::database_url(c.database_url.as_deref())?;
         let store: Arc<dyn FenceStore> =
             Arc::new(common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?);
-        let redis = RedisConnections::connect(&redis_url).await?;
+        let redis = RedisConnections::connect(&redis_url).await.map_err(|e| match e {
+            RedisError::UnsupportedScheme { .. } => StartError::Refused(e.to_string()),
+            e => StartError::Failed(e.to_string()),
+        })?;
 
         let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
         let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
@@ -203,6 +190,6 @@ mod worker {
     /// Runs the worker with command-line arguments (without the program name); returns the exit
     /// code. The tests call it in a child process of their own binary.
     pub fn run(raw: Vec<String>) -> i32 {
-        common::run_program(PROG, &usage, "info", parse_args(raw), serve)
+        common::run_program(PROG, "info", parse_args(raw), serve)
     }
 }

@@ -32,47 +32,58 @@ use brokerfence::fence::{
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
-#[derive(Debug, Clone)]
+/// Soak: jobs through the fence for a long time with retention on, to see that storage stays
+/// bounded and throughput holds. A benchmark: it prints figures and asserts nothing. PostgreSQL
+/// from DATABASE_URL, Redis from REDIS_URL (both fall back to localstack/.env). Exit codes: 0 done,
+/// 1 failed, 2 bad command line.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "soak", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
 struct Opts {
+    /// Table-queue jobs (0 to skip)
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     jobs: u64,
+    /// Redis stream messages (feature redis)
+    #[arg(long, value_name = "N", default_value_t = 0)]
     stream: u64,
+    /// Jobs per stretch (a line of figures after each)
+    #[arg(long, value_name = "N", default_value = "100000", value_parser = at_least_one)]
     every: u64,
+    /// Seconds completed jobs and ledger rows are kept
+    #[arg(long = "keep-secs", value_name = "S", default_value = "5", value_parser = secs)]
     keep: Duration,
+    /// Jobs run at once
+    #[arg(long, value_name = "C", default_value = "64", value_parser = usize_at_least_one)]
     concurrency: usize,
+    /// Most jobs waiting
+    #[arg(long, value_name = "N", default_value = "50000", value_parser = at_least_one)]
     backlog: u64,
 }
 
-fn parse() -> Result<Opts, String> {
-    let mut o = Opts {
-        jobs: 1_000_000,
-        stream: 0,
-        every: 100_000,
-        keep: Duration::from_secs(5),
-        concurrency: 64,
-        backlog: 50_000,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let n: u64 = value.parse().map_err(|e| format!("{flag} {value}: {e}"))?;
-        match flag.as_str() {
-            "--jobs" => o.jobs = n,
-            "--stream" => o.stream = n,
-            "--every" => o.every = n.max(1),
-            "--keep-secs" => o.keep = Duration::from_secs(n),
-            "--concurrency" => o.concurrency = usize::try_from(n.max(1)).map_err(|e| e.to_string())?,
-            "--backlog" => o.backlog = n.max(1),
-            other => return Err(format!("unknown flag {other}")),
-        }
-    }
-    Ok(o)
+fn at_least_one(v: &str) -> Result<u64, String> {
+    v.parse::<u64>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+}
+
+fn usize_at_least_one(v: &str) -> Result<usize, String> {
+    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+}
+
+fn secs(v: &str) -> Result<Duration, String> {
+    v.parse::<u64>().map(Duration::from_secs).map_err(|e| format!("{v:?}: {e}"))
 }
 
 fn main() {
-    let result = parse().and_then(|o| {
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?.block_on(soak(o))
-    });
+    let o = match <Opts as clap::Parser>::try_parse() {
+        Ok(o) => o,
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(e.exit_code());
+        }
+    };
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())
+        .and_then(|rt| rt.block_on(soak(o)));
     if let Err(e) = result {
         eprintln!("soak: {e}");
         std::process::exit(1);

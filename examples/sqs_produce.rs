@@ -21,54 +21,49 @@ use futures::{StreamExt, TryStreamExt};
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{Cli, CliExit};
+const PROG: &str = "sqs_produce";
 
-const USAGE: &str =
-    "usage: sqs_produce --queue-url URL [--count N=10] [--prefix P=msg] [--group G=group-1] [--in-flight N=8] [--help]";
-
+/// Sends N messages to an SQS queue (batches of ten, several batches in flight). Each body is
+/// {"id":"<prefix>-<n>","n":<n>} with the same id in the `job-id` attribute (and, on a FIFO
+/// queue, as the deduplication id). Prints `EVENT sent count=N`. Exit codes: 0 sent, 1 failed,
+/// 2 bad command line.
+#[derive(Debug, clap::Parser)]
+#[command(name = PROG, help_template = common::HELP_TEMPLATE)]
 struct Args {
-    queue_url: String,
+    /// The queue's URL (else SQS_QUEUE_URL)
+    #[arg(long, value_name = "URL")]
+    queue_url: Option<String>,
+    /// How many messages
+    #[arg(long, value_name = "N", default_value_t = 10)]
     count: usize,
+    /// Id prefix
+    #[arg(long, value_name = "P", default_value = "msg")]
     prefix: String,
+    /// Message group (FIFO queues)
+    #[arg(long, value_name = "G", default_value = "group-1")]
     group: String,
+    /// Batches in flight at once (standard queues)
+    #[arg(long, value_name = "N", default_value = "8", value_parser = common::at_least_one)]
     in_flight: usize,
 }
 
-fn parse_args() -> Result<Args, CliExit> {
-    let mut args = Args {
-        queue_url: std::env::var("SQS_QUEUE_URL").unwrap_or_default(),
-        count: 10,
-        prefix: "msg".into(),
-        group: "group-1".into(),
-        in_flight: 8,
-    };
-    let mut cli = Cli::new(std::env::args().skip(1).collect());
-    while let Some(flag) = cli.next_flag() {
-        let mut flag = flag?;
-        match flag.name.as_str() {
-            "--queue-url" => args.queue_url = flag.value()?,
-            "--count" => args.count = flag.num()?,
-            "--prefix" => args.prefix = flag.value()?,
-            "--group" => args.group = flag.value()?,
-            "--in-flight" => args.in_flight = flag.num::<usize>()?.max(1),
-            _ => return Err(flag.unknown()),
-        }
+fn parse_args() -> Result<(Args, String), clap::Error> {
+    let args: Args = common::parse(PROG, std::env::args().skip(1).collect())?;
+    match args.queue_url.clone().or_else(|| std::env::var("SQS_QUEUE_URL").ok()).filter(|u| !u.is_empty()) {
+        Some(url) => Ok((args, url)),
+        None => Err(common::usage_error::<Args>("--queue-url (or SQS_QUEUE_URL) is required")),
     }
-    if args.queue_url.is_empty() {
-        return Err(CliExit::Usage("--queue-url (or SQS_QUEUE_URL) is required".into()));
-    }
-    Ok(args)
 }
 
-async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(args: Args, queue_url: String) -> Result<(), Box<dyn std::error::Error>> {
     let client = client_from_env().await;
-    let fifo = is_fifo_url(&args.queue_url);
+    let fifo = is_fifo_url(&queue_url);
     let started = Instant::now();
     let batches: Vec<Vec<usize>> = (0..args.count).collect::<Vec<_>>().chunks(10).map(<[usize]>::to_vec).collect();
     futures::stream::iter(batches)
         .map(|batch| {
             let client = client.clone();
-            let args = &args;
+            let (args, queue_url) = (&args, &queue_url);
             async move {
                 let mut entries = Vec::with_capacity(batch.len());
                 for (i, n) in batch.iter().enumerate() {
@@ -83,8 +78,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                     }
                     entries.push(entry.build()?);
                 }
-                let out =
-                    client.send_message_batch().queue_url(&args.queue_url).set_entries(Some(entries)).send().await?;
+                let out = client.send_message_batch().queue_url(queue_url).set_entries(Some(entries)).send().await?;
                 if let Some(f) = out.failed().first() {
                     return Err(format!(
                         "{} messages not sent, e.g. {}: {:?}",
@@ -109,9 +103,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 
 fn main() -> ExitCode {
     brokerfence::services::load_dotenv();
-    let args = match parse_args() {
+    let (args, queue_url) = match parse_args() {
         Ok(a) => a,
-        Err(e) => return ExitCode::from(u8::try_from(e.report("sqs_produce", USAGE)).unwrap_or(2)),
+        Err(e) => return ExitCode::from(u8::try_from(common::report_cli(&e)).unwrap_or(2)),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
@@ -120,10 +114,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    match runtime.block_on(run(args, queue_url)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("sqs_produce: {e}");
+            eprintln!("{PROG}: {}", brokerfence::adapters::sqs::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

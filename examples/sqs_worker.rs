@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::adapters::sqs::{
-    DeadLetterTarget, KeyStrategy, ReceiveCountCheck, SqsConfig, SqsSource, client_from_env,
+    DeadLetterTarget, KeyStrategy, ReceiveCountCheck, SqsConfig, SqsError, SqsSource, client_from_env,
 };
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
@@ -35,72 +35,63 @@ use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, Supe
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
+use common::{CallReceiver, Common, EventSource, EventStore, StartError};
 
 const PROG: &str = "sqs_worker";
 
-fn usage() -> String {
-    format!(
-        "usage: sqs_worker --queue-url URL [--wait SECS=20] [--dead-letter-queue URL|discover|none]
-       [--key auto|message-id|dedup-id|attr:NAME|binary-attr:NAME|body:FIELD]
-       [--no-cancel-on-loss (test builds with feature guard-switches only)]
-{}",
-        common::COMMON_USAGE
-    )
-}
-
+/// A fenced SQS worker: reads an SQS queue, claims each message's job in PostgreSQL, and calls
+/// an HTTP receiver with the job's fencing stamp. Prints `EVENT` lines on stdout
+/// (examples/README.md). Exit codes: 0 stopped by SIGTERM/Ctrl-C, 1 failed, 2 refused (bad
+/// command line, unusable queue URL or database URL, schema too old, queue missing).
+#[derive(Debug, clap::Parser)]
+#[command(name = PROG, help_template = common::HELP_TEMPLATE)]
 struct Args {
-    common: Common,
-    queue_url: String,
+    /// The queue's URL (else SQS_QUEUE_URL)
+    #[arg(long, value_name = "URL")]
+    queue_url: Option<String>,
+    /// Long-poll wait of a receive, in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 20)]
     wait: u64,
-    key: KeyStrategy,
+    /// Dead-letter queue: its URL, `discover` (the queue's RedrivePolicy) or `none`
+    #[arg(long = "dead-letter-queue", value_name = "URL|discover|none", default_value = "discover", value_parser = parse_dead_letter)]
     dead_letter: DeadLetterTarget,
+    /// Job key of a message: auto, message-id, dedup-id, attr:NAME, binary-attr:NAME or body:FIELD
+    #[arg(long, value_name = "STRATEGY", default_value = "auto", value_parser = parse_key)]
+    key: KeyStrategy,
+    /// Test builds with feature guard-switches only: keep running a job whose lease was lost
+    #[arg(long)]
     no_cancel_on_loss: bool,
+    /// For the tests: print which test-only switches this build has, and exit
+    #[arg(long, hide = true)]
+    build_info: bool,
+    #[command(flatten)]
+    common: Common,
 }
 
-fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
-    let mut args = Args {
-        common: Common::default(),
-        queue_url: std::env::var("SQS_QUEUE_URL").unwrap_or_default(),
-        wait: 20,
-        key: KeyStrategy::Auto,
-        dead_letter: DeadLetterTarget::Discover,
-        no_cancel_on_loss: false,
-    };
-    let mut cli = Cli::new(raw);
-    while let Some(flag) = cli.next_flag() {
-        let mut flag = flag?;
-        if args.common.take(&mut flag)? {
-            continue;
-        }
-        match flag.name.as_str() {
-            "--queue-url" => args.queue_url = flag.value()?,
-            "--wait" => args.wait = flag.num()?,
-            "--key" => args.key = parse_key(&flag.value()?)?,
-            "--dead-letter-queue" => {
-                args.dead_letter = match flag.value()?.as_str() {
-                    "discover" => DeadLetterTarget::Discover,
-                    "none" => DeadLetterTarget::None,
-                    url => DeadLetterTarget::Queue(url.to_owned()),
-                }
-            }
-            "--no-cancel-on-loss" => args.no_cancel_on_loss = flag.switch()?,
-            "--build-info" => {
-                // For the tests: which test-only switches this build has.
-                let on = cfg!(feature = "guard-switches");
-                common::event("build", &[("guard-switches", &on)]);
-                std::process::exit(0);
-            }
-            _ => return Err(flag.unknown()),
-        }
+fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
+    let mut args: Args = common::parse(PROG, raw)?;
+    if args.build_info {
+        // For the tests: which test-only switches this build has.
+        let on = cfg!(feature = "guard-switches");
+        common::event("build", &[("guard-switches", &on)]);
+        std::process::exit(0);
     }
-    if args.queue_url.is_empty() {
-        return Err(CliExit::Usage("--queue-url (or SQS_QUEUE_URL) is required".into()));
+    args.queue_url = args.queue_url.or_else(|| std::env::var("SQS_QUEUE_URL").ok()).filter(|u| !u.is_empty());
+    if args.queue_url.is_none() {
+        return Err(common::usage_error::<Args>("--queue-url (or SQS_QUEUE_URL) is required"));
     }
     Ok(args)
 }
 
-fn parse_key(v: &str) -> Result<KeyStrategy, CliExit> {
+fn parse_dead_letter(v: &str) -> Result<DeadLetterTarget, String> {
+    Ok(match v {
+        "discover" => DeadLetterTarget::Discover,
+        "none" => DeadLetterTarget::None,
+        url => DeadLetterTarget::Queue(url.to_owned()),
+    })
+}
+
+fn parse_key(v: &str) -> Result<KeyStrategy, String> {
     Ok(match v.split_once(':') {
         None if v == "auto" => KeyStrategy::Auto,
         None if v == "message-id" => KeyStrategy::MessageId,
@@ -108,7 +99,7 @@ fn parse_key(v: &str) -> Result<KeyStrategy, CliExit> {
         Some(("attr", name)) => KeyStrategy::attribute(name),
         Some(("binary-attr", name)) => KeyStrategy::binary_attribute(name),
         Some(("body", field)) => KeyStrategy::body_field(field),
-        _ => return Err(CliExit::Usage(format!("unknown key strategy {v:?}"))),
+        _ => return Err(format!("unknown key strategy {v:?}")),
     })
 }
 
@@ -120,13 +111,21 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let url = common::database_url(c.database_url.as_deref())?;
     let store: Arc<dyn FenceStore> = Arc::new(common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?);
 
-    let config = SqsConfig::new(args.queue_url.clone())
+    let queue_url = args.queue_url.clone().unwrap_or_default();
+    let config = SqsConfig::new(queue_url.clone())
         .map_err(|e| StartError::Refused(e.to_string()))?
         .key(args.key.clone())
         .wait_time(Duration::from_secs(args.wait))
         .dead_letter(args.dead_letter.clone())
         .check_receive_count(c.retry_policy(), ReceiveCountCheck::Warn);
-    let source = EventSource(SqsSource::new(client_from_env().await, config));
+    let source = SqsSource::new(client_from_env().await, config);
+    // Before `ready`: a queue that does not exist (exit 2) or an endpoint that does not answer
+    // after a few attempts (exit 1) stops the worker with one line saying so.
+    source.check().await.map_err(|e| match e {
+        SqsError::QueueNotFound { .. } => StartError::Refused(e.to_string()),
+        e => StartError::Failed(e.to_string()),
+    })?;
+    let source = EventSource(source);
 
     #[allow(unused_mut)]
     let mut supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
@@ -148,7 +147,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let stop = common::shutdown_on_signals();
 
     let queue = consumer.source().0.queue().clone();
-    common::ready(&owner, &[("queue", &queue), ("source", &"sqs"), ("queue_url", &args.queue_url)]);
+    common::ready(&owner, &[("queue", &queue), ("source", &"sqs"), ("queue_url", &queue_url)]);
     let result = consumer.run(handler, stop).await;
     // A long poll the consumer abandoned at shutdown may still hand out messages: wait for it, so
     // they are made visible again now rather than after their visibility timeout.
@@ -160,7 +159,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
 
 /// Runs the worker with command-line arguments (without the program name); the exit code.
 pub fn run(raw: Vec<String>) -> i32 {
-    common::run_program(PROG, &usage, "info", parse_args(raw), serve)
+    common::run_program(PROG, "info", parse_args(raw), serve)
 }
 
 fn main() {

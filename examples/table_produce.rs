@@ -16,53 +16,40 @@ use brokerfence::fence::{FenceStore, JobKey, Owner, QueueName};
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{Cli, CliExit, StartError};
+use common::StartError;
 
 const PROG: &str = "table_produce";
-const USAGE: &str = "usage: table_produce --queue NAME [--count N=10] [--start I=0] [--prefix P=job]
-       [--body TEXT=hello] [--database-url URL] [--schema NAME] [--migrate] [--help]";
 
+/// Enqueues N jobs on a table queue (the fence's own PostgreSQL table), for table_worker: job i
+/// gets the key <prefix>-<i> and the payload "<body> <i>". Prints `EVENT produced queue=… count=N
+/// new=M`. Exit codes: 0 done, 1 failed, 2 refused.
+#[derive(Debug, clap::Parser)]
+#[command(name = PROG, help_template = common::HELP_TEMPLATE)]
 struct Args {
+    /// The queue
+    #[arg(long, value_name = "NAME", required = true)]
     queue: Option<String>,
+    /// How many jobs
+    #[arg(long, value_name = "N", default_value_t = 10)]
     count: u64,
+    /// The first job's number
+    #[arg(long, value_name = "I", default_value_t = 0)]
     start: u64,
+    /// Key prefix
+    #[arg(long, value_name = "P", default_value = "job")]
     prefix: String,
+    /// Payload text
+    #[arg(long, value_name = "TEXT", default_value = "hello")]
     body: String,
+    /// PostgreSQL URL (else DATABASE_URL, else localstack/.env)
+    #[arg(long, value_name = "URL")]
     database_url: Option<String>,
+    /// Schema of the fence tables
+    #[arg(long, value_name = "NAME")]
     schema: Option<String>,
+    /// Apply the schema migrations first (else refuse a schema older than this build)
+    #[arg(long)]
     migrate: bool,
-}
-
-fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
-    let mut args = Args {
-        queue: None,
-        count: 10,
-        start: 0,
-        prefix: "job".into(),
-        body: "hello".into(),
-        database_url: None,
-        schema: None,
-        migrate: false,
-    };
-    let mut cli = Cli::new(raw);
-    while let Some(flag) = cli.next_flag() {
-        let mut flag = flag?;
-        match flag.name.as_str() {
-            "--queue" => args.queue = Some(flag.value()?),
-            "--count" => args.count = flag.num()?,
-            "--start" => args.start = flag.num()?,
-            "--prefix" => args.prefix = flag.value()?,
-            "--body" => args.body = flag.value()?,
-            "--database-url" => args.database_url = Some(flag.value()?),
-            "--schema" => args.schema = Some(flag.value()?),
-            "--migrate" => args.migrate = flag.switch()?,
-            _ => return Err(flag.unknown()),
-        }
-    }
-    if args.queue.is_none() {
-        return Err(CliExit::Usage("--queue is required".into()));
-    }
-    Ok(args)
 }
 
 async fn produce(args: Args) -> Result<(), StartError> {
@@ -87,12 +74,6 @@ async fn produce(args: Args) -> Result<(), StartError> {
 
 fn main() {
     brokerfence::services::load_dotenv();
-    let code = common::run_program(
-        PROG,
-        &|| USAGE.to_owned(),
-        "warn",
-        parse_args(std::env::args().skip(1).collect()),
-        produce,
-    );
+    let code = common::run_program(PROG, "warn", common::parse(PROG, std::env::args().skip(1).collect()), produce);
     std::process::exit(code);
 }

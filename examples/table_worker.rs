@@ -29,38 +29,28 @@ use brokerfence::fence::{FenceStore, JobContext, LeaseDuration, QueueName, Super
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{CallReceiver, Cli, CliExit, Common, EventSource, EventStore, StartError};
+use common::{CallReceiver, Common, EventSource, EventStore, StartError};
 
 const PROG: &str = "table_worker";
 
-fn usage() -> String {
-    format!("usage: table_worker --queue NAME [--idle-wait MS=100]\n{}", common::COMMON_USAGE)
-}
-
+/// A fenced table-queue worker: claims jobs from the fence's own PostgreSQL table and calls an
+/// HTTP receiver with each job's fencing stamp. Prints `EVENT` lines on stdout
+/// (examples/README.md). Exit codes: 0 stopped by SIGTERM/Ctrl-C, 1 failed, 2 refused.
+#[derive(Debug, clap::Parser)]
+#[command(name = PROG, help_template = common::HELP_TEMPLATE)]
 struct Args {
-    common: Common,
+    /// The queue (a name in the fence's jobs table)
+    #[arg(long, value_name = "NAME", required = true)]
     queue: Option<String>,
+    /// Milliseconds to wait when the queue is empty
+    #[arg(long, value_name = "MS", default_value = "100", value_parser = common::millis)]
     idle_wait: Duration,
+    #[command(flatten)]
+    common: Common,
 }
 
-fn parse_args(raw: Vec<String>) -> Result<Args, CliExit> {
-    let mut args = Args { common: Common::default(), queue: None, idle_wait: Duration::from_millis(100) };
-    let mut cli = Cli::new(raw);
-    while let Some(flag) = cli.next_flag() {
-        let mut flag = flag?;
-        if args.common.take(&mut flag)? {
-            continue;
-        }
-        match flag.name.as_str() {
-            "--queue" => args.queue = Some(flag.value()?),
-            "--idle-wait" => args.idle_wait = flag.ms()?,
-            _ => return Err(flag.unknown()),
-        }
-    }
-    if args.queue.is_none() {
-        return Err(CliExit::Usage("--queue is required".into()));
-    }
-    Ok(args)
+fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
+    common::parse(PROG, raw)
 }
 
 async fn serve(args: Args) -> Result<(), StartError> {
@@ -93,7 +83,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
 
 /// Runs the worker with command-line arguments (without the program name); the exit code.
 pub fn run(raw: Vec<String>) -> i32 {
-    common::run_program(PROG, &usage, "info", parse_args(raw), serve)
+    common::run_program(PROG, "info", parse_args(raw), serve)
 }
 
 fn main() {

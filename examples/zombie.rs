@@ -345,20 +345,19 @@ async fn run_case(
     })
 }
 
+/// The zombie demo: a worker stalls past its lease, a second one takes the job over, and the
+/// stalled one wakes up; its late receiver call and its commit are refused by their epoch. Runs
+/// on SQLite in a temporary file, or on PostgreSQL when DATABASE_URL=postgres://… is set
+/// (RUST_LOG for logs).
+#[derive(clap::Parser)]
+#[command(name = "zombie", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+struct Args {}
+
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    match std::env::args().nth(1).as_deref() {
-        None => {}
-        Some("--help" | "-h") => {
-            println!(
-                "usage: zombie [--help]   (set DATABASE_URL=postgres://… to run on PostgreSQL, RUST_LOG for logs)"
-            );
-            return Ok(());
-        }
-        Some(other) => {
-            eprintln!("zombie: unknown argument {other:?} (see --help)");
-            std::process::exit(2);
-        }
+    if let Err(e) = <Args as clap::Parser>::try_parse() {
+        let _ = e.print();
+        std::process::exit(e.exit_code());
     }
     if std::env::var_os("RUST_LOG").is_some() {
         // No colour codes unless stderr is a terminal, and never with NO_COLOR set.

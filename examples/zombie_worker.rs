@@ -62,12 +62,9 @@ use brokerfence::fence::{
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{Cli, CliExit, EventStore, StartError};
+use common::{EventStore, StartError};
 
-const USAGE: &str = "usage: zombie_worker --database-url URL [--schema NAME] [--queue NAME=zombie] [--key KEY=job-1]
-       [--owner PREFIX=zombie] [--lease SECS=3] [--receiver-url URL] [--plan STEPS] [--result TEXT]
-       [--claim-wait-ms N=10000] [--max-attempts N=5] [--migrate] [--guards LIST] [--help]
-steps: call, call-sync, gate, sleep:MS, calls:N:MS, checkpoint, fail, tx-begin, tx-write, tx-complete, tx-commit";
+const PROG: &str = "zombie_worker";
 
 fn main() {
     std::process::exit(run(std::env::args().skip(1).collect()));
@@ -95,65 +92,86 @@ enum Step {
     TxCommit,
 }
 
-#[derive(Debug, Clone)]
+/// A scripted worker for the zombie proof tests: claims one job, runs the --plan steps under a
+/// supervisor (calling the receiver with the fencing stamp), commits, and prints one `EVENT`
+/// line per step. Exit codes: 0 done, 1 failed, 2 refused.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = PROG,
+    help_template = common::HELP_TEMPLATE,
+    after_help = "steps: call, call-sync, gate, sleep:MS, calls:N:MS, checkpoint, fail, tx-begin, tx-write, tx-complete, tx-commit"
+)]
 struct Opts {
-    db: String,
+    /// postgres://… or sqlite:…
+    #[arg(long = "database-url", visible_alias = "db", value_name = "URL", required = true)]
+    db: Option<String>,
+    /// Schema of the fence tables
+    #[arg(long, value_name = "NAME", default_value = fence::DEFAULT_SCHEMA)]
     schema: String,
+    /// The queue
+    #[arg(long, value_name = "NAME", default_value = "zombie")]
     queue: String,
+    /// The job key
+    #[arg(long, value_name = "KEY", default_value = "job-1")]
     key: String,
+    /// Owner id prefix
+    #[arg(long, value_name = "PREFIX", default_value = "zombie")]
     owner: String,
+    /// Lease length in seconds (at least 3)
+    #[arg(long = "lease", visible_alias = "lease-secs", value_name = "SECS", default_value_t = 3)]
     lease_secs: u64,
+    /// The receiver the call steps call
+    #[arg(long = "receiver-url", visible_alias = "receiver", value_name = "URL")]
     receiver: Option<String>,
-    plan: Vec<Step>,
+    /// The handler's steps, comma separated (see below)
+    #[arg(long, value_name = "STEPS", default_value = "", value_parser = parse_plan)]
+    plan: Plan,
+    /// The result to commit
+    #[arg(long, value_name = "TEXT")]
     result: Option<String>,
+    /// Milliseconds to keep trying to claim a busy job
+    #[arg(long = "claim-wait-ms", value_name = "N", default_value = "10000", value_parser = common::millis)]
     claim_wait: Duration,
-    guards: Vec<String>,
+    /// Test builds with feature guard-switches only: guards to turn off (no-epoch-increment,
+    /// no-commit-cas, no-heartbeat-cas, no-ledger-check, no-cancel-on-loss)
+    #[arg(long, value_name = "LIST", default_value = "", value_parser = parse_list)]
+    guards: List,
+    /// Apply the schema migrations first (else refuse a schema older than this build)
+    #[arg(long)]
     migrate: bool,
+    /// Failed attempts before the job is dead (for the fail step) [default: 5]
+    #[arg(long, value_name = "N", value_parser = common::attempts)]
     max_attempts: Option<i64>,
 }
 
-fn parse(args: &[String]) -> Result<Opts, CliExit> {
-    let mut o = Opts {
-        db: String::new(),
-        schema: fence::DEFAULT_SCHEMA.to_owned(),
-        queue: "zombie".into(),
-        key: "job-1".into(),
-        owner: "zombie".into(),
-        lease_secs: 3,
-        receiver: None,
-        plan: Vec::new(),
-        result: None,
-        claim_wait: Duration::from_secs(10),
-        guards: Vec::new(),
-        migrate: false,
-        max_attempts: None,
-    };
-    let mut cli = Cli::new(args.to_vec());
-    while let Some(flag) = cli.next_flag() {
-        let mut flag = flag?;
-        match flag.name.as_str() {
-            "--db" | "--database-url" => o.db = flag.value()?,
-            "--schema" => o.schema = flag.value()?,
-            "--queue" => o.queue = flag.value()?,
-            "--key" => o.key = flag.value()?,
-            "--owner" => o.owner = flag.value()?,
-            "--lease-secs" | "--lease" => o.lease_secs = flag.num()?,
-            "--receiver" | "--receiver-url" => o.receiver = Some(flag.value()?),
-            "--result" => o.result = Some(flag.value()?),
-            "--claim-wait-ms" => o.claim_wait = flag.ms()?,
-            "--migrate" => o.migrate = flag.switch()?,
-            "--max-attempts" => o.max_attempts = Some(flag.num::<i64>()?.max(1)),
-            "--guards" => o.guards = flag.value()?.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
-            "--plan" => {
-                o.plan = flag.value()?.split(',').filter(|s| !s.is_empty()).map(parse_step).collect::<Result<_, _>>()?
-            }
-            _ => return Err(flag.unknown()),
-        }
+/// The steps of `--plan`.
+#[derive(Debug, Clone, PartialEq)]
+struct Plan(Vec<Step>);
+
+impl std::ops::Deref for Plan {
+    type Target = Vec<Step>;
+    fn deref(&self) -> &Vec<Step> {
+        &self.0
     }
-    if o.db.is_empty() {
-        return Err(CliExit::Usage("--database-url (or --db) is required".into()));
+}
+
+/// A comma-separated list.
+#[derive(Debug, Clone, PartialEq)]
+struct List(Vec<String>);
+
+impl std::ops::Deref for List {
+    type Target = Vec<String>;
+    fn deref(&self) -> &Vec<String> {
+        &self.0
     }
-    Ok(o)
+}
+
+fn parse_plan(v: &str) -> Result<Plan, String> {
+    v.split(',').filter(|s| !s.is_empty()).map(parse_step).collect::<Result<_, _>>().map(Plan)
+}
+
+fn parse_list(v: &str) -> Result<List, String> {
+    Ok(List(v.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()))
 }
 
 fn parse_step(s: &str) -> Result<Step, String> {
@@ -179,9 +197,9 @@ fn parse_step(s: &str) -> Result<Step, String> {
 
 /// Runs the worker with these arguments; returns the process exit code.
 pub fn run(args: Vec<String>) -> i32 {
-    let opts = match parse(&args) {
+    let opts: Opts = match common::parse(PROG, args) {
         Ok(o) => o,
-        Err(e) => return e.report("zombie_worker", USAGE),
+        Err(e) => return common::report_cli(&e),
     };
     common::init_logging("warn,fence=info");
     // Two worker threads: a blocking step holds one, the heartbeat keeps running on the other
@@ -239,15 +257,16 @@ async fn open(o: &Opts, owner: &Owner) -> Result<Arc<dyn FenceStore>, StartError
     let refused = |e: String| StartError::Refused(e);
     #[allow(unused_variables)]
     let g = guards(&o.guards).map_err(refused)?;
-    let store: Arc<dyn FenceStore> = if o.db.starts_with("postgres") {
+    let db = o.db.as_deref().unwrap_or_default();
+    let store: Arc<dyn FenceStore> = if common::database_kind(db)? == common::DbKind::Postgres {
         // `application_name` = the owner, so the worker shows in `pg_stat_activity`.
-        let f = common::connect_pg(&o.db, Some(&o.schema), owner, o.migrate).await?;
+        let f = common::connect_pg(db, Some(&o.schema), owner, o.migrate).await?;
         #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     } else {
         let schema = SchemaName::new(o.schema.clone()).map_err(|e| refused(e.to_string()))?;
-        let f = SqliteFence::open(&o.db).await?.with_schema(schema);
+        let f = SqliteFence::open(db).await?.with_schema(schema);
         common::prepare_schema(&f, o.migrate).await?;
         #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
@@ -347,7 +366,7 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
 
     let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
     let result = o.result.clone().unwrap_or_else(|| format!("result of {owner}"));
-    let plan = o.plan.clone();
+    let plan = o.plan.0.clone();
     let receiver = o.receiver.clone();
     let pool = match store.concrete() {
         fence::Backend::Postgres(f) => Some(f.pool().clone()),

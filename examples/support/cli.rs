@@ -78,188 +78,95 @@ pub fn ready(owner: &Owner, extra: &[(&str, &dyn Display)]) {
 
 // ----------------------------------------------------------------------------------------- flags
 
-/// Why the command line was not run: `--help` (exit 0, usage on stdout) or a usage error (exit
-/// 2, message on stderr).
-#[derive(Debug)]
-pub enum CliExit {
-    /// `--help` / `-h`.
-    Help,
-    /// A bad command line.
-    Usage(String),
+/// The help layout every example shares (clap): the usage line first, then what the program
+/// does, then its flags. `--help` prints it on stdout and exits 0; a bad command line prints
+/// clap's message on stderr and exits 2.
+pub const HELP_TEMPLATE: &str = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}";
+
+/// Parses `raw` (the arguments without the program name) as `prog`'s flags.
+pub fn parse<A: clap::Parser>(prog: &str, raw: Vec<String>) -> Result<A, clap::Error> {
+    A::try_parse_from(std::iter::once(prog.to_owned()).chain(raw))
 }
 
-impl CliExit {
-    /// Prints what it says where it belongs and gives the exit code.
-    pub fn report(self, prog: &str, usage: &str) -> i32 {
-        match self {
-            CliExit::Help => {
-                println!("{usage}");
-                0
-            }
-            CliExit::Usage(message) => {
-                eprintln!("{prog}: {message}\n{usage}");
-                2
-            }
-        }
-    }
+/// A usage error found after parsing (a flag that is required unless an environment variable
+/// is set, two flags that exclude each other), in clap's format: exit code 2.
+pub fn usage_error<A: clap::CommandFactory>(message: impl Display) -> clap::Error {
+    A::command().error(clap::error::ErrorKind::MissingRequiredArgument, message)
 }
 
-impl From<String> for CliExit {
-    fn from(message: String) -> Self {
-        CliExit::Usage(message)
-    }
+/// Prints a parse failure where it belongs (help on stdout, errors on stderr); its exit code
+/// (0 for `--help`, 2 for a bad command line).
+pub fn report_cli(e: &clap::Error) -> i32 {
+    let _ = e.print();
+    e.exit_code()
 }
 
-/// The command line, one flag at a time: `--name value` and `--name=value` both work.
-pub struct Cli {
-    it: std::vec::IntoIter<String>,
+/// A duration in milliseconds (`--grace 500`).
+pub fn millis(v: &str) -> Result<Duration, String> {
+    v.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("{v:?} is not a number of milliseconds: {e}"))
 }
 
-/// One flag of the command line.
-pub struct Flag<'a> {
-    /// The flag, e.g. `--lease`.
-    pub name: String,
-    inline: Option<String>,
-    rest: &'a mut std::vec::IntoIter<String>,
+/// A count of at least one (0 is taken as 1).
+pub fn at_least_one(v: &str) -> Result<usize, String> {
+    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
 }
 
-impl Cli {
-    /// Over the arguments (without the program name).
-    pub fn new(raw: Vec<String>) -> Self {
-        Self { it: raw.into_iter() }
-    }
-
-    /// The next flag; `Err(Help)` for `--help`/`-h`, a usage error for a bare word.
-    pub fn next_flag(&mut self) -> Option<Result<Flag<'_>, CliExit>> {
-        let arg = self.it.next()?;
-        if arg == "--help" || arg == "-h" {
-            return Some(Err(CliExit::Help));
-        }
-        if !arg.starts_with("--") {
-            return Some(Err(CliExit::Usage(format!("unexpected argument {arg:?} (flags start with --)"))));
-        }
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) => (n.to_owned(), Some(v.to_owned())),
-            None => (arg, None),
-        };
-        Some(Ok(Flag { name, inline, rest: &mut self.it }))
-    }
+/// A number of attempts of at least one (0 or less is taken as 1).
+pub fn attempts(v: &str) -> Result<i64, String> {
+    v.parse::<i64>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
 }
 
-impl Flag<'_> {
-    /// The flag's value.
-    pub fn value(&mut self) -> Result<String, CliExit> {
-        match self.inline.take().or_else(|| self.rest.next()) {
-            Some(v) => Ok(v),
-            None => Err(CliExit::Usage(format!("{} needs a value", self.name))),
-        }
-    }
-
-    /// A number.
-    pub fn num<T: std::str::FromStr>(&mut self) -> Result<T, CliExit>
-    where
-        T::Err: Display,
-    {
-        let v = self.value()?;
-        v.parse().map_err(|e| CliExit::Usage(format!("{} {v:?}: {e}", self.name)))
-    }
-
-    /// Milliseconds.
-    pub fn ms(&mut self) -> Result<Duration, CliExit> {
-        self.num::<u64>().map(Duration::from_millis)
-    }
-
-    /// A switch (no value); `--flag=…` is refused.
-    pub fn switch(&mut self) -> Result<bool, CliExit> {
-        match self.inline.take() {
-            None => Ok(true),
-            Some(_) => Err(CliExit::Usage(format!("{} takes no value", self.name))),
-        }
-    }
-
-    /// The usage error for a flag nobody knows.
-    pub fn unknown(&self) -> CliExit {
-        CliExit::Usage(format!("unknown flag {} (see --help)", self.name))
-    }
-}
-
-/// The flags every consumer worker has (see `examples/README.md`).
-#[derive(Debug, Clone)]
+/// The flags every consumer worker has (see `examples/README.md`); each worker flattens them
+/// into its own (`#[command(flatten)] common: Common`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct Common {
-    /// `--database-url` (else `DATABASE_URL`, else `localstack/.env`).
+    /// PostgreSQL URL (else DATABASE_URL, else localstack/.env)
+    #[arg(long, value_name = "URL")]
     pub database_url: Option<String>,
-    /// `--schema`.
+    /// Schema of the fence tables
+    #[arg(long, value_name = "NAME")]
     pub schema: Option<String>,
-    /// `--owner`: the owner id (also PostgreSQL's `application_name`).
+    /// Owner id (also PostgreSQL's application_name); default: a unique one
+    #[arg(long, value_name = "NAME")]
     pub owner: Option<String>,
-    /// `--lease` in seconds.
+    /// Lease length in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub lease: u64,
-    /// `--receiver-url` (else `RECEIVER_URL`).
-    pub receiver_url: Option<String>,
-    /// `--max-attempts`: failed attempts before a job is dead.
-    pub max_attempts: Option<i64>,
-    /// `--migrate`: apply the schema migrations at start.
+    /// Apply the schema migrations at start (else refuse a schema older than this build)
+    #[arg(long)]
     pub migrate: bool,
-    /// `--concurrency`.
+    /// HTTP receiver each job calls with its fencing stamp (else RECEIVER_URL)
+    #[arg(long, value_name = "URL")]
+    pub receiver_url: Option<String>,
+    /// Failed attempts before a job is dead [default: 5]
+    #[arg(long, value_name = "N", value_parser = attempts)]
+    pub max_attempts: Option<i64>,
+    /// Jobs run at once
+    #[arg(long, value_name = "N", default_value = "16", value_parser = at_least_one)]
     pub concurrency: usize,
-    /// `--grace` in milliseconds.
+    /// Milliseconds running jobs get to finish at shutdown
+    #[arg(long, value_name = "MS", default_value = "30000", value_parser = millis)]
     pub grace: Duration,
-    /// `--handler-delay` in milliseconds (before the receiver call).
+    /// Milliseconds each handler waits before the receiver call
+    #[arg(long, value_name = "MS", default_value = "0", value_parser = millis)]
     pub handler_delay: Duration,
-    /// `--after-call-delay` in milliseconds.
+    /// Milliseconds each handler waits after the receiver call
+    #[arg(long, value_name = "MS", default_value = "0", value_parser = millis)]
     pub after_call_delay: Duration,
 }
 
-/// The usage lines of [`Common`].
-pub const COMMON_USAGE: &str =
-    "       [--database-url URL] [--schema NAME] [--owner NAME] [--lease SECS=30] [--migrate]
-       [--receiver-url URL] [--max-attempts N=5] [--concurrency N=16] [--grace MS=30000]
-       [--handler-delay MS=0] [--after-call-delay MS=0] [--help]";
-
-impl Default for Common {
-    fn default() -> Self {
-        Self {
-            database_url: None,
-            schema: None,
-            owner: None,
-            lease: 30,
-            receiver_url: std::env::var("RECEIVER_URL").ok().filter(|s| !s.is_empty()),
-            max_attempts: None,
-            migrate: false,
-            concurrency: 16,
-            grace: Duration::from_secs(30),
-            handler_delay: Duration::ZERO,
-            after_call_delay: Duration::ZERO,
-        }
-    }
-}
-
 impl Common {
-    /// Takes `flag` if it is one of the common flags; `Ok(false)` when it is not.
-    pub fn take(&mut self, flag: &mut Flag<'_>) -> Result<bool, CliExit> {
-        match flag.name.as_str() {
-            "--database-url" => self.database_url = Some(flag.value()?),
-            "--schema" => self.schema = Some(flag.value()?),
-            "--owner" => self.owner = Some(flag.value()?),
-            "--lease" => self.lease = flag.num()?,
-            "--receiver-url" => self.receiver_url = Some(flag.value()?),
-            "--max-attempts" => self.max_attempts = Some(flag.num::<i64>()?.max(1)),
-            "--migrate" => self.migrate = flag.switch()?,
-            "--concurrency" => self.concurrency = flag.num::<usize>()?.max(1),
-            "--grace" => self.grace = flag.ms()?,
-            "--handler-delay" => self.handler_delay = flag.ms()?,
-            "--after-call-delay" => self.after_call_delay = flag.ms()?,
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
-
     /// The owner: `--owner`, or a unique one from `prefix`.
     pub fn owner(&self, prefix: &str) -> Result<Owner, FenceError> {
         match &self.owner {
             Some(o) => Owner::new(o.clone()),
             None => Ok(Owner::unique(prefix)),
         }
+    }
+
+    /// The receiver: `--receiver-url`, else `RECEIVER_URL` (when not empty).
+    pub fn receiver(&self) -> Option<String> {
+        self.receiver_url.clone().or_else(|| std::env::var("RECEIVER_URL").ok().filter(|s| !s.is_empty()))
     }
 
     /// The retry policy: the default with `--max-attempts`.
@@ -319,14 +226,14 @@ impl StartError {
     }
 }
 
-/// Runs a program: on a bad command line prints `usage` and exits 2; otherwise starts logging
-/// (`log_filter` unless `RUST_LOG` says otherwise) and a tokio runtime, runs `body` on it, and
-/// returns its exit code (0, or what [`StartError::report`] says).
+/// Runs a program: `--help` prints the help on stdout (exit 0), a bad command line clap's
+/// message on stderr (exit 2); otherwise starts logging (`log_filter` unless `RUST_LOG` says
+/// otherwise) and a tokio runtime, runs `body` on it, and returns its exit code (0, or what
+/// [`StartError::report`] says).
 pub fn run_program<A, Fut>(
     prog: &str,
-    usage: &dyn Fn() -> String,
     log_filter: &str,
-    parsed: Result<A, CliExit>,
+    parsed: Result<A, clap::Error>,
     body: impl FnOnce(A) -> Fut,
 ) -> i32
 where
@@ -334,7 +241,7 @@ where
 {
     let args = match parsed {
         Ok(a) => a,
-        Err(e) => return e.report(prog, &usage()),
+        Err(e) => return report_cli(&e),
     };
     init_logging(log_filter);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -368,9 +275,41 @@ pub fn database_url(given: Option<&str>) -> Result<String, StartError> {
     })
 }
 
+/// The backend a database URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbKind {
+    /// `postgres://` or `postgresql://`.
+    Postgres,
+    /// `sqlite:`.
+    Sqlite,
+}
+
+/// The backend of `url` by its scheme; any other scheme (`mysql://`, `http://`, none) is
+/// refused at once (exit 2) with [`FenceError::UnsupportedScheme`]'s message.
+pub fn database_kind(url: &str) -> Result<DbKind, StartError> {
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or("");
+    match scheme.to_ascii_lowercase().as_str() {
+        "postgres" | "postgresql" => Ok(DbKind::Postgres),
+        "sqlite" => Ok(DbKind::Sqlite),
+        _ => Err(StartError::Refused(
+            FenceError::UnsupportedScheme {
+                scheme: scheme.to_owned(),
+                expected: "postgres://USER@HOST:PORT/DB or postgresql://… (PostgreSQL), or sqlite:PATH (SQLite)",
+            }
+            .to_string(),
+        )),
+    }
+}
+
 /// Connects to PostgreSQL with `application_name` = the owner (PostgreSQL keeps its first 63
-/// bytes), in `schema`, and [`prepare_schema`]s it.
+/// bytes), in `schema`, and [`prepare_schema`]s it. A URL of another scheme is refused at once
+/// (exit 2, see [`database_kind`]).
 pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate: bool) -> Result<PgFence, StartError> {
+    if database_kind(url)? == DbKind::Sqlite {
+        return Err(StartError::Refused(
+            "this program needs PostgreSQL (a postgres:// or postgresql:// URL); sqlite: is not served here".into(),
+        ));
+    }
     let options: sqlx::postgres::PgConnectOptions =
         url.parse().map_err(|e| StartError::Refused(format!("--database-url: {e}")))?;
     let mut store = PgFence::connect_with(options.application_name(owner.as_str())).await?;
@@ -415,7 +354,7 @@ impl CallReceiver {
     pub fn new(common: &Common) -> Self {
         Self {
             http: reqwest::Client::new(),
-            receiver: common.receiver_url.as_deref().map(Arc::from),
+            receiver: common.receiver().as_deref().map(Arc::from),
             delay: common.handler_delay,
             after_call: common.after_call_delay,
         }

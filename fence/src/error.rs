@@ -103,9 +103,101 @@ pub enum FenceError {
     /// panic); whether the statement ran is unknown.
     #[error("statement ended without an answer: {0}")]
     StatementAborted(String),
+    /// PostgreSQL could not be reached at all: nothing listens at the address (connection
+    /// refused), the host name does not resolve, or no answer came in time. Found by one direct
+    /// connection attempt when a fence connects, so it comes at once rather than after the pool's
+    /// acquire timeout.
+    ///
+    /// ```
+    /// use fence::FenceError;
+    /// let err = FenceError::Unreachable { host: "127.0.0.1".into(), port: 5432, cause: "connection refused (os error 111)".into() };
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "cannot connect to PostgreSQL at 127.0.0.1:5432: connection refused (os error 111); \
+    ///      check that PostgreSQL is running and listening there, and the host and port of the URL \
+    ///      (DATABASE_URL or --database-url)"
+    /// );
+    /// ```
+    #[error(
+        "cannot connect to PostgreSQL at {host}:{port}: {cause}; check that PostgreSQL is running and \
+         listening there, and the host and port of the URL (DATABASE_URL or --database-url)"
+    )]
+    Unreachable {
+        /// The host (or Unix socket directory) connected to.
+        host: String,
+        /// The port.
+        port: u16,
+        /// What the connection attempt ran into.
+        cause: String,
+    },
+    /// PostgreSQL answered but refused the connection: authentication failed, the database or
+    /// role does not exist, or too many connections. The server's own message is the cause.
+    ///
+    /// ```
+    /// use fence::FenceError;
+    /// let err = FenceError::ConnectRejected {
+    ///     host: "db".into(), port: 5432, user: "app".into(), database: "jobs".into(),
+    ///     cause: "password authentication failed for user \"app\"".into(),
+    /// };
+    /// assert!(err.to_string().starts_with("PostgreSQL at db:5432 refused user app on database jobs: password"));
+    /// ```
+    #[error(
+        "PostgreSQL at {host}:{port} refused user {user} on database {database}: {cause}; check the user, \
+         password and database name of the URL (DATABASE_URL or --database-url)"
+    )]
+    ConnectRejected {
+        /// The host (or Unix socket directory).
+        host: String,
+        /// The port.
+        port: u16,
+        /// The user connected as.
+        user: String,
+        /// The database asked for.
+        database: String,
+        /// The server's message.
+        cause: String,
+    },
+    /// A database URL whose scheme names no backend this constructor serves (for example a
+    /// `mysql://` URL given to [`PgFence::connect`](crate::PgFence::connect)). Refused before any
+    /// connection is made.
+    ///
+    /// ```
+    /// use fence::FenceError;
+    /// let err = FenceError::UnsupportedScheme { scheme: "mysql".into(), expected: "postgres:// or postgresql://" };
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "database URL scheme \"mysql:\" is not supported: expected postgres:// or postgresql://"
+    /// );
+    /// ```
+    #[error("database URL scheme \"{scheme}:\" is not supported: expected {expected}")]
+    UnsupportedScheme {
+        /// The scheme of the URL (empty when it has none), without the colon.
+        scheme: String,
+        /// The forms this constructor accepts.
+        expected: &'static str,
+    },
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
     Database(sqlx::Error),
+}
+
+/// The scheme of a URL (the letters before its first `:`), if it starts with one.
+pub(crate) fn url_scheme(url: &str) -> Option<&str> {
+    let (scheme, _) = url.split_once(':')?;
+    let mut chars = scheme.chars();
+    let first = chars.next()?;
+    (first.is_ascii_alphabetic() && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+        .then_some(scheme)
+}
+
+/// Refuses `url` unless its scheme is one of `accepted` (compared without case).
+pub(crate) fn require_scheme(url: &str, accepted: &[&str], expected: &'static str) -> Result<()> {
+    let scheme = url_scheme(url).unwrap_or("");
+    if accepted.iter().any(|a| a.eq_ignore_ascii_case(scheme)) {
+        Ok(())
+    } else {
+        Err(FenceError::UnsupportedScheme { scheme: scheme.to_owned(), expected })
+    }
 }
 
 impl From<sqlx::Error> for FenceError {

@@ -53,7 +53,7 @@ pub use model::{
 };
 pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;
-pub use postgres::{PG_SESSION_SETUP, PgFence, PgTimeouts};
+pub use postgres::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use retention::{PruneReport, QueueRetention, Retention};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};

@@ -529,6 +529,59 @@ impl std::fmt::Debug for PgFence {
 /// ```
 pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
 
+/// The schemes [`PgFence::connect`] accepts, as its [`FenceError::UnsupportedScheme`] names them.
+const PG_SCHEMES: &str = "postgres:// or postgresql:// (PostgreSQL; for SQLite use SqliteFence::open with sqlite:PATH)";
+
+/// How long the one direct connection attempt [`PgFence::connect`] and
+/// [`PgFence::connect_with`] make before building their pool may take (10 s, the pool's acquire
+/// timeout): past it the connect fails with [`FenceError::Unreachable`].
+pub const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One direct connection to `options`, closed at once: the real cause when the server cannot be
+/// reached or refuses the connection (a pool only says that it timed out).
+async fn probe(options: &sqlx::postgres::PgConnectOptions) -> Result<()> {
+    let unreachable = |cause: String| FenceError::Unreachable {
+        host: options.get_host().to_owned(),
+        port: options.get_port(),
+        cause,
+    };
+    match tokio::time::timeout(CONNECT_PROBE_TIMEOUT, PgConnection::connect_with(options)).await {
+        Err(_) => Err(unreachable(format!("no answer within {} s", CONNECT_PROBE_TIMEOUT.as_secs()))),
+        Ok(Ok(conn)) => {
+            // Terminate politely, but never wait long for it.
+            let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
+            Ok(())
+        }
+        // A certificate that does not verify is an I/O error of kind InvalidData: keep it as it
+        // is (`FenceError::Database`), like every TLS failure.
+        Ok(Err(sqlx::Error::Io(io))) if io.kind() != std::io::ErrorKind::InvalidData => {
+            Err(unreachable(lowercase_first(&io.to_string())))
+        }
+        // 28xxx: authentication; 3D000: no such database; 53300: too many connections.
+        Ok(Err(sqlx::Error::Database(db)))
+            if db.code().is_some_and(|c| c.starts_with("28") || c == "3D000" || c == "53300") =>
+        {
+            Err(FenceError::ConnectRejected {
+                host: options.get_host().to_owned(),
+                port: options.get_port(),
+                user: options.get_username().to_owned(),
+                database: options.get_database().unwrap_or(options.get_username()).to_owned(),
+                cause: db.message().to_owned(),
+            })
+        }
+        Ok(Err(e)) => Err(e.into()),
+    }
+}
+
+/// `s` with its first letter in lower case ("Connection refused" reads as a cause in a sentence).
+fn lowercase_first(s: &str) -> String {
+    let mut chars = s.chars();
+    match chars.next() {
+        Some(c) => c.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
 /// Server-side time limits of a fence's connections, sent as startup options of each connection
 /// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra
 /// round trip for them.
@@ -682,7 +735,20 @@ impl PgFence {
 
     /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)),
     /// with the default [`PgTimeouts`] and their reserved heartbeat connections.
+    ///
+    /// `url` must be a PostgreSQL URL (`postgres://` or `postgresql://`): any other scheme fails
+    /// at once with [`FenceError::UnsupportedScheme`]. A server that cannot be reached fails
+    /// with [`FenceError::Unreachable`] (host, port and cause), one that refuses the user or
+    /// database with [`FenceError::ConnectRejected`]; see [`connect_with`](Self::connect_with).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let err = fence::PgFence::connect("mysql://root@127.0.0.1/jobs").await.unwrap_err();
+    /// assert!(matches!(err, fence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
+    /// # }
+    /// ```
     pub async fn connect(url: &str) -> Result<Self> {
+        crate::error::require_scheme(url, &["postgres", "postgresql"], PG_SCHEMES)?;
         let options: sqlx::postgres::PgConnectOptions = url.parse()?;
         Self::connect_with_timeouts(options, PgTimeouts::default()).await
     }
@@ -692,6 +758,7 @@ impl PgFence {
         options: sqlx::postgres::PgConnectOptions,
         timeouts: PgTimeouts,
     ) -> Result<Self> {
+        probe(&timeouts.apply(options.clone())).await?;
         let pool = Self::pool_options().connect_with(timeouts.apply(options.clone())).await?;
         Ok(Self::new(pool).with_heartbeat_pool(timeouts.heartbeat_pool(options)))
     }
@@ -706,6 +773,13 @@ impl PgFence {
     /// crate was built without the feature; a certificate that does not verify (`VerifyCa`,
     /// `VerifyFull`) fails with `FenceError::Database(sqlx::Error::Io(..))` of kind `InvalidData`
     /// naming the certificate problem. `Prefer` falls back to plain TCP.
+    ///
+    /// Before the pool is built, one direct connection is opened (and closed) with a bound of
+    /// [`CONNECT_PROBE_TIMEOUT`]: a server that cannot be reached fails at once with
+    /// [`FenceError::Unreachable`] naming the host, port and cause (connection refused, a name
+    /// that does not resolve, no answer in time), and one that answers but refuses the user or
+    /// database fails with [`FenceError::ConnectRejected`] and the server's message, rather
+    /// than the pool's "timed out while waiting for an open connection" after its acquire timeout.
     ///
     /// Note: sqlx's `PgConnectOptions` prints its password in `Debug`; never log the options.
     /// [`PgFence`]'s own `Debug` shows neither the options nor the credentials.

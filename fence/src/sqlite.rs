@@ -306,7 +306,15 @@ impl std::fmt::Debug for SqliteFence {
 impl SqliteFence {
     /// Opens (creating if missing) a database file: `sqlite:path.db` or `sqlite::memory:`.
     /// WAL journal, a 10 s busy timeout, `synchronous = FULL` (every commit synced, see
-    /// [`SqliteDurability`]).
+    /// [`SqliteDurability`]). A URL of another scheme (`postgres://`, `mysql://`, or a bare path)
+    /// fails at once with [`FenceError::UnsupportedScheme`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let err = fence::SqliteFence::open("mysql://root@127.0.0.1/jobs").await.unwrap_err();
+    /// assert!(matches!(err, fence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
+    /// # }
+    /// ```
     pub async fn open(url: &str) -> Result<Self> {
         Self::open_with(url, SqliteDurability::Full).await
     }
@@ -322,6 +330,12 @@ impl SqliteFence {
     /// # let _ = fence; Ok(()) }
     /// ```
     pub async fn open_with(url: &str, durability: SqliteDurability) -> Result<Self> {
+        // sqlx would take any other string as a file name (`mysql://host/db` a file in `mysql:`).
+        crate::error::require_scheme(
+            url,
+            &["sqlite"],
+            "sqlite:PATH or sqlite::memory: (SQLite; for PostgreSQL use PgFence::connect)",
+        )?;
         let memory = url.contains(":memory:") || url.contains("mode=memory");
         let synchronous = match durability {
             SqliteDurability::Full => SqliteSynchronous::Full,

@@ -175,7 +175,20 @@ impl RedisConnections {
     /// assert_eq!(redis.timeouts().response_timeout(), Duration::from_millis(500));
     /// # Ok(()) }
     /// ```
+    ///
+    /// A URL of another scheme fails at once with [`RedisError::UnsupportedScheme`]; a server
+    /// that cannot be reached, or refuses the client, with [`RedisError::Unreachable`] naming its
+    /// address (see [`from_client_with`](Self::from_client_with)).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use adapters::redis::{RedisConnections, RedisError};
+    /// let err = RedisConnections::connect("http://127.0.0.1:6379").await.unwrap_err();
+    /// assert!(matches!(err, RedisError::UnsupportedScheme { ref scheme } if scheme == "http"));
+    /// # }
+    /// ```
     pub async fn connect_with(url: &str, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
+        check_scheme(url)?;
         let client = ::redis::Client::open(url).map_err(RedisError::command("connect"))?;
         Self::from_client_with(client, timeouts).await
     }
@@ -187,7 +200,17 @@ impl RedisConnections {
     }
 
     /// Like [`from_client`](Self::from_client) with your timeouts.
+    ///
+    /// When a connection cannot be opened (within `connect` × 2 + `response` of
+    /// [`RedisTimeouts`], a few reconnect attempts included) the error is
+    /// [`RedisError::Unreachable`], naming the client's address and the cause.
     pub async fn from_client_with(client: ::redis::Client, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
+        let addr = client.get_connection_info().addr().to_string();
+        let unreachable = |e: RedisError| RedisError::Unreachable { addr: addr.clone(), source: Box::new(e) };
+        Self::open_with(client, timeouts).await.map_err(unreachable)
+    }
+
+    async fn open_with(client: ::redis::Client, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeouts.connect))
             .set_max_delay(Duration::from_secs(2))
@@ -232,5 +255,18 @@ impl RedisConnections {
     /// The connection for blocking reads (a cheap clone).
     pub fn blocking(&self) -> ConnectionManager {
         self.blocking.clone()
+    }
+}
+
+/// Refuses a URL whose scheme the Redis client does not take (it would only say
+/// `InvalidClientConfig`).
+fn check_scheme(url: &str) -> Result<(), RedisError> {
+    const SCHEMES: &[&str] = &["redis", "rediss", "redis+unix", "unix", "valkey", "valkeys", "valkey+unix"];
+    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
+    if SCHEMES.iter().any(|s| s.eq_ignore_ascii_case(scheme)) {
+        Ok(())
+    } else {
+        let scheme = url.split_once(':').map(|(s, _)| s).filter(|s| !s.contains('/')).unwrap_or("");
+        Err(RedisError::UnsupportedScheme { scheme: scheme.to_owned() })
     }
 }

@@ -44,6 +44,55 @@ pub enum RedisError {
     /// The adapter was configured with something unusable (empty names, bad durations).
     #[error("invalid redis adapter configuration: {0}")]
     Config(String),
+    /// A URL whose scheme is not Redis's (`http://…`, a bare `host:port`): refused before any
+    /// connection is made.
+    ///
+    /// ```
+    /// use adapters::redis::RedisError;
+    /// let e = RedisError::UnsupportedScheme { scheme: "http".into() };
+    /// assert_eq!(
+    ///     e.to_string(),
+    ///     "unsupported Redis URL scheme \"http:\": expected redis://[USER:PASSWORD@]HOST:PORT[/DB], \
+    ///      rediss://… for TLS, or redis+unix:///PATH/TO/SOCKET (also unix://)"
+    /// );
+    /// assert!(e.is_fatal());
+    /// ```
+    #[error(
+        "unsupported Redis URL scheme \"{scheme}:\": expected redis://[USER:PASSWORD@]HOST:PORT[/DB], \
+         rediss://… for TLS, or redis+unix:///PATH/TO/SOCKET (also unix://)"
+    )]
+    UnsupportedScheme {
+        /// The scheme of the URL (empty when it has none), without the colon.
+        scheme: String,
+    },
+    /// The connections could not be opened: nothing listens at the address, the server did not
+    /// answer in time, or it refused the client (authentication, TLS). Names the address (never
+    /// the password) and the cause.
+    #[error(
+        "cannot connect to Redis at {addr}: {}; check that Redis is running and listening there, and the \
+         URL (REDIS_URL or --redis-url)",
+        connect_cause(source)
+    )]
+    Unreachable {
+        /// `host:port`, or the socket path.
+        addr: String,
+        /// What the connection attempt ran into.
+        #[source]
+        source: Box<RedisError>,
+    },
+}
+
+/// The cause of a failed connect, without repeating "connect".
+fn connect_cause(e: &RedisError) -> String {
+    match e {
+        RedisError::Command { source, .. } => {
+            let text = source.to_string();
+            let mut chars = text.chars();
+            chars.next().map(|c| c.to_lowercase().chain(chars).collect()).unwrap_or(text)
+        }
+        RedisError::Timeout { after, .. } => format!("no answer within {after:?}"),
+        other => other.to_string(),
+    }
 }
 
 impl RedisError {
@@ -59,6 +108,7 @@ impl RedisError {
     pub fn code(&self) -> Option<&str> {
         match self {
             RedisError::Command { source, .. } => source.code(),
+            RedisError::Unreachable { source, .. } => source.code(),
             _ => None,
         }
     }
@@ -75,6 +125,7 @@ impl RedisError {
     pub fn is_timeout(&self) -> bool {
         match self {
             RedisError::Timeout { .. } => true,
+            RedisError::Unreachable { source, .. } => source.is_timeout(),
             RedisError::Command { source, .. } => source.is_timeout(),
             _ => false,
         }
@@ -84,7 +135,8 @@ impl RedisError {
     /// of the wrong type.
     pub fn is_fatal(&self) -> bool {
         match self {
-            RedisError::Config(_) => true,
+            RedisError::Config(_) | RedisError::UnsupportedScheme { .. } => true,
+            RedisError::Unreachable { source, .. } => source.is_fatal(),
             RedisError::Reply { .. } | RedisError::Timeout { .. } => false,
             RedisError::Command { source, .. } => {
                 matches!(

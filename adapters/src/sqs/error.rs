@@ -2,7 +2,7 @@
 //! retrying.
 
 use aws_sdk_sqs::config::http::HttpResponse;
-use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 
 use crate::source::SourceError;
 
@@ -119,6 +119,63 @@ pub enum SqsError {
         /// The message.
         message_id: String,
     },
+    /// The queue does not exist (in this region, at this endpoint, for these credentials):
+    /// found by [`SqsSource::check`](super::SqsSource::check) before the first receive.
+    ///
+    /// ```
+    /// use adapters::sqs::SqsError;
+    /// let e = SqsError::QueueNotFound {
+    ///     queue_url: "http://127.0.0.1:4566/000000000000/orders".into(),
+    ///     endpoint: "http://127.0.0.1:4566".into(),
+    ///     region: "us-east-1".into(),
+    /// };
+    /// assert_eq!(
+    ///     e.to_string(),
+    ///     "SQS queue http://127.0.0.1:4566/000000000000/orders does not exist (endpoint http://127.0.0.1:4566, \
+    ///      region us-east-1); check the queue URL (--queue-url or SQS_QUEUE_URL), the region and the endpoint"
+    /// );
+    /// assert!(!e.is_transient());
+    /// ```
+    #[error(
+        "SQS queue {queue_url} does not exist (endpoint {endpoint}, region {region}); check the queue URL \
+         (--queue-url or SQS_QUEUE_URL), the region and the endpoint"
+    )]
+    QueueNotFound {
+        /// The queue URL.
+        queue_url: String,
+        /// The SQS endpoint the client sends to (`AWS_ENDPOINT_URL_SQS` / `AWS_ENDPOINT_URL`, or
+        /// "the AWS default").
+        endpoint: String,
+        /// The client's region.
+        region: String,
+    },
+    /// SQS did not answer (connection refused, a name that does not resolve, timeouts) in any of
+    /// the attempts [`SqsSource::check`](super::SqsSource::check) made.
+    ///
+    /// ```
+    /// use adapters::sqs::SqsError;
+    /// let e = SqsError::Unreachable {
+    ///     endpoint: "http://127.0.0.1:1".into(),
+    ///     queue_url: "http://127.0.0.1:1/000000000000/orders".into(),
+    ///     attempts: 3,
+    ///     cause: "connection refused (os error 111)".into(),
+    /// };
+    /// assert!(e.to_string().starts_with("cannot reach SQS at http://127.0.0.1:1 (queue http://127.0.0.1:1/000000000000/orders) after 3 attempts: connection refused"));
+    /// ```
+    #[error(
+        "cannot reach SQS at {endpoint} (queue {queue_url}) after {attempts} attempts: {cause}; check that the \
+         endpoint is up, and AWS_ENDPOINT_URL_SQS (or AWS_ENDPOINT_URL) and AWS_REGION"
+    )]
+    Unreachable {
+        /// The SQS endpoint.
+        endpoint: String,
+        /// The queue URL.
+        queue_url: String,
+        /// How many attempts were made.
+        attempts: u32,
+        /// The cause of the last one.
+        cause: String,
+    },
     /// A received message lacks a field SQS always sends (id or receipt handle).
     #[error("received message has no {what}")]
     Incomplete {
@@ -131,7 +188,10 @@ impl SqsError {
     /// True when the same call may succeed later.
     pub fn is_transient(&self) -> bool {
         match self {
-            SqsError::Transient { .. } | SqsError::Timeout { .. } | SqsError::HandleNotOurs { .. } => true,
+            SqsError::Transient { .. }
+            | SqsError::Timeout { .. }
+            | SqsError::HandleNotOurs { .. }
+            | SqsError::Unreachable { .. } => true,
             SqsError::BatchEntries { transient, .. } => *transient,
             _ => false,
         }
@@ -191,13 +251,87 @@ pub(crate) fn is_transient_code(code: &str) -> bool {
     TRANSIENT_CODES.contains(&code)
 }
 
+/// Error codes SQS answers for a queue that does not exist (JSON and query protocols).
+pub(crate) fn is_missing_queue_code(code: &str) -> bool {
+    matches!(code, "AWS.SimpleQueueService.NonExistentQueue" | "QueueDoesNotExist" | "NonExistentQueue")
+}
+
+/// The short cause of an SDK error, for one log line: the service's code and message, or the
+/// innermost error of a failed dispatch ("connection refused (os error 111)") with its kind.
+pub(crate) fn short_cause<E>(err: &SdkError<E, HttpResponse>) -> String
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+{
+    if let SdkError::ServiceError(_) = err {
+        return sdk_error_text(err);
+    }
+    let kind = match err {
+        SdkError::TimeoutError(_) => "timed out",
+        SdkError::DispatchFailure(_) => "could not send the request",
+        SdkError::ResponseError(_) => "unreadable response",
+        SdkError::ConstructionFailure(_) => "could not build the request",
+        _ => "failed",
+    };
+    let mut innermost: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(err);
+    while let Some(next) = innermost.and_then(std::error::Error::source) {
+        innermost = Some(next);
+    }
+    match innermost.map(ToString::to_string).filter(|s| !s.is_empty()) {
+        Some(text) => {
+            let mut chars = text.chars();
+            let text: String = chars.next().map(|c| c.to_lowercase().chain(chars).collect()).unwrap_or(text);
+            format!("{kind}: {text}")
+        }
+        None => kind.to_owned(),
+    }
+}
+
+/// An error and its causes on one line, each message once, joined by ": " (the chain
+/// `DisplayErrorContext` prints, without the `Debug` dump it appends: for an SDK service error
+/// that dump holds the whole HTTP response, headers and body, some 2 KB).
+///
+/// ```
+/// let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused (os error 111)");
+/// assert_eq!(adapters::sqs::error_chain(&io), "Connection refused (os error 111)");
+/// ```
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(err);
+    while let Some(e) = next {
+        let text = e.to_string();
+        // A wrapper that repeats its source's text (or ends with it) adds nothing.
+        if !text.is_empty() && !parts.last().is_some_and(|p| p.ends_with(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+/// The text of an SDK error: for an answer of SQS its code, message and HTTP status; otherwise
+/// the chain of causes ([`error_chain`]).
+pub(crate) fn sdk_error_text<E>(err: &SdkError<E, HttpResponse>) -> String
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+{
+    if let SdkError::ServiceError(ctx) = err {
+        let status = ctx.raw().status().as_u16();
+        match (ctx.err().code(), ctx.err().message()) {
+            (Some(code), Some(message)) => return format!("{code}: {message} (HTTP {status})"),
+            (Some(code), None) => return format!("{code} (HTTP {status})"),
+            _ => return format!("{} (HTTP {status})", error_chain(ctx.err())),
+        }
+    }
+    error_chain(err)
+}
+
 /// Classifies an SDK error: throttling, 5xx, timeouts and connection failures are transient;
 /// everything SQS refused on purpose is not.
 pub(crate) fn classify<E>(operation: &'static str, err: SdkError<E, HttpResponse>) -> SqsError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
 {
-    let message = DisplayErrorContext(&err).to_string();
+    let message = sdk_error_text(&err);
     match &err {
         SdkError::ServiceError(ctx) => {
             let code = ctx.err().code().map(str::to_owned);

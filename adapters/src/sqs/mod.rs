@@ -62,11 +62,11 @@ pub use config::{
 };
 pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_needed};
 pub use delivery::SqsDelivery;
-pub use error::SqsError;
+pub use error::{SqsError, error_chain};
 pub use key::KeyStrategy;
 pub use outbox::SqsPublisher;
 pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};
-pub use source::SqsSource;
+pub use source::{CHECK_ATTEMPTS, SqsSource};
 
 /// The AWS configuration loader, re-exported for the same reason.
 pub use aws_config;

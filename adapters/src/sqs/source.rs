@@ -14,10 +14,26 @@ use tracing::Instrument;
 use super::batch::{self, Entry};
 use super::config::{DeadLetterTarget, SqsConfig, visibility_secs};
 use super::delivery::{Registry, Settled, SqsDelivery};
-use super::error::{SqsError, bounded, classify};
+use super::error::{SqsError, bounded, classify, is_missing_queue_code, short_cause};
 use crate::disposition::Disposition;
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
+
+/// How many attempts [`SqsSource::check`] makes while SQS cannot be reached.
+pub const CHECK_ATTEMPTS: u32 = 3;
+
+/// The endpoint `client` sends to, as far as the environment tells (`AWS_ENDPOINT_URL_SQS`,
+/// then `AWS_ENDPOINT_URL`, as the AWS configuration reads them); else the AWS endpoint of the
+/// client's region.
+fn endpoint_of(client: &Client) -> String {
+    ["AWS_ENDPOINT_URL_SQS", "AWS_ENDPOINT_URL"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| match client.config().region() {
+            Some(r) => format!("https://sqs.{r}.amazonaws.com"),
+            None => "the AWS default (no region set)".to_owned(),
+        })
+}
 
 /// An SQS queue as a [`Source`] of the consumer runtime (or, through
 /// [`SqsRetrofit`](super::SqsRetrofit), of your own loop).
@@ -94,6 +110,74 @@ impl SqsSource {
                 idle: Notify::new(),
                 ahead: tokio::sync::Mutex::default(),
             }),
+        }
+    }
+
+    /// Checks, before the first receive, that the queue exists and SQS answers: one
+    /// `GetQueueAttributes` (`QueueArn`) call, bounded by [`SqsConfig::call_timeout`], made up to
+    /// [`CHECK_ATTEMPTS`] times while SQS cannot be reached (the SDK's own retries off, so each
+    /// attempt is one request; a warning line per failed attempt: attempt n of N, the endpoint,
+    /// the cause; 0.5 s, then 1 s between them).
+    ///
+    /// Fails with [`SqsError::QueueNotFound`] when the queue does not exist,
+    /// [`SqsError::Unreachable`] when no attempt got an answer, or the refusal SQS answered
+    /// (credentials, permissions). A [`Consumer`](crate::Consumer) does not call it; call it
+    /// before announcing that a worker is ready (for [`SqsRetrofit`](super::SqsRetrofit):
+    /// `retrofit.source().check()`).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), adapters::sqs::SqsError> {
+    /// use adapters::sqs::{SqsConfig, SqsSource, client_from_env};
+    /// let source = SqsSource::new(client_from_env().await, SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?);
+    /// source.check().await?; // "SQS queue … does not exist …" rather than failing receives
+    /// # Ok(()) }
+    /// ```
+    pub async fn check(&self) -> Result<(), SqsError> {
+        use aws_sdk_sqs::config::retry::RetryConfig;
+        use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
+        use aws_sdk_sqs::types::QueueAttributeName;
+
+        let queue_url = &self.inner.config.queue_url;
+        let limit = self.inner.config.call_timeout;
+        let endpoint = endpoint_of(&self.inner.client);
+        let mut wait = Duration::from_millis(500);
+        let mut attempt = 1;
+        loop {
+            let call = self
+                .inner
+                .client
+                .get_queue_attributes()
+                .queue_url(queue_url)
+                .attribute_names(QueueAttributeName::QueueArn)
+                .customize()
+                .config_override(aws_sdk_sqs::config::Builder::default().retry_config(RetryConfig::disabled()))
+                .send();
+            let cause = match tokio::time::timeout(limit, call).await {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(SdkError::ServiceError(ctx))) if ctx.err().code().is_some_and(is_missing_queue_code) => {
+                    let region =
+                        self.inner.client.config().region().map_or_else(|| "not set".to_owned(), |r| r.to_string());
+                    return Err(SqsError::QueueNotFound { queue_url: queue_url.clone(), endpoint, region });
+                }
+                Ok(Err(e)) => {
+                    let cause = short_cause(&e);
+                    let classified = classify("GetQueueAttributes", e);
+                    if !classified.is_transient() {
+                        return Err(classified);
+                    }
+                    cause
+                }
+                Err(_) => format!("no answer within {limit:?}"),
+            };
+            if attempt >= CHECK_ATTEMPTS {
+                return Err(SqsError::Unreachable { endpoint, queue_url: queue_url.clone(), attempts: attempt, cause });
+            }
+            tracing::warn!(
+                "SQS at {endpoint}: attempt {attempt} of {CHECK_ATTEMPTS} failed: {cause}; retrying in {wait:?}"
+            );
+            tokio::time::sleep(wait).await;
+            wait = wait.saturating_mul(2);
+            attempt += 1;
         }
     }
 
