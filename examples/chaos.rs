@@ -302,7 +302,7 @@ impl ChaosConfig {
 }
 
 fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, String> {
-    let database_url = brokerfence::services::var("DATABASE_URL")
+    let database_url = brokerfence_testkit::services::var("DATABASE_URL")
         .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
     let mut c = ChaosConfig::new(SourceKind::Table, database_url, Launcher::this_example()?);
     let mut it = args.iter();
@@ -1861,7 +1861,6 @@ async fn worker(o: WorkerOpts) -> Result<(), String> {
     }
 }
 
-#[cfg(feature = "guard-switches")]
 fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
     let mut guards = brokerfence::fence::Guards::default();
     for name in names {
@@ -1873,11 +1872,6 @@ fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
         };
     }
     Ok(store.with_guards(guards))
-}
-
-#[cfg(not(feature = "guard-switches"))]
-fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
-    if names.is_empty() { Ok(store) } else { Err("--guards needs the `guard-switches` feature".into()) }
 }
 
 async fn consume<S: Source>(
@@ -1932,7 +1926,7 @@ mod sqs_chaos {
     pub fn aws_env() -> Vec<(String, String)> {
         ["AWS_ENDPOINT_URL_SQS", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
             .iter()
-            .filter_map(|n| brokerfence::services::var(n).map(|v| ((*n).to_owned(), v)))
+            .filter_map(|n| brokerfence_testkit::services::var(n).map(|v| ((*n).to_owned(), v)))
             .collect()
     }
 

@@ -78,7 +78,7 @@ mod producer {
         let url = args
             .redis_url
             .clone()
-            .or_else(|| brokerfence::services::var("REDIS_URL"))
+            .or_else(|| brokerfence_testkit::services::var("REDIS_URL"))
             .unwrap_or_else(|| "redis://127.0.0.1:6379".into());
         let mut conn: MultiplexedConnection =
             client::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;

@@ -108,7 +108,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => return ExitCode::from(u8::try_from(e.report("sqs_produce", USAGE)).unwrap_or(2)),

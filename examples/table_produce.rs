@@ -86,7 +86,7 @@ async fn produce(args: Args) -> Result<(), StartError> {
 }
 
 fn main() {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     let code = common::run_program(
         PROG,
         &|| USAGE.to_owned(),

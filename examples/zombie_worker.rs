@@ -214,7 +214,6 @@ fn guards(names: &[String]) -> Result<fence::Guards, String> {
     #[allow(unused_mut)]
     let mut g = fence::Guards::default();
     for name in names {
-        #[cfg(feature = "guard-switches")]
         {
             g = match name.as_str() {
                 "no-epoch-increment" => g.without_epoch_increment(),
@@ -225,12 +224,6 @@ fn guards(names: &[String]) -> Result<fence::Guards, String> {
                 other => return Err(format!("unknown guard {other}")),
             };
         }
-        #[cfg(not(feature = "guard-switches"))]
-        let _ = (name, &mut g);
-    }
-    #[cfg(not(feature = "guard-switches"))]
-    if let Some(name) = names.first() {
-        return Err(format!("--guards {name} needs the guard-switches feature"));
     }
     Ok(g)
 }
@@ -242,14 +235,12 @@ async fn open(o: &Opts, owner: &Owner) -> Result<Arc<dyn FenceStore>, StartError
     let store: Arc<dyn FenceStore> = if o.db.starts_with("postgres") {
         // `application_name` = the owner, so the worker shows in `pg_stat_activity`.
         let f = common::connect_pg(&o.db, Some(&o.schema), owner, o.migrate).await?;
-        #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     } else {
         let schema = SchemaName::new(o.schema.clone()).map_err(|e| refused(e.to_string()))?;
         let f = SqliteFence::open(&o.db).await?.with_schema(schema);
         common::prepare_schema(&f, o.migrate).await?;
-        #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     };
@@ -336,7 +327,6 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
     if let Some(n) = o.max_attempts {
         config = config.retry(RetryPolicy { max_attempts: n, ..RetryPolicy::default() });
     }
-    #[cfg(feature = "guard-switches")]
     if o.guards.iter().any(|g| g == "no-cancel-on-loss") {
         config = config.without_cancel_on_loss();
     }

@@ -20,5 +20,3 @@
 
 pub use adapters;
 pub use fence;
-
-pub mod services;

@@ -804,6 +804,7 @@ impl PgFence {
 
     /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
     #[cfg(feature = "guard-switches")]
+    #[doc(hidden)]
     pub fn with_guards(mut self, guards: Guards) -> Self {
         self.stmts = Arc::new(Statements::new(&self.schema, guards));
         self.guards = guards;

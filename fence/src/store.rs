@@ -216,8 +216,10 @@ pub trait FenceStore: Send + Sync + 'static {
 #[non_exhaustive]
 pub enum Backend<'a> {
     /// PostgreSQL.
+    #[cfg(feature = "postgres")]
     Postgres(&'a crate::PgFence),
     /// SQLite.
+    #[cfg(feature = "sqlite")]
     Sqlite(&'a crate::SqliteFence),
     /// A store of another kind: statements on the caller's own connection are unsupported.
     Other,
