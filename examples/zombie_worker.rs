@@ -183,7 +183,7 @@ pub fn run(args: Vec<String>) -> i32 {
         Ok(o) => o,
         Err(e) => return e.report("zombie_worker", USAGE),
     };
-    common::init_logging("warn,fence=info");
+    common::init_logging("warn,brokerfence_fence=info");
     // Two worker threads: a blocking step holds one, the heartbeat keeps running on the other
     // (until the whole process is stopped with SIGSTOP).
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {

@@ -321,7 +321,7 @@ impl Zombie {
         let mut child = tokio::process::Command::new(exe)
             .args(["zombie_support::worker_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
             .env(WORKER_ENV, args.join("\u{1f}"))
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,fence=info".into()))
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,brokerfence_fence=info".into()))
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
