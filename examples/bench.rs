@@ -422,7 +422,7 @@ fn main() {
 }
 
 async fn bench(o: Opts) -> Result<(), String> {
-    let url = brokerfence::services::var("DATABASE_URL")
+    let url = brokerfence_testkit::services::var("DATABASE_URL")
         .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
     let pg = table::Pg::connect(&url).await?;
     println!("brokerfence bench — {}; load average at start {}", machine(), loadavg());
@@ -1232,7 +1232,7 @@ mod sqs_bench {
     use futures::StreamExt;
 
     async fn client() -> Client {
-        let var = |n: &str| brokerfence::services::var(n);
+        let var = |n: &str| brokerfence_testkit::services::var(n);
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
         if let Some(endpoint) = var("AWS_ENDPOINT_URL_SQS") {
             loader = loader.endpoint_url(endpoint);
@@ -1476,7 +1476,7 @@ mod redis_bench {
 
     pub async fn run(o: &Opts, pg: &table::Pg) -> Result<(), String> {
         println!("\n[redis streams] (reads of up to {0}, concurrency {0})", o.broker_concurrency);
-        let Some(url) = brokerfence::services::var("REDIS_URL") else {
+        let Some(url) = brokerfence_testkit::services::var("REDIS_URL") else {
             println!("  skipped: REDIS_URL is not set; run `bash localstack/up`");
             return Ok(());
         };

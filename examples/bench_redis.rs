@@ -388,8 +388,10 @@ mod bench {
     }
 
     async fn go(a: Args) -> Result<(), Box<dyn std::error::Error>> {
-        let redis_url = brokerfence::services::var("REDIS_URL").ok_or("REDIS_URL is not set (run localstack/up)")?;
-        let db_url = brokerfence::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+        let redis_url =
+            brokerfence_testkit::services::var("REDIS_URL").ok_or("REDIS_URL is not set (run localstack/up)")?;
+        let db_url =
+            brokerfence_testkit::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
         let tag = format!("{:08x}", rand::random::<u32>());
         let schema = SchemaName::new(format!("bench_redis_{tag}"))?;
         let pg = PgFence::connect(&db_url).await?.with_schema(schema.clone());

@@ -601,7 +601,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let name = format!("bench-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
     let url = client.create_queue().queue_name(&name).send().await?.queue_url().unwrap_or_default().to_owned();
     let database_url =
-        brokerfence::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+        brokerfence_testkit::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
     let schema = SchemaName::new(format!("bench_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff))?;
     let pg = PgFence::connect(&database_url).await?.with_schema(schema.clone());
     pg.migrate().await?;
@@ -715,7 +715,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

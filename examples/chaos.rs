@@ -362,7 +362,7 @@ struct RunnerCli {
     /// PostgreSQL URL (else DATABASE_URL, else localstack/.env)
     #[arg(long, value_name = "URL")]
     database_url: Option<String>,
-    /// Test builds with feature guard-switches only: guards the workers turn off
+    /// Test only (the members' guard-switches, on in example builds): guards the workers turn off
     #[arg(long, value_name = "LIST")]
     guards: Option<String>,
     /// Keep the workers' logs
@@ -396,7 +396,7 @@ fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerArgsError> {
             .map_err(RunnerArgsError::Cli)?;
     let database_url = match cli.database_url {
         Some(url) => url,
-        None => brokerfence::services::var("DATABASE_URL").ok_or_else(|| {
+        None => brokerfence_testkit::services::var("DATABASE_URL").ok_or_else(|| {
             "DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first".to_owned()
         })?,
     };
@@ -1810,7 +1810,7 @@ struct WorkerCli {
     /// Redis stream (source redis)
     #[arg(long, value_name = "KEY")]
     stream: Option<String>,
-    /// Test builds with feature guard-switches only: guards to turn off
+    /// Test only (the members' guard-switches, on in example builds): guards to turn off
     #[arg(long, value_name = "LIST", default_value = "")]
     guards: String,
 }
@@ -2015,7 +2015,6 @@ async fn worker(o: WorkerOpts) -> Result<(), String> {
     }
 }
 
-#[cfg(feature = "guard-switches")]
 fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
     let mut guards = brokerfence::fence::Guards::default();
     for name in names {
@@ -2027,11 +2026,6 @@ fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
         };
     }
     Ok(store.with_guards(guards))
-}
-
-#[cfg(not(feature = "guard-switches"))]
-fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
-    if names.is_empty() { Ok(store) } else { Err("--guards needs the `guard-switches` feature".into()) }
 }
 
 async fn consume<S: Source>(
@@ -2086,7 +2080,7 @@ mod sqs_chaos {
     pub fn aws_env() -> Vec<(String, String)> {
         ["AWS_ENDPOINT_URL_SQS", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
             .iter()
-            .filter_map(|n| brokerfence::services::var(n).map(|v| ((*n).to_owned(), v)))
+            .filter_map(|n| brokerfence_testkit::services::var(n).map(|v| ((*n).to_owned(), v)))
             .collect()
     }
 

@@ -270,7 +270,7 @@ async fn relay(
         relay = relay.publisher(Arc::new(publisher));
     }
     if !redis.is_empty() {
-        let redis_url = redis_url.or_else(|| brokerfence::services::var("REDIS_URL")).ok_or_else(|| {
+        let redis_url = redis_url.or_else(|| brokerfence_testkit::services::var("REDIS_URL")).ok_or_else(|| {
             StartError::Refused("no Redis: give --redis-url or set REDIS_URL (localstack/up writes it)".into())
         })?;
         let conns = RedisConnections::connect(&redis_url).await?;
@@ -304,6 +304,6 @@ pub fn run(raw: Vec<String>) -> i32 {
 
 #[allow(dead_code)] // not called when a test includes this file as a module
 fn main() {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     std::process::exit(run(std::env::args().skip(1).collect()));
 }

@@ -87,7 +87,7 @@ mod producer {
         let url = args
             .redis_url
             .clone()
-            .or_else(|| brokerfence::services::var("REDIS_URL"))
+            .or_else(|| brokerfence_testkit::services::var("REDIS_URL"))
             .unwrap_or_else(|| "redis://127.0.0.1:6379".into());
         // The library's checks and messages: the scheme (exit 2), the address on a failed connect.
         let conns = RedisConnections::connect(&url).await.map_err(|e| match e {

@@ -28,7 +28,7 @@ mod common;
 
 #[cfg(feature = "redis")]
 fn main() {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     std::process::exit(run(std::env::args().skip(1).collect()));
 }
 
@@ -138,7 +138,7 @@ mod worker {
         let owner = c.owner("redis-worker").map_err(refuse)?;
         let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
         let redis_url =
-            args.redis_url.clone().or_else(|| brokerfence::services::var("REDIS_URL")).ok_or_else(|| {
+            args.redis_url.clone().or_else(|| brokerfence_testkit::services::var("REDIS_URL")).ok_or_else(|| {
                 StartError::Refused("no Redis: give --redis-url or set REDIS_URL (localstack/up writes it)".into())
             })?;
         let url = common::database_url(c.database_url.as_deref())?;

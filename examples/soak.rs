@@ -91,7 +91,7 @@ fn main() {
 }
 
 async fn soak(o: Opts) -> Result<(), String> {
-    let url = brokerfence::services::var("DATABASE_URL")
+    let url = brokerfence_testkit::services::var("DATABASE_URL")
         .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
     let schema = SchemaName::new(format!("soak_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
     let fence = PgFence::connect(&url).await.map_err(|e| e.to_string())?.with_schema(schema);
@@ -290,7 +290,7 @@ mod redis_soak {
     }
 
     pub async fn run(o: &Opts, fence: &PgFence) -> Result<(), String> {
-        let url = brokerfence::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+        let url = brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
         let redis = RedisConnections::connect(&url).await.map_err(|e| e.to_string())?;
         let stream = format!("soak-{:08x}", rand::random::<u32>());
         let queue = QueueName::new(stream.as_str()).map_err(|e| e.to_string())?;

@@ -102,7 +102,7 @@ async fn run(args: Args, queue_url: String) -> Result<(), Box<dyn std::error::Er
 }
 
 fn main() -> ExitCode {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     let (args, queue_url) = match parse_args() {
         Ok(a) => a,
         Err(e) => return ExitCode::from(u8::try_from(common::report_cli(&e)).unwrap_or(2)),

@@ -58,7 +58,7 @@ struct Args {
     /// Job key of a message: auto, message-id, dedup-id, attr:NAME, binary-attr:NAME or body:FIELD
     #[arg(long, value_name = "STRATEGY", default_value = "auto", value_parser = parse_key)]
     key: KeyStrategy,
-    /// Test builds with feature guard-switches only: keep running a job whose lease was lost
+    /// Test only (the members' guard-switches, on in example builds): keep running a job whose lease was lost
     #[arg(long)]
     no_cancel_on_loss: bool,
     /// For the tests: print which test-only switches this build has, and exit
@@ -72,7 +72,7 @@ fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
     let mut args: Args = common::parse(PROG, raw)?;
     if args.build_info {
         // For the tests: which test-only switches this build has.
-        let on = cfg!(feature = "guard-switches");
+        let on = true; // the examples always build with the members' `guard-switches`
         common::event("build", &[("guard-switches", &on)]);
         std::process::exit(0);
     }
@@ -130,12 +130,9 @@ async fn serve(args: Args) -> Result<(), StartError> {
     #[allow(unused_mut)]
     let mut supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
     if args.no_cancel_on_loss {
-        #[cfg(feature = "guard-switches")]
         {
             supervisor = supervisor.without_cancel_on_loss();
         }
-        #[cfg(not(feature = "guard-switches"))]
-        return Err(StartError::Refused("--no-cancel-on-loss needs a build with feature guard-switches".into()));
     }
     let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
     let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
@@ -164,6 +161,6 @@ pub fn run(raw: Vec<String>) -> i32 {
 
 fn main() {
     // Before any thread exists: copies localstack/.env into the environment for the AWS SDK.
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     std::process::exit(run(std::env::args().skip(1).collect()));
 }

@@ -73,7 +73,7 @@ async fn produce(args: Args) -> Result<(), StartError> {
 }
 
 fn main() {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     let code = common::run_program(PROG, "warn", common::parse(PROG, std::env::args().skip(1).collect()), produce);
     std::process::exit(code);
 }

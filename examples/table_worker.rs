@@ -87,6 +87,6 @@ pub fn run(raw: Vec<String>) -> i32 {
 }
 
 fn main() {
-    brokerfence::services::load_dotenv();
+    brokerfence_testkit::services::load_dotenv();
     std::process::exit(run(std::env::args().skip(1).collect()));
 }

@@ -132,7 +132,7 @@ struct Opts {
     /// Milliseconds to keep trying to claim a busy job
     #[arg(long = "claim-wait-ms", value_name = "N", default_value = "10000", value_parser = common::millis)]
     claim_wait: Duration,
-    /// Test builds with feature guard-switches only: guards to turn off (no-epoch-increment,
+    /// Test only (the members' guard-switches, on in example builds): guards to turn off (no-epoch-increment,
     /// no-commit-cas, no-heartbeat-cas, no-ledger-check, no-cancel-on-loss)
     #[arg(long, value_name = "LIST", default_value = "", value_parser = parse_list)]
     guards: List,
@@ -201,7 +201,7 @@ pub fn run(args: Vec<String>) -> i32 {
         Ok(o) => o,
         Err(e) => return common::report_cli(&e),
     };
-    common::init_logging("warn,fence=info");
+    common::init_logging("warn,brokerfence_fence=info");
     // Two worker threads: a blocking step holds one, the heartbeat keeps running on the other
     // (until the whole process is stopped with SIGSTOP).
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
@@ -229,10 +229,8 @@ pub fn run(args: Vec<String>) -> i32 {
 }
 
 fn guards(names: &[String]) -> Result<fence::Guards, String> {
-    #[allow(unused_mut)]
     let mut g = fence::Guards::default();
     for name in names {
-        #[cfg(feature = "guard-switches")]
         {
             g = match name.as_str() {
                 "no-epoch-increment" => g.without_epoch_increment(),
@@ -243,32 +241,23 @@ fn guards(names: &[String]) -> Result<fence::Guards, String> {
                 other => return Err(format!("unknown guard {other}")),
             };
         }
-        #[cfg(not(feature = "guard-switches"))]
-        let _ = (name, &mut g);
-    }
-    #[cfg(not(feature = "guard-switches"))]
-    if let Some(name) = names.first() {
-        return Err(format!("--guards {name} needs the guard-switches feature"));
     }
     Ok(g)
 }
 
 async fn open(o: &Opts, owner: &Owner) -> Result<Arc<dyn FenceStore>, StartError> {
     let refused = |e: String| StartError::Refused(e);
-    #[allow(unused_variables)]
     let g = guards(&o.guards).map_err(refused)?;
     let db = o.db.as_deref().unwrap_or_default();
     let store: Arc<dyn FenceStore> = if common::database_kind(db)? == common::DbKind::Postgres {
         // `application_name` = the owner, so the worker shows in `pg_stat_activity`.
         let f = common::connect_pg(db, Some(&o.schema), owner, o.migrate).await?;
-        #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     } else {
         let schema = SchemaName::new(o.schema.clone()).map_err(|e| refused(e.to_string()))?;
         let f = SqliteFence::open(db).await?.with_schema(schema);
         common::prepare_schema(&f, o.migrate).await?;
-        #[cfg(feature = "guard-switches")]
         let f = f.with_guards(g);
         Arc::new(f)
     };
@@ -355,7 +344,6 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
     if let Some(n) = o.max_attempts {
         config = config.retry(RetryPolicy { max_attempts: n, ..RetryPolicy::default() });
     }
-    #[cfg(feature = "guard-switches")]
     if o.guards.iter().any(|g| g == "no-cancel-on-loss") {
         config = config.without_cancel_on_loss();
     }

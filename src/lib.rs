@@ -196,9 +196,7 @@ pub use fence;
 #[doc(inline)]
 pub use adapters;
 
-pub mod services;
-
-/// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http`).
-#[cfg(all(doctest, feature = "sqs", feature = "redis", feature = "http"))]
+/// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http`; the default backends on).
+#[cfg(all(doctest, feature = "postgres", feature = "sqlite", feature = "sqs", feature = "redis", feature = "http"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

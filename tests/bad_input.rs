@@ -436,7 +436,7 @@ mod sqs_sweep {
     const KEY: &str = "job-key";
 
     async fn client() -> Client {
-        let var = |n: &str| brokerfence::services::var(n);
+        let var = |n: &str| brokerfence_testkit::services::var(n);
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
         if let Some(endpoint) = var("AWS_ENDPOINT_URL_SQS") {
             loader = loader.endpoint_url(endpoint);
@@ -604,7 +604,7 @@ mod redis_sweep {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_sweep() {
-        let url = brokerfence::services::var("REDIS_URL").expect("REDIS_URL (run `bash localstack/up`)");
+        let url = brokerfence_testkit::services::var("REDIS_URL").expect("REDIS_URL (run `bash localstack/up`)");
         let fence = common::pg().await;
         let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
         let client = redis::Client::open(url.as_str()).expect("redis url");

@@ -37,7 +37,7 @@ fn launcher() -> Launcher {
 }
 
 fn database_url() -> String {
-    brokerfence::services::var("DATABASE_URL")
+    brokerfence_testkit::services::var("DATABASE_URL")
         .expect("DATABASE_URL is not set and localstack/.env is missing: run `bash localstack/up` first")
 }
 
@@ -84,7 +84,6 @@ fn chaos_redis() {
 
 /// The checks have teeth: with the commit compare-and-set switched off in the workers, zombies'
 /// late commits land, and the run reports a violation.
-#[cfg(feature = "guard-switches")]
 #[test]
 fn chaos_notices_a_missing_commit_guard() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());

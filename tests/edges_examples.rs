@@ -438,7 +438,8 @@ mod edges {
             return;
         }
         let url = database_url();
-        let redis_url = brokerfence::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+        let redis_url =
+            brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
         let fence = common::pg().await;
         let stream = common::unique("h6-ansi");
         let worker = Proc::spawn(

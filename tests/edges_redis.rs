@@ -306,7 +306,6 @@ mod edges {
     /// newer holder (a zombie's commit is fenced by epoch 2, which another worker claimed from
     /// its own copy of the item), the zombie's copy is not pushed back: the job completes once
     /// and the list is left empty.
-    #[cfg(feature = "guard-switches")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_list_retrofit_drops_a_copy_whose_job_a_newer_epoch_holds() {
         let env = Env::new().await;

@@ -682,7 +682,6 @@ async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
 /// Guard switch (`without_fenced_tx_rollback`): with the fenced `complete_in` no longer aborting
 /// the caller's transaction, a careless zombie that commits after `Fenced` leaves an outbox row
 /// of its superseded epoch, which a relay would publish. The test above notices the missing guard.
-#[cfg(feature = "guard-switches")]
 #[tokio::test]
 async fn effects_outbox_guard_off_a_careless_zombie_commits_its_outbox_row() {
     let pg = sqs_support::pg().await;

@@ -217,7 +217,7 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
     use brokerfence::adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
     let fence = common::pg().await;
     let table = pg_business_table(&fence).await;
-    let url = brokerfence::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+    let url = brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
     let redis = RedisConnections::connect(&url).await.expect("connect to Redis (run `localstack/up`)");
     let list = unique("own-list");
     let retrofit = ListRetrofit::new(
@@ -389,7 +389,6 @@ async fn effects_fenced_complete_in_aborts_the_transaction_sqlite() {
 }
 
 /// The negative controls: with the guard switched off the zombie's row commits, on both backends.
-#[cfg(feature = "guard-switches")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effects_guard_switch_fenced_tx_rollback_off_lets_the_zombies_rows_commit() {
     let off = brokerfence::fence::Guards::default().without_fenced_tx_rollback();

@@ -483,7 +483,6 @@ async fn effects_check_only_guard_lets_slow_epoch1_land_last() {
 /// Guard switch: `receiver_ledger_lock`. Off, the atomic layer accepts the epoch in autocommit
 /// before the effect's transaction (check-then-act) and the slow epoch-1 effect lands last: the
 /// violation. On, the same scenario ends with epoch 2's effect.
-#[cfg(feature = "guard-switches")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn effects_guard_receiver_ledger_lock() {
     use brokerfence::fence::Guards;

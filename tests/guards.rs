@@ -18,7 +18,7 @@
 //! handler's transaction, and a slow older effect lands last, `tests/effects_receiver.rs`).
 //!
 //! Needs PostgreSQL (`localstack/up`); runs on SQLite too. Scenarios run concurrently.
-#![cfg(all(feature = "guard-switches", feature = "http"))]
+#![cfg(feature = "http")]
 
 mod zombie_support;
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use brokerfence::adapters::redis::RedisConnections;
 
 fn plain_redis_as_tls_url() -> String {
-    let url = brokerfence::services::var("REDIS_URL")
+    let url = brokerfence_testkit::services::var("REDIS_URL")
         .expect("REDIS_URL is not set and localstack/.env is missing: run `localstack/up` first");
     assert!(url.starts_with("redis://"), "the test Redis is expected to be plain: {url}");
     url.replacen("redis://", "rediss://", 1)

@@ -671,7 +671,7 @@ async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S
     use brokerfence::fence::Outcome;
     use std::sync::atomic::{AtomicI64, Ordering};
 
-    let url = brokerfence::services::var("REDIS_URL")
+    let url = brokerfence_testkit::services::var("REDIS_URL")
         .unwrap_or_else(|| panic!("REDIS_URL is not set and localstack/.env has none: run `localstack/up` first"));
     let redis = RedisConnections::connect(&url).await.expect("Redis (run `localstack/up` first)");
     let list = common::unique("ret-list");

@@ -426,14 +426,14 @@ async fn aws_secret_key_never_appears_in_logs_or_debug() {
     capture();
     let secret = secret();
     // LocalStack accepts any secret key; the access key id is LocalStack's account.
-    let id = brokerfence::services::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|| "test".into());
+    let id = brokerfence_testkit::services::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|| "test".into());
     let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
         .http_client(http_client())
         .credentials_provider(Credentials::new(id, secret.clone(), Some(format!("session-{secret}")), None, "test"))
         .region(aws_config::Region::new(
-            brokerfence::services::var("AWS_REGION").unwrap_or_else(|| "us-east-1".into()),
+            brokerfence_testkit::services::var("AWS_REGION").unwrap_or_else(|| "us-east-1".into()),
         ));
-    if let Some(endpoint) = brokerfence::services::var("AWS_ENDPOINT_URL_SQS") {
+    if let Some(endpoint) = brokerfence_testkit::services::var("AWS_ENDPOINT_URL_SQS") {
         loader = loader.endpoint_url(endpoint);
     }
     let sdk = loader.load().await;

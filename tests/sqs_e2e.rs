@@ -675,13 +675,11 @@ async fn zombie_reaches_receiver_first_then_is_superseded() {
 
 /// With the worker's own guard switched off (the handler runs on after its lease is lost), the
 /// database still refuses the zombie's commit or failure: the fence does not depend on the worker.
-#[cfg(feature = "guard-switches")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zombie_without_worker_guard_new_owner_first_commit_fenced() {
     zombie_scenario(Order::NewOwnerFirst, true).await;
 }
 
-#[cfg(feature = "guard-switches")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zombie_without_worker_guard_zombie_first_commit_fenced() {
     zombie_scenario(Order::ZombieFirst, true).await;

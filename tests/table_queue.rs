@@ -17,7 +17,7 @@ fn unique(prefix: &str) -> String {
 }
 
 async fn pg() -> Arc<dyn FenceStore> {
-    let url = brokerfence::services::var("DATABASE_URL")
+    let url = brokerfence_testkit::services::var("DATABASE_URL")
         .expect("DATABASE_URL is not set and localstack/.env is missing: run `localstack/up` first");
     let store = PgFence::connect(&url)
         .await

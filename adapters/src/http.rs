@@ -51,7 +51,9 @@ use fence::wire::{self, FenceStamp, StampError};
 use fence::{Ledger, Verdict};
 use futures::future::BoxFuture;
 
+#[cfg(feature = "postgres")]
 pub mod atomic;
+#[cfg(feature = "postgres")]
 pub use atomic::{
     AtomicEnforceFn, AtomicEpochGuard, AtomicFenceLayer, DEFAULT_DB_TIMEOUT, DEFAULT_HANDLER_TIMEOUT, EffectConn,
     EffectTx, EffectTxError, enforce_atomic,
@@ -321,7 +323,7 @@ fn json(status: StatusCode, body: String) -> Response {
     response
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "sqlite"))]
 mod edges {
     use super::*;
 

@@ -14,9 +14,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(not(any(feature = "postgres", feature = "sqlite")))]
+compile_error!("brokerfence: enable a backend feature, `postgres` or `sqlite` (both are on by default)");
+
 mod disposition;
 mod handler;
 mod middleware;
+#[cfg(feature = "postgres")]
 pub mod outbox;
 pub mod postgres;
 mod runtime;

@@ -1094,7 +1094,7 @@ pub fn shutdown_signal() -> CancellationToken {
     token
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
     use fence::{LeaseDuration, MetricsSnapshot, QueueName, SqliteFence};

@@ -270,7 +270,7 @@ pub async fn prepare_schema(store: &dyn FenceStore, migrate: bool) -> Result<(),
 
 /// The PostgreSQL URL: `--database-url`, else `DATABASE_URL` (or `localstack/.env`).
 pub fn database_url(given: Option<&str>) -> Result<String, StartError> {
-    given.map(str::to_owned).or_else(|| brokerfence::services::var("DATABASE_URL")).ok_or_else(|| {
+    given.map(str::to_owned).or_else(|| brokerfence_testkit::services::var("DATABASE_URL")).ok_or_else(|| {
         StartError::Refused("no database: give --database-url or set DATABASE_URL (localstack/up writes it)".into())
     })
 }

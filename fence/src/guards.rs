@@ -54,6 +54,7 @@ impl Guards {
 }
 
 #[cfg(feature = "guard-switches")]
+#[doc(hidden)]
 impl Guards {
     /// TEST ONLY: claims stop incrementing the epoch.
     pub fn without_epoch_increment(mut self) -> Self {

@@ -8,8 +8,11 @@ use std::sync::Arc;
 
 use sqlx::AssertSqlSafe;
 
+#[cfg(feature = "postgres")]
+use crate::PgFence;
+#[cfg(feature = "sqlite")]
+use crate::SqliteFence;
 use crate::error::{FenceError, Result};
-use crate::{PgFence, SqliteFence};
 
 /// The ledger's verdict on one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,11 +76,13 @@ fn verdict(accepted: Option<i64>, current: Option<i64>, epoch: i64) -> Verdict {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
+#[cfg(feature = "postgres")]
 pub struct PgLedger {
     fence: PgFence,
     scope: Arc<str>,
 }
 
+#[cfg(feature = "postgres")]
 impl PgLedger {
     /// A ledger for one receiver (`scope` separates receivers sharing a database).
     pub fn new(fence: &PgFence, scope: &str) -> Self {
@@ -195,11 +200,13 @@ impl PgLedger {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
+#[cfg(feature = "sqlite")]
 pub struct SqliteLedger {
     fence: SqliteFence,
     scope: Arc<str>,
 }
 
+#[cfg(feature = "sqlite")]
 impl SqliteLedger {
     /// A ledger for one receiver.
     pub fn new(fence: &SqliteFence, scope: &str) -> Self {
@@ -264,8 +271,10 @@ impl SqliteLedger {
 #[derive(Debug, Clone)]
 pub enum Ledger {
     /// PostgreSQL.
+    #[cfg(feature = "postgres")]
     Pg(PgLedger),
     /// SQLite.
+    #[cfg(feature = "sqlite")]
     Sqlite(SqliteLedger),
 }
 
@@ -273,7 +282,9 @@ impl Ledger {
     /// Accepts or refuses `epoch` for `job`.
     pub async fn accept(&self, job: &str, epoch: i64) -> Result<Verdict> {
         match self {
+            #[cfg(feature = "postgres")]
             Ledger::Pg(l) => l.accept(job, epoch).await,
+            #[cfg(feature = "sqlite")]
             Ledger::Sqlite(l) => l.accept(job, epoch).await,
         }
     }
@@ -281,7 +292,9 @@ impl Ledger {
     /// The newest epoch accepted for `job`.
     pub async fn newest(&self, job: &str) -> Result<Option<i64>> {
         match self {
+            #[cfg(feature = "postgres")]
             Ledger::Pg(l) => l.newest(job).await,
+            #[cfg(feature = "sqlite")]
             Ledger::Sqlite(l) => l.newest(job).await,
         }
     }

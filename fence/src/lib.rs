@@ -23,6 +23,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(not(any(feature = "postgres", feature = "sqlite")))]
+compile_error!("brokerfence: enable a backend feature, `postgres` or `sqlite` (both are on by default)");
+
 mod error;
 mod group;
 mod guards;
@@ -31,11 +34,14 @@ mod key;
 pub mod ledger;
 mod metrics;
 mod model;
+#[cfg(feature = "postgres")]
 pub mod outbox;
 mod own_tx;
+#[cfg(feature = "postgres")]
 mod postgres;
 pub mod retention;
 mod schema;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 mod store;
 mod supervisor;
@@ -45,17 +51,24 @@ pub use error::{FenceError, Result};
 pub use group::Grouper;
 pub use guards::Guards;
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
-pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, PgLedger, SqliteLedger, Verdict};
+#[cfg(feature = "postgres")]
+pub use ledger::PgLedger;
+#[cfg(feature = "sqlite")]
+pub use ledger::SqliteLedger;
+pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, Verdict};
 pub use metrics::{Counter, Metrics, MetricsSnapshot};
 pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
 };
+#[cfg(feature = "postgres")]
 pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;
+#[cfg(feature = "postgres")]
 pub use postgres::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgFence, PgTimeouts};
 pub use retention::{PruneReport, QueueRetention, Retention};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
+#[cfg(feature = "sqlite")]
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
 pub use supervisor::{

@@ -5,7 +5,10 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use sqlx::{PgConnection, SqliteConnection};
+#[cfg(feature = "postgres")]
+use sqlx::PgConnection;
+#[cfg(feature = "sqlite")]
+use sqlx::SqliteConnection;
 
 use crate::error::{FenceError, Result};
 use crate::model::Lease;
@@ -42,10 +45,13 @@ pub trait FencedConnection: Send + sealed::Sealed {
 
 mod sealed {
     pub trait Sealed {}
+    #[cfg(feature = "postgres")]
     impl Sealed for sqlx::PgConnection {}
+    #[cfg(feature = "sqlite")]
     impl Sealed for sqlx::SqliteConnection {}
 }
 
+#[cfg(feature = "postgres")]
 impl FencedConnection for PgConnection {
     fn complete_on<'a>(
         &'a mut self,
@@ -62,6 +68,7 @@ impl FencedConnection for PgConnection {
     }
 }
 
+#[cfg(feature = "sqlite")]
 impl FencedConnection for SqliteConnection {
     fn complete_on<'a>(
         &'a mut self,

@@ -12,12 +12,12 @@ use crate::error::{FenceError, Result};
 use crate::guards::Guards;
 use crate::key::{JobKey, Owner, QueueName};
 use crate::model::{
-    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, RetryPolicy, millis,
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::schema::{Migration, SchemaName, render};
 use crate::store::{
-    FenceStore, JobRow, backoff_ms, default_max_claims, distinct_keys, fail_outcome, job_record, schema_verdict,
-    split_heartbeat,
+    FenceStore, JobRow, backoff_ms, claim_outcome, default_max_claims, distinct_keys, fail_outcome, job_record,
+    schema_verdict, split_heartbeat,
 };
 
 /// Milliseconds since the Unix epoch of a timestamptz expression.
@@ -878,6 +878,7 @@ impl PgFence {
 
     /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
     #[cfg(feature = "guard-switches")]
+    #[doc(hidden)]
     pub fn with_guards(mut self, guards: Guards) -> Self {
         self.stmts = Arc::new(Statements::new(&self.schema, guards));
         self.guards = guards;
@@ -1278,36 +1279,6 @@ fn is_lock_timeout(e: &FenceError) -> bool {
 }
 /// key, outcome/state, epoch, owner, lease_until ms, ttl ms, attempts, ms until run_at
 type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
-
-pub(crate) fn claim_outcome(queue: &QueueName, key: &JobKey, owner: &Owner, row: &ClaimRow) -> Result<Claim> {
-    let (_, outcome, epoch, holder, lease_until, ttl, attempts, run_in) = row;
-    Ok(match outcome.as_str() {
-        "claimed" => Claim::Claimed(Lease {
-            queue: queue.clone(),
-            key: key.clone(),
-            epoch: *epoch,
-            owner: owner.clone(),
-            lease_until: DbTime(lease_until.unwrap_or(0)),
-            ttl: millis(ttl.unwrap_or(0)),
-            attempts: *attempts,
-        }),
-        other => match JobState::parse(other)? {
-            JobState::Running => Claim::Busy {
-                owner: holder.clone(),
-                epoch: *epoch,
-                lease_until: DbTime(lease_until.unwrap_or(0)),
-                ttl: millis(ttl.unwrap_or(0)),
-            },
-            JobState::Completed => Claim::Done { epoch: *epoch },
-            JobState::Dead => Claim::Dead { epoch: *epoch },
-            JobState::Failed => Claim::Backoff { epoch: *epoch, retry_in: millis(run_in.unwrap_or(0)) },
-            // Pending rows are always claimable; seeing one here means the row changed under us.
-            JobState::Pending => {
-                return Err(FenceError::Corrupt(format!("claim of {key} saw a pending row it did not take")));
-            }
-        },
-    })
-}
 
 /// Runs a batched claim: one statement per round; a key whose row another claimer inserted
 /// concurrently (invisible to this statement's snapshot) is asked again in the next round.

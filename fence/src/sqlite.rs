@@ -23,8 +23,8 @@ use crate::key::{JobKey, Owner, QueueName};
 use crate::model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
 };
-use crate::postgres::claim_outcome;
 use crate::schema::{Migration, SchemaName, render};
+use crate::store::claim_outcome;
 use crate::store::{
     FenceStore, JobRow, backoff_ms, default_max_claims, distinct_keys, fail_outcome, job_record, schema_verdict,
     split_heartbeat,
@@ -394,6 +394,7 @@ impl SqliteFence {
 
     /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
     #[cfg(feature = "guard-switches")]
+    #[doc(hidden)]
     pub fn with_guards(mut self, guards: Guards) -> Self {
         self.stmts = Arc::new(Statements::new(&self.schema, guards));
         self.guards = guards;

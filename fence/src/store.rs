@@ -216,8 +216,10 @@ pub trait FenceStore: Send + Sync + 'static {
 #[non_exhaustive]
 pub enum Backend<'a> {
     /// PostgreSQL.
+    #[cfg(feature = "postgres")]
     Postgres(&'a crate::PgFence),
     /// SQLite.
+    #[cfg(feature = "sqlite")]
     Sqlite(&'a crate::SqliteFence),
     /// A store of another kind: statements on the caller's own connection are unsupported.
     Other,
@@ -326,4 +328,41 @@ pub(crate) fn fail_outcome(answer: &str) -> Result<FailOutcome> {
 /// The default cap on claims of one job: [`RetryPolicy::max_claims`] of the default policy.
 pub(crate) fn default_max_claims() -> i64 {
     RetryPolicy::default().max_claims()
+}
+
+/// A claim statement's row, the same on both backends: key, outcome/state, epoch, owner,
+/// lease_until ms, ttl ms, attempts, ms until run_at.
+pub(crate) type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
+
+/// The [`Claim`] a claim statement's row stands for (shared by both backends).
+pub(crate) fn claim_outcome(queue: &QueueName, key: &JobKey, owner: &Owner, row: &ClaimRow) -> Result<Claim> {
+    let (_, outcome, epoch, holder, lease_until, ttl, attempts, run_in) = row;
+    Ok(match outcome.as_str() {
+        "claimed" => Claim::Claimed(Lease {
+            queue: queue.clone(),
+            key: key.clone(),
+            epoch: *epoch,
+            owner: owner.clone(),
+            lease_until: crate::DbTime(lease_until.unwrap_or(0)),
+            ttl: crate::model::millis(ttl.unwrap_or(0)),
+            attempts: *attempts,
+        }),
+        other => match crate::JobState::parse(other)? {
+            crate::JobState::Running => Claim::Busy {
+                owner: holder.clone(),
+                epoch: *epoch,
+                lease_until: crate::DbTime(lease_until.unwrap_or(0)),
+                ttl: crate::model::millis(ttl.unwrap_or(0)),
+            },
+            crate::JobState::Completed => Claim::Done { epoch: *epoch },
+            crate::JobState::Dead => Claim::Dead { epoch: *epoch },
+            crate::JobState::Failed => {
+                Claim::Backoff { epoch: *epoch, retry_in: crate::model::millis(run_in.unwrap_or(0)) }
+            }
+            // Pending rows are always claimable; seeing one here means the row changed under us.
+            crate::JobState::Pending => {
+                return Err(crate::FenceError::Corrupt(format!("claim of {key} saw a pending row it did not take")));
+            }
+        },
+    })
 }

@@ -170,6 +170,7 @@ impl SupervisorConfig {
 
     /// TEST ONLY (feature `guard-switches`): let a handler run on after its lease is lost.
     #[cfg(feature = "guard-switches")]
+    #[doc(hidden)]
     pub fn without_cancel_on_loss(mut self) -> Self {
         self.cancel_on_loss = false;
         self
@@ -1347,11 +1348,11 @@ impl<F: Future> Future for Guarded<F> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "sqlite"))]
 #[path = "supervisor_edges.rs"]
 mod edges;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
     use crate::{Claim, SqliteFence};

@@ -27,7 +27,7 @@ pub async fn wait_for_completions(metrics: &fence::Metrics, n: u64, within: Dura
 
 /// The PostgreSQL URL, or a panic that says what to do.
 pub fn database_url() -> String {
-    match brokerfence::services::var("DATABASE_URL") {
+    match brokerfence_testkit::services::var("DATABASE_URL") {
         Some(url) => url,
         None => panic!(
             "DATABASE_URL is not set and localstack/.env has none: run `localstack/up` first \

@@ -23,14 +23,14 @@ use tokio_util::sync::CancellationToken;
 
 /// The shared Redis, or a panic that says what to do.
 pub fn redis_url() -> String {
-    brokerfence::services::var("REDIS_URL").unwrap_or_else(|| {
+    brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| {
         panic!("REDIS_URL is not set and localstack/.env has none: run `localstack/up` first, or export REDIS_URL")
     })
 }
 
 /// The PostgreSQL URL, or a panic that says what to do.
 pub fn database_url() -> String {
-    brokerfence::services::var("DATABASE_URL").unwrap_or_else(|| {
+    brokerfence_testkit::services::var("DATABASE_URL").unwrap_or_else(|| {
         panic!(
             "DATABASE_URL is not set and localstack/.env has none: run `localstack/up` first, or export DATABASE_URL"
         )

@@ -3,7 +3,8 @@
 //!
 //! SQS: `AWS_ENDPOINT_URL_SQS` (the environment, else `localstack/.env`). Without one, when a
 //! Docker engine answers, LocalStack is started once per test binary with testcontainers (and
-//! removed at exit). With neither, the tests fail at once and say to run `localstack/up`.
+//! removed at exit; `brokerfence_testkit::localstack`, feature `docker`). With neither, the tests
+//! fail at once and say to run `localstack/up`.
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::collections::HashMap;
@@ -22,6 +23,7 @@ use brokerfence::adapters::sqs::aws_sdk_sqs::types::{Message, MessageSystemAttri
 use brokerfence::adapters::sqs::http_client;
 use brokerfence::fence::wire::FenceStamp;
 use brokerfence::fence::{FenceStore, JobKey, JobRecord, Ledger, PgFence, PgLedger, QueueName, SchemaName, Verdict};
+use brokerfence_testkit::localstack;
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Notify, watch};
@@ -51,50 +53,25 @@ impl Aws {
     }
 }
 
-fn answers(endpoint: &str) -> bool {
-    let host_port = endpoint.split("://").nth(1).unwrap_or(endpoint).split('/').next().unwrap_or("");
-    use std::net::ToSocketAddrs;
-    host_port
-        .to_socket_addrs()
-        .ok()
-        .into_iter()
-        .flatten()
-        .any(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok())
-}
-
-fn docker_answers() -> bool {
-    #[cfg(unix)]
-    {
-        let sock = std::env::var("DOCKER_HOST")
-            .ok()
-            .and_then(|h| h.strip_prefix("unix://").map(str::to_owned))
-            .unwrap_or_else(|| "/var/run/docker.sock".into());
-        if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
-            return true;
-        }
-    }
-    std::env::var("DOCKER_HOST").is_ok_and(|h| h.starts_with("tcp://") && answers(&h))
-}
-
 /// The SQS endpoint: configured, or a LocalStack container, or a panic saying what to do.
 pub fn aws() -> Aws {
     static AWS: OnceLock<Aws> = OnceLock::new();
     AWS.get_or_init(|| {
-        let var = |n: &str, d: &str| brokerfence::services::var(n).unwrap_or_else(|| d.to_owned());
+        let var = |n: &str, d: &str| brokerfence_testkit::services::var(n).unwrap_or_else(|| d.to_owned());
         let region = var("AWS_REGION", "us-east-1");
         let key_id = var("AWS_ACCESS_KEY_ID", "test");
         let secret = var("AWS_SECRET_ACCESS_KEY", "test");
         let configured =
-            brokerfence::services::var("AWS_ENDPOINT_URL_SQS").or_else(|| brokerfence::services::var("AWS_ENDPOINT_URL"));
+            brokerfence_testkit::services::var("AWS_ENDPOINT_URL_SQS").or_else(|| brokerfence_testkit::services::var("AWS_ENDPOINT_URL"));
         let endpoint = match configured {
             Some(ep) => {
                 assert!(
-                    answers(&ep),
+                    localstack::answers(&ep),
                     "the SQS endpoint {ep} (AWS_ENDPOINT_URL_SQS) does not answer: run `localstack/up` first"
                 );
                 ep
             }
-            None if docker_answers() => container::start(),
+            None if localstack::docker_answers() => localstack::start().unwrap_or_else(|e| panic!("{e}")),
             None => panic!(
                 "no SQS endpoint: AWS_ENDPOINT_URL_SQS is not set (nor in localstack/.env) and no Docker engine \
                  answers for testcontainers. Run `localstack/up` first (it starts LocalStack and writes localstack/.env)."
@@ -103,76 +80,6 @@ pub fn aws() -> Aws {
         Aws { endpoint, region, key_id, secret }
     })
     .clone()
-}
-
-/// LocalStack in Docker, for machines with a Docker engine but no SQS endpoint configured.
-mod container {
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    use testcontainers::runners::AsyncRunner;
-    use testcontainers::{ContainerAsync, ImageExt};
-    use testcontainers_modules::localstack::LocalStack;
-
-    static STOP: std::sync::OnceLock<(mpsc::Sender<()>, std::sync::Mutex<mpsc::Receiver<()>>)> =
-        std::sync::OnceLock::new();
-
-    extern "C" fn remove_at_exit() {
-        if let Some((stop, done)) = STOP.get() {
-            let _ = stop.send(());
-            if let Ok(done) = done.lock() {
-                let _ = done.recv_timeout(Duration::from_secs(20));
-            }
-        }
-    }
-
-    /// Starts LocalStack (SQS only) on a thread of its own that keeps it until the process exits.
-    pub fn start() -> String {
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<String, String>>();
-        let (stop_tx, stop_rx) = mpsc::channel::<()>();
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.to_string()));
-                    return;
-                }
-            };
-            rt.block_on(async move {
-                let started: Result<ContainerAsync<LocalStack>, _> =
-                    LocalStack::default().with_env_var("SERVICES", "sqs").start().await;
-                let node = match started {
-                    Ok(n) => n,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
-                        return;
-                    }
-                };
-                let endpoint = match (node.get_host().await, node.get_host_port_ipv4(4566).await) {
-                    (Ok(h), Ok(p)) => format!("http://{h}:{p}"),
-                    (Err(e), _) | (_, Err(e)) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
-                        return;
-                    }
-                };
-                let _ = ready_tx.send(Ok(endpoint));
-                let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
-                let _ = node.rm().await;
-                let _ = done_tx.send(());
-            });
-        });
-        match ready_rx.recv_timeout(Duration::from_secs(300)) {
-            Ok(Ok(endpoint)) => {
-                let _ = STOP.set((stop_tx, std::sync::Mutex::new(done_rx)));
-                // SAFETY: registering a plain extern "C" function with no captured state.
-                unsafe { libc::atexit(remove_at_exit) };
-                endpoint
-            }
-            Ok(Err(e)) => panic!("could not start LocalStack with testcontainers: {e}. Run `localstack/up` instead."),
-            Err(_) => panic!("LocalStack (testcontainers) did not start within 300 s. Run `localstack/up` instead."),
-        }
-    }
 }
 
 /// An SQS client for the test endpoint.
@@ -190,7 +97,7 @@ pub async fn sqs() -> Client {
 
 /// The PostgreSQL URL, or a panic that says what to do.
 pub fn database_url() -> String {
-    brokerfence::services::var("DATABASE_URL").unwrap_or_else(|| {
+    brokerfence_testkit::services::var("DATABASE_URL").unwrap_or_else(|| {
         panic!(
             "DATABASE_URL is not set and localstack/.env has none: run `localstack/up` first, or export DATABASE_URL"
         )
@@ -613,23 +520,21 @@ pub fn example(name: &str) -> PathBuf {
         matches!((built, sources), (Some(b), Some(s)) if b >= s)
     };
     let same_features = || {
-        let want = format!("guard-switches={}", cfg!(feature = "guard-switches"));
+        // Tests and examples always have the members' `guard-switches` (root dev-dependencies).
+        let want = "guard-switches=true";
         std::process::Command::new(&worker)
             .arg("--build-info")
             .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&want))
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(want))
     };
     if !(fresh(&path) && fresh(&worker) && same_features()) {
         let built = BUILT.get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             // The same features as this test binary, so the workers match it.
             let mut features = vec!["sqs"];
-            for (on, f) in [
-                (cfg!(feature = "guard-switches"), "guard-switches"),
-                (cfg!(feature = "redis"), "redis"),
-                (cfg!(feature = "http"), "http"),
-                (cfg!(feature = "tls"), "tls"),
-            ] {
+            for (on, f) in
+                [(cfg!(feature = "redis"), "redis"), (cfg!(feature = "http"), "http"), (cfg!(feature = "tls"), "tls")]
+            {
                 if on {
                     features.push(f);
                 }

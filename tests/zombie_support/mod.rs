@@ -58,7 +58,7 @@ fn random_suffix() -> String {
 
 /// The PostgreSQL of `localstack/up`, or a loud failure.
 pub fn pg_url() -> String {
-    brokerfence::services::var("DATABASE_URL")
+    brokerfence_testkit::services::var("DATABASE_URL")
         .expect("DATABASE_URL is not set and localstack/.env is missing: run localstack/up first")
 }
 
@@ -101,23 +101,11 @@ impl AnyFence {
 }
 
 fn with_guards_pg(f: PgFence, g: Guards) -> PgFence {
-    #[cfg(feature = "guard-switches")]
-    return f.with_guards(g);
-    #[cfg(not(feature = "guard-switches"))]
-    {
-        assert_eq!(g, Guards::default(), "switching guards off needs --features guard-switches");
-        f
-    }
+    f.with_guards(g)
 }
 
 fn with_guards_sqlite(f: SqliteFence, g: Guards) -> SqliteFence {
-    #[cfg(feature = "guard-switches")]
-    return f.with_guards(g);
-    #[cfg(not(feature = "guard-switches"))]
-    {
-        assert_eq!(g, Guards::default(), "switching guards off needs --features guard-switches");
-        f
-    }
+    f.with_guards(g)
 }
 
 async fn open_fence(backend: Backend, url: &str, schema: &SchemaName, guards: Guards) -> AnyFence {
@@ -333,7 +321,7 @@ impl Zombie {
         let mut child = tokio::process::Command::new(exe)
             .args(["zombie_support::worker_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
             .env(WORKER_ENV, args.join("\u{1f}"))
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,fence=info".into()))
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,brokerfence_fence=info".into()))
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())

@@ -37,6 +37,7 @@ mod error;
 mod keys;
 mod lease;
 mod list;
+#[cfg(feature = "postgres")]
 mod outbox;
 mod reply;
 mod scripts;
@@ -50,5 +51,6 @@ pub use error::RedisError;
 pub use keys::{lease_key, sibling_key, slot_part, token};
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
 pub use list::{ItemKey, ListDelivery, ListProcessed, ListRetrofit, ReliableList};
+#[cfg(feature = "postgres")]
 pub use outbox::RedisPublisher;
 pub use stream::{KeyFrom, StreamDelivery, StreamSource};

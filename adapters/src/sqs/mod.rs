@@ -50,6 +50,7 @@ mod dead_letter;
 mod delivery;
 mod error;
 mod key;
+#[cfg(feature = "postgres")]
 mod outbox;
 mod receive;
 mod retrofit;
@@ -64,6 +65,7 @@ pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_ne
 pub use delivery::SqsDelivery;
 pub use error::{SqsError, error_chain};
 pub use key::KeyStrategy;
+#[cfg(feature = "postgres")]
 pub use outbox::SqsPublisher;
 pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};
 pub use source::{CHECK_ATTEMPTS, SqsSource};

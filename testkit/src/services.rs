@@ -1,8 +1,12 @@
 //! Where the services are: the standard environment variables, falling back to the
 //! `localstack/.env` file that `localstack/up` writes.
 //!
+//! For brokerfence's own tests and examples only (this crate is not published): the file is
+//! looked for from the current directory upwards, then from this crate's directory in the
+//! checkout it was compiled from — right for tests, which run from the checkout.
+//!
 //! ```no_run
-//! let url = brokerfence::services::var("DATABASE_URL");
+//! let url = brokerfence_testkit::services::var("DATABASE_URL");
 //! println!("{url:?}");
 //! ```
 
@@ -13,7 +17,8 @@ pub const VARS: &[&str] =
     &["DATABASE_URL", "REDIS_URL", "AWS_ENDPOINT_URL_SQS", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"];
 
 /// The value of `name`: from the process environment if set and not empty, else from
-/// `localstack/.env` (found from the current directory or the crate's directory upwards).
+/// `localstack/.env` (found from the current directory upwards, else from this crate's directory
+/// in the checkout upwards).
 pub fn var(name: &str) -> Option<String> {
     if let Ok(v) = std::env::var(name)
         && !v.is_empty()
