@@ -109,7 +109,7 @@ pub enum FenceError {
     /// acquire timeout.
     ///
     /// ```
-    /// use fence::FenceError;
+    /// use brokerfence::FenceError;
     /// let err = FenceError::Unreachable { host: "127.0.0.1".into(), port: 5432, cause: "connection refused (os error 111)".into() };
     /// assert_eq!(
     ///     err.to_string(),
@@ -134,7 +134,7 @@ pub enum FenceError {
     /// role does not exist, or too many connections. The server's own message is the cause.
     ///
     /// ```
-    /// use fence::FenceError;
+    /// use brokerfence::FenceError;
     /// let err = FenceError::ConnectRejected {
     ///     host: "db".into(), port: 5432, user: "app".into(), database: "jobs".into(),
     ///     cause: "password authentication failed for user \"app\"".into(),
@@ -162,7 +162,7 @@ pub enum FenceError {
     /// connection is made.
     ///
     /// ```
-    /// use fence::FenceError;
+    /// use brokerfence::FenceError;
     /// let err = FenceError::UnsupportedScheme { scheme: "mysql".into(), expected: "postgres:// or postgresql://" };
     /// assert_eq!(
     ///     err.to_string(),

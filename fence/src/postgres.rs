@@ -743,8 +743,8 @@ impl PgFence {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let err = fence::PgFence::connect("mysql://root@127.0.0.1/jobs").await.unwrap_err();
-    /// assert!(matches!(err, fence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
+    /// let err = brokerfence::PgFence::connect("mysql://root@127.0.0.1/jobs").await.unwrap_err();
+    /// assert!(matches!(err, brokerfence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
     /// # }
     /// ```
     pub async fn connect(url: &str) -> Result<Self> {

@@ -311,8 +311,8 @@ impl SqliteFence {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let err = fence::SqliteFence::open("mysql://root@127.0.0.1/jobs").await.unwrap_err();
-    /// assert!(matches!(err, fence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
+    /// let err = brokerfence::SqliteFence::open("mysql://root@127.0.0.1/jobs").await.unwrap_err();
+    /// assert!(matches!(err, brokerfence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
     /// # }
     /// ```
     pub async fn open(url: &str) -> Result<Self> {

@@ -182,7 +182,7 @@ impl RedisConnections {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// use adapters::redis::{RedisConnections, RedisError};
+    /// use brokerfence::redis::{RedisConnections, RedisError};
     /// let err = RedisConnections::connect("http://127.0.0.1:6379").await.unwrap_err();
     /// assert!(matches!(err, RedisError::UnsupportedScheme { ref scheme } if scheme == "http"));
     /// # }

@@ -48,7 +48,7 @@ pub enum RedisError {
     /// connection is made.
     ///
     /// ```
-    /// use adapters::redis::RedisError;
+    /// use brokerfence::redis::RedisError;
     /// let e = RedisError::UnsupportedScheme { scheme: "http".into() };
     /// assert_eq!(
     ///     e.to_string(),

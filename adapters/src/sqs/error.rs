@@ -123,7 +123,7 @@ pub enum SqsError {
     /// found by [`SqsSource::check`](super::SqsSource::check) before the first receive.
     ///
     /// ```
-    /// use adapters::sqs::SqsError;
+    /// use brokerfence::sqs::SqsError;
     /// let e = SqsError::QueueNotFound {
     ///     queue_url: "http://127.0.0.1:4566/000000000000/orders".into(),
     ///     endpoint: "http://127.0.0.1:4566".into(),
@@ -153,7 +153,7 @@ pub enum SqsError {
     /// the attempts [`SqsSource::check`](super::SqsSource::check) made.
     ///
     /// ```
-    /// use adapters::sqs::SqsError;
+    /// use brokerfence::sqs::SqsError;
     /// let e = SqsError::Unreachable {
     ///     endpoint: "http://127.0.0.1:1".into(),
     ///     queue_url: "http://127.0.0.1:1/000000000000/orders".into(),
@@ -292,7 +292,7 @@ where
 ///
 /// ```
 /// let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused (os error 111)");
-/// assert_eq!(adapters::sqs::error_chain(&io), "Connection refused (os error 111)");
+/// assert_eq!(brokerfence::sqs::error_chain(&io), "Connection refused (os error 111)");
 /// ```
 pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut parts: Vec<String> = Vec::new();

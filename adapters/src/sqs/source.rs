@@ -126,8 +126,8 @@ impl SqsSource {
     /// `retrofit.source().check()`).
     ///
     /// ```no_run
-    /// # async fn demo() -> Result<(), adapters::sqs::SqsError> {
-    /// use adapters::sqs::{SqsConfig, SqsSource, client_from_env};
+    /// # async fn demo() -> Result<(), brokerfence::sqs::SqsError> {
+    /// use brokerfence::sqs::{SqsConfig, SqsSource, client_from_env};
     /// let source = SqsSource::new(client_from_env().await, SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?);
     /// source.check().await?; // "SQS queue … does not exist …" rather than failing receives
     /// # Ok(()) }
