@@ -223,9 +223,10 @@ fn onboarding_sqs_worker_on_a_missing_queue_stops_before_ready_naming_it() {
     let queue_url = format!("{}/000000000000/onboarding-missing-{}", aws.endpoint, std::process::id());
     let env = sqs_env(&aws.endpoint);
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let db = common::database_url();
-    let (code, out, err) =
-        run_example("sqs_worker", &["--queue-url", &queue_url, "--database-url", &db, "--migrate"], &env);
+    let (db, schema) = (common::database_url(), common::unique_schema());
+    // A schema of its own: CI runs as a plain role that may not create in the default one.
+    let args = ["--queue-url", &queue_url, "--database-url", &db, "--schema", schema.as_str(), "--migrate"];
+    let (code, out, err) = run_example("sqs_worker", &args, &env);
     println!("exit {code}\nstdout:\n{out}\nstderr:\n{err}");
     assert_ne!(code, 0, "{err}");
     assert!(!out.contains("EVENT ready"), "{out}");
@@ -244,10 +245,10 @@ fn onboarding_sqs_worker_on_a_closed_endpoint_retries_briefly_then_exits() {
     let queue_url = format!("{endpoint}/000000000000/onboarding-closed");
     let env = sqs_env(&endpoint);
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let db = common::database_url();
+    let (db, schema) = (common::database_url(), common::unique_schema());
+    let args = ["--queue-url", &queue_url, "--database-url", &db, "--schema", schema.as_str(), "--migrate"];
     let started = Instant::now();
-    let (code, out, err) =
-        run_example("sqs_worker", &["--queue-url", &queue_url, "--database-url", &db, "--migrate"], &env);
+    let (code, out, err) = run_example("sqs_worker", &args, &env);
     let took = started.elapsed();
     println!("exit {code} after {took:?}\nstdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 1, "{err}");
