@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use fence::{
     Claim, Counter, FenceStore, Grouper, JobKey, Lease, LeaseHook, Metrics, Owner, Supervisor, SupervisorConfig,
 };
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use tokio::sync::mpsc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -775,20 +775,27 @@ impl<S: Source, H: Handler> Shared<S, H> {
         places: Arc<Semaphore>,
     ) {
         let in_flight = Arc::new(Semaphore::new(CLAIMS_IN_FLIGHT));
-        // Deliveries wait the window out only while more can come: attempts run (a busy consumer
-        // keeps receiving) and the receive loop has free places to receive them into. So
-        // deliveries that come one at a time wait for nothing, and waiting never holds places
-        // the receive loop is short of.
+        // Claim statements sent and not answered yet: their attempts are about to run.
+        let claiming = Arc::new(AtomicUsize::new(0));
+        // Deliveries wait the window out only while more can come: attempts run or are being
+        // claimed (a busy consumer keeps receiving) and the receive loop has free places to
+        // receive them into. So deliveries that come one at a time wait for nothing, and waiting
+        // never holds places the receive loop is short of.
         let supervisor = self.supervisor.clone();
-        let mut groups = Grouper::new(rx, MAX_CLAIM_BATCH, window)
-            .busy(move || supervisor.in_flight() > 0 && places.available_permits() > 0);
+        let probe = Arc::clone(&claiming);
+        let mut groups = Grouper::new(rx, MAX_CLAIM_BATCH, window).busy(move || {
+            (supervisor.in_flight() > 0 || probe.load(Ordering::Acquire) > 0) && places.available_permits() > 0
+        });
         loop {
             // While every claim slot is busy, deliveries keep piling up for the next statement.
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
             let Some(batch) = groups.next().await else { return };
             let shared = Arc::clone(&self);
+            claiming.fetch_add(1, Ordering::AcqRel);
+            let claimed = Arc::clone(&claiming);
             self.tasks.spawn(async move {
                 shared.claim_and_start(batch).await;
+                claimed.fetch_sub(1, Ordering::AcqRel);
                 drop(permit);
             });
         }
@@ -1163,19 +1170,38 @@ mod tests {
     /// whose handlers take 50 ms, must share a few claim statements; without the window each
     /// claim slot took whatever single receive was queued (one statement per delivery on this
     /// fast store).
+    ///
+    /// Also covers a defect CI found (a run with 9 statements under the full suite's load): the
+    /// deliveries arriving while the first claim statement was still out found no attempt
+    /// running, so each was claimed at once in a statement of its own (up to four in flight).
+    /// A claim in flight now counts as "more can come". The bound follows the measured span of
+    /// the sends (one group per window, plus the first delivery's own statement), so a loaded
+    /// machine that stretches the sends does not make the test lie either way.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn receives_arriving_close_together_share_claim_statements() {
-        let m = trickled(Duration::from_millis(100), 50, 40, |tx, _| async move {
+        let window = Duration::from_millis(100);
+        let span = Arc::new(Mutex::new(Duration::ZERO));
+        let measured = Arc::clone(&span);
+        let m = trickled(window, 50, 40, |tx, _| async move {
+            let began = tokio::time::Instant::now();
             for i in 0..40 {
                 tx.send(JobKey::new(format!("k{i}")).expect("key")).expect("source alive");
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
+            *measured.lock().expect("span") = began.elapsed();
         })
         .await;
         assert_eq!((m.claims, m.completions), (40, 40), "{m}");
-        // Without the window: one statement per delivery (40). Sends spread over more than the window
-        // on a loaded machine make a third or fourth group; five is still the window at work.
-        assert!(m.claim_statements <= 5, "40 receives within ~40 ms took {} claim statements", m.claim_statements);
+        let span = *span.lock().expect("span");
+        // Without the window: one statement per delivery (40).
+        let groups = span.as_millis().div_ceil(window.as_millis()) as u64;
+        let bound = 2 + groups;
+        assert!(bound < 20, "the sends took {span:?}: too loaded a machine to tell the window from none");
+        assert!(
+            m.claim_statements <= bound,
+            "40 receives within {span:?} took {} claim statements (at most {bound} with a {window:?} window)",
+            m.claim_statements
+        );
     }
 
     /// Deliveries that come one at a time (each after the previous job is done) are claimed at
