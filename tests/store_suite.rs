@@ -1322,23 +1322,6 @@ mod pg_only {
     use super::*;
     use sqlx::AssertSqlSafe;
 
-    /// Rows of `jobs` read so far by this connection's backend (sequential plus index fetches).
-    async fn rows_read(s: &PgFence) -> i64 {
-        // Pending statistics reach the shared view when the backend next goes idle (the
-        // heartbeat's backend too).
-        sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.heartbeat_pool()).await.unwrap();
-        sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.pool()).await.unwrap();
-        let (n,): (i64,) = sqlx::query_as(
-            "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables \
-             WHERE relid = to_regclass($1)",
-        )
-        .bind(format!("{}.jobs", s.schema().as_str()))
-        .fetch_one(s.pool())
-        .await
-        .unwrap();
-        n
-    }
-
     /// Guard: the fence's connections keep index plans ([`PgFence::pool_options`] runs
     /// `PG_SESSION_SETUP`). A connection keeps, after five runs, a generic plan of each prepared
     /// statement; made for the table as it was (here ten rows, freshly analyzed) it would make
@@ -1419,9 +1402,9 @@ mod pg_only {
         for chunk in jobs.chunks(5_000) {
             s.enqueue_many(&q, chunk).await.unwrap();
         }
-        let before = rows_read(&s).await;
+        let before = common::jobs_rows_read(&s).await;
         round("after".into()).await;
-        let read = rows_read(&s).await - before;
+        let read = common::jobs_rows_read(&s).await - before;
         assert!(read < 500, "one round of every statement read {read} rows of a 20,000-row table");
         // Every fence statement this connection ran more than five times (each ran 8 or more;
         // the migrations and the setup of this test ran once, the migration record's statements

@@ -337,3 +337,22 @@ impl TestStore for SqliteFence {
         verdict
     }
 }
+
+/// Rows of `jobs` read so far in `s`'s schema (sequential plus index fetches, bitmap scans
+/// included), as the statistics views count them: the way a test tells a plan that reads rows by
+/// key or in index order from one that reads the table.
+pub async fn jobs_rows_read(s: &PgFence) -> i64 {
+    // Pending statistics reach the shared view when the backend next goes idle (the
+    // heartbeat's backend too).
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.heartbeat_pool()).await.expect("flush stats");
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.pool()).await.expect("flush stats");
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables \
+         WHERE relid = to_regclass($1)",
+    )
+    .bind(format!("{}.jobs", s.schema().as_str()))
+    .fetch_one(s.pool())
+    .await
+    .expect("read table statistics");
+    n
+}
