@@ -19,7 +19,9 @@
 //! `--concurrency C` (per worker), `--batch B`, `--claim-window-ms MS`, `--commit-window-ms MS`
 //! (default 5 each), `--rounds N`, `--quick`, `--own-commit-only` (only the comparison of a
 //! handler-owned commit, `JobContext::complete_in` in the handler's transaction, with the
-//! runtime's grouped commit: the median of `--rounds` paired rounds).
+//! runtime's grouped commit: the median of `--rounds` paired rounds), `--defaults [--levels
+//! 16,64,128]` (only the table queue at its defaults against a plain SKIP LOCKED loop, with
+//! PostgreSQL CPU and WAL bytes per job: see `bench/defaults.rs`).
 //! PostgreSQL from `DATABASE_URL`, Redis from `REDIS_URL`, SQS from the AWS environment (all fall
 //! back to `localstack/.env`). A benchmark, not a test: it prints figures and asserts nothing.
 
@@ -37,6 +39,9 @@ use brokerfence::fence::{
 };
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
+
+#[path = "bench/defaults.rs"]
+mod defaults;
 
 // ------------------------------------------------------------------------------------------------
 // Counting store: every call of the store is one statement (one round trip)
@@ -249,6 +254,9 @@ struct Opts {
     quick: bool,
     /// Only the handler-owned commit against the grouped commit.
     own_commit_only: bool,
+    /// Only the table queue at its defaults against a plain SKIP LOCKED loop, at these levels
+    /// of concurrency.
+    defaults: Option<Vec<usize>>,
 }
 
 /// Benchmark (by hand): throughput and overhead of the fence on the table queue (PostgreSQL),
@@ -296,6 +304,13 @@ struct Cli {
     /// Only the handler-owned commit against the grouped commit
     #[arg(long)]
     own_commit_only: bool,
+    /// Only the table queue at its defaults (concurrency set, nothing else) against a plain
+    /// SKIP LOCKED loop, at each concurrency of --levels; jobs default to 20000, rounds to 3
+    #[arg(long)]
+    defaults: bool,
+    /// Levels of concurrency for --defaults, comma separated
+    #[arg(long, value_name = "LIST", default_value = "16,64,128", value_delimiter = ',')]
+    levels: Vec<usize>,
 }
 
 fn at_least_one(v: &str) -> Result<usize, String> {
@@ -306,18 +321,31 @@ fn parse_opts() -> Result<Opts, clap::Error> {
     let c = <Cli as clap::Parser>::try_parse()?;
     Ok(Opts {
         sources: c.sources.split(',').map(str::to_owned).collect(),
-        jobs: c.jobs.unwrap_or(if c.quick { 3_000 } else { 30_000 }),
+        jobs: c.jobs.unwrap_or(if c.quick {
+            3_000
+        } else if c.defaults {
+            20_000
+        } else {
+            30_000
+        }),
         memory_jobs: c.memory_jobs.unwrap_or(if c.quick { 10_000 } else { 100_000 }),
         work: Duration::from_millis(c.work),
         workers: c.workers,
         concurrency: c.concurrency,
         batch: c.batch,
         broker_concurrency: c.broker_concurrency,
-        rounds: c.rounds.unwrap_or(if c.quick { 1 } else { 2 }),
+        rounds: c.rounds.unwrap_or(if c.quick {
+            1
+        } else if c.defaults {
+            3
+        } else {
+            2
+        }),
         claim_window: c.claim_window.map_or(brokerfence::adapters::DEFAULT_CLAIM_WINDOW, Duration::from_millis),
         commit_window: c.commit_window.map_or(brokerfence::fence::DEFAULT_COMMIT_WINDOW, Duration::from_millis),
         quick: c.quick,
         own_commit_only: c.own_commit_only,
+        defaults: c.defaults.then_some(c.levels),
     })
 }
 
@@ -424,6 +452,12 @@ fn main() {
 async fn bench(o: Opts) -> Result<(), String> {
     let url = brokerfence_testkit::services::var("DATABASE_URL")
         .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
+    if let Some(levels) = &o.defaults {
+        println!("brokerfence bench — {}; load average at start {}", machine(), loadavg());
+        let result = defaults::run(&o, &url, levels).await;
+        println!("\nload average at the end {} (other work on the machine skews the figures)", loadavg());
+        return result;
+    }
     let pg = table::Pg::connect(&url).await?;
     println!("brokerfence bench — {}; load average at start {}", machine(), loadavg());
     println!("  {}", pg.describe().await?);

@@ -1,0 +1,285 @@
+//! `bench --defaults`: the table queue as the README builds it, with only its concurrency set,
+//! against a plain `FOR UPDATE SKIP LOCKED` loop on the same PostgreSQL (issue #18).
+//!
+//! Per concurrency (16, 64, 128 unless `--concurrency-list` says otherwise) and per round: one
+//! fenced drain and one plain drain of `--jobs` jobs (20,000 by default) enqueued first, each job
+//! sleeping `--work-ms` (1 ms). The order alternates round by round (fenced first, then plain
+//! first), so drift on the machine falls on both. Nothing is analyzed: the tables are as a fresh
+//! bulk enqueue leaves them. Printed per concurrency: the median rate of each, the median of the
+//! per-round ratios, and PostgreSQL's CPU time (every `postgres` process in `/proc`) and WAL bytes
+//! (`pg_current_wal_lsn()`) per job of each, medians too.
+
+use super::*;
+
+/// What one drain cost.
+#[derive(Debug, Clone, Copy)]
+struct Drain {
+    rate: f64,
+    /// PostgreSQL CPU per job, microseconds.
+    cpu_us: f64,
+    /// WAL per job, bytes.
+    wal: f64,
+}
+
+/// CPU time of every `postgres` process on this machine so far, in clock ticks.
+fn postgres_cpu_ticks() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    let mut total = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // `pid (comm) state …`: comm may hold spaces, so split after its closing parenthesis.
+        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
+        if !head.contains("(postgres") {
+            continue;
+        }
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of the line, 12 and 13 after `state`.
+        let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        total += ticks(11) + ticks(12);
+    }
+    total
+}
+
+fn ticks_per_sec() -> f64 {
+    // SAFETY: sysconf reads a constant of the system; no memory is touched.
+    let n = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if n > 0 { n as f64 } else { 100.0 }
+}
+
+async fn wal_lsn(pool: &sqlx::PgPool) -> Result<String, String> {
+    sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn wal_bytes(pool: &sqlx::PgPool, from: &str, to: &str) -> Result<f64, String> {
+    sqlx::query_scalar::<_, f64>("SELECT pg_wal_lsn_diff($2::pg_lsn, $1::pg_lsn)::float8")
+        .bind(from)
+        .bind(to)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Measures `drain` (which runs until `jobs` are done): its rate, PostgreSQL CPU and WAL per job.
+async fn measured<F: std::future::Future<Output = Result<(), String>>>(
+    pool: &sqlx::PgPool,
+    jobs: usize,
+    drain: F,
+) -> Result<Drain, String> {
+    let (wal0, cpu0, started) = (wal_lsn(pool).await?, postgres_cpu_ticks(), Instant::now());
+    drain.await?;
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = (postgres_cpu_ticks().saturating_sub(cpu0)) as f64 / ticks_per_sec();
+    let wal = wal_bytes(pool, &wal0, &wal_lsn(pool).await?).await?;
+    let n = jobs as f64;
+    Ok(Drain { rate: n / secs.max(1e-9), cpu_us: cpu * 1e6 / n, wal: wal / n })
+}
+
+/// The fenced consumer, built as the README shows, with only its concurrency set.
+async fn fenced(
+    store: &Arc<PgFence>,
+    q: &QueueName,
+    concurrency: usize,
+    jobs: usize,
+    work: Duration,
+) -> Result<(), String> {
+    let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
+    let shared: Arc<dyn FenceStore> = store.clone();
+    let consumer = Arc::new(Consumer::new(
+        TableQueue::new(Arc::clone(&shared), q.clone()),
+        shared,
+        ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency),
+    ));
+    let metrics = consumer.metrics();
+    let stop = CancellationToken::new();
+    let run = {
+        let (consumer, stop) = (Arc::clone(&consumer), stop.clone());
+        tokio::spawn(async move {
+            let handler = move |_ctx: JobContext| async move {
+                tokio::time::sleep(work).await;
+                Ok::<_, JobError>(b"ok".to_vec())
+            };
+            consumer.run(handler, stop).await
+        })
+    };
+    let done =
+        wait_until("the fenced drain", Duration::from_secs(600), || metrics.snapshot().completions >= jobs as u64)
+            .await;
+    stop.cancel();
+    run.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    done
+}
+
+/// The plain loop: claims up to 64 free slots' worth of rows with one `UPDATE … FOR UPDATE SKIP
+/// LOCKED … RETURNING`, runs them, and marks each batch done with one UPDATE. No epochs, leases,
+/// heartbeats.
+async fn plain(
+    pool: &sqlx::PgPool,
+    s: &str,
+    q: &str,
+    concurrency: usize,
+    jobs: usize,
+    work: Duration,
+) -> Result<(), String> {
+    let claim: Arc<str> = format!(
+        "UPDATE {s}.plain t SET state = 'running' WHERE (t.queue, t.key) IN (SELECT queue, key FROM {s}.plain \
+         WHERE queue = $1 AND state = 'pending' LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING t.key, t.payload"
+    )
+    .into();
+    let finish: Arc<str> =
+        format!("UPDATE {s}.plain SET state = 'done', result = 'ok' WHERE queue = $1 AND key = ANY($2::text[])").into();
+    let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut batches = tokio::task::JoinSet::new();
+    while done.load(Ordering::Relaxed) < jobs as u64 {
+        while let Some(r) = batches.try_join_next() {
+            r.map_err(|e| e.to_string())??;
+        }
+        let free = slots.available_permits().min(64);
+        if free == 0 {
+            if let Some(r) = batches.join_next().await {
+                r.map_err(|e| e.to_string())??;
+            }
+            continue;
+        }
+        let permits = Arc::clone(&slots).acquire_many_owned(free as u32).await.map_err(|e| e.to_string())?;
+        let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(AssertSqlSafe(Arc::clone(&claim)))
+            .bind(q)
+            .bind(free as i64)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        if rows.is_empty() {
+            drop(permits);
+            match batches.join_next().await {
+                Some(r) => r.map_err(|e| e.to_string())??,
+                None => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+            continue;
+        }
+        let mut permits = permits;
+        // Slots not filled go back at once.
+        if let Some(unused) = permits.split(free - rows.len()) {
+            drop(unused);
+        }
+        let (pool, q, finish, done) = (pool.clone(), q.to_owned(), Arc::clone(&finish), Arc::clone(&done));
+        batches.spawn(async move {
+            let keys: Vec<String> = rows.into_iter().map(|(k, _)| k).collect();
+            futures::future::join_all(keys.iter().map(|_| tokio::time::sleep(work))).await;
+            sqlx::query(AssertSqlSafe(finish)).bind(&q).bind(&keys).execute(&pool).await.map_err(|e| e.to_string())?;
+            done.fetch_add(keys.len() as u64, Ordering::Relaxed);
+            drop(permits);
+            Ok::<(), String>(())
+        });
+    }
+    while let Some(r) = batches.join_next().await {
+        r.map_err(|e| e.to_string())??;
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The comparison, printed as a table.
+pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
+    let schema = SchemaName::new(format!("bench_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
+    let store = Arc::new(PgFence::connect(url).await.map_err(|e| e.to_string())?.with_schema(schema));
+    store.migrate().await.map_err(|e| e.to_string())?;
+    let s = store.schema().as_str().to_owned();
+    // The plain loop's own pool, the size of the fence's (16).
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .map_err(|e| e.to_string())?;
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {s}.plain (queue text NOT NULL, key text NOT NULL, state text NOT NULL DEFAULT 'pending', \
+         payload bytea, result bytea, PRIMARY KEY (queue, key))"
+    )))
+    .execute(&pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    sqlx::query(AssertSqlSafe(format!("CREATE INDEX plain_pending ON {s}.plain (queue) WHERE state = 'pending'")))
+        .execute(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "\n[defaults] table queue at its defaults vs a plain SKIP LOCKED loop: {} jobs per drain, {} of work each, \
+         {} paired rounds (order alternating), tables never analyzed",
+        o.jobs,
+        ms(o.work),
+        o.rounds
+    );
+    println!(
+        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>17}",
+        "concurrency", "fenced jobs/s", "plain jobs/s", "fenced/plain", "PG CPU/job f / p", "WAL/job f / p"
+    );
+    let result = async {
+        for &c in levels {
+            let (mut f, mut p, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+            for round in 0..o.rounds {
+                let fq = QueueName::new(format!("fenced-{c}-{round}")).map_err(|e| e.to_string())?;
+                let pq = format!("plain-{c}-{round}");
+                for start in (0..o.jobs).step_by(5000) {
+                    let batch: Vec<(JobKey, Vec<u8>)> = (start..(start + 5000).min(o.jobs))
+                        .map(|i| JobKey::new(format!("job-{i:07}")).map(|k| (k, b"{\"n\":1}".to_vec())))
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| e.to_string())?;
+                    store.enqueue_many(&fq, &batch).await.map_err(|e| e.to_string())?;
+                }
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {s}.plain (queue, key, payload) SELECT $1, 'job-' || lpad(i::text, 7, '0'), \
+                     '{{\"n\":1}}'::bytea FROM generate_series(0, $2 - 1) i"
+                )))
+                .bind(&pq)
+                .bind(o.jobs as i64)
+                .execute(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+                let fenced_first = round % 2 == 0;
+                let (mut fd, mut pd) = (None, None);
+                for turn in 0..2 {
+                    if (turn == 0) == fenced_first {
+                        fd = Some(measured(&pool, o.jobs, fenced(&store, &fq, c, o.jobs, o.work)).await?);
+                    } else {
+                        pd = Some(measured(&pool, o.jobs, plain(&pool, &s, &pq, c, o.jobs, o.work)).await?);
+                    }
+                }
+                let (fd, pd) = (fd.ok_or("no fenced drain")?, pd.ok_or("no plain drain")?);
+                ratios.push(fd.rate / pd.rate);
+                f.push(fd);
+                p.push(pd);
+            }
+            let m = |v: &[Drain], g: fn(&Drain) -> f64| median(v.iter().map(g).collect());
+            println!(
+                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.0} / {:>4.0} µs | {:>7.0} / {:>4.0} B",
+                c,
+                m(&f, |d| d.rate),
+                m(&p, |d| d.rate),
+                median(ratios),
+                m(&f, |d| d.cpu_us),
+                m(&p, |d| d.cpu_us),
+                m(&f, |d| d.wal),
+                m(&p, |d| d.wal),
+            );
+        }
+        Ok::<(), String>(())
+    }
+    .await;
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {s} CASCADE"))).execute(&pool).await;
+    result
+}
