@@ -177,59 +177,40 @@ async fn scrape(url: &str) -> Scrape {
     Scrape::parse(&response.text().await.expect("body"))
 }
 
-/// A `table_worker` run of `N` produced jobs, scraped at the end: every counter of the last
-/// `EVENT metrics` line equals its `brokerfence_<name>_total`; claims and completions equal the
-/// jobs run; the handler histogram counts each job once and its sum is at least the jobs times
-/// the handler's delay; the commit and claim histograms count one value per statement and their
-/// jobs add up to the jobs; heartbeats were timed once each; the in-flight gauge is back to 0;
-/// every series carries `queue` and `source="table"`; the types are counter / histogram / gauge.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
-    const N: usize = 12;
-    const DELAY_MS: u64 = 1200;
-    let url = common::database_url();
-    let fence = common::pg_unmigrated().await;
-    let schema = fence.schema().as_str().to_owned();
-    let queue = common::unique("metrics");
-    let n = N.to_string();
-    let produce = ["--database-url", &url, "--schema", &schema, "--queue", &queue, "--count", &n, "--migrate"];
-    let out = tokio::process::Command::new(example("table_produce")).args(produce).output().await.expect("produce");
-    assert!(out.status.success(), "table_produce: {}", String::from_utf8_lossy(&out.stderr));
+/// Jobs each scrape test runs, and the handler's delay (so heartbeats happen under a 3 s lease:
+/// 12 jobs, 4 at a time, 1.2 s each).
+const N: usize = 12;
+const DELAY_MS: u64 = 1200;
 
-    let delay = DELAY_MS.to_string();
-    let worker = Proc::spawn(
-        "table_worker",
-        &[
-            "--database-url",
-            &url,
-            "--schema",
-            &schema,
-            "--queue",
-            &queue,
-            "--lease",
-            "3",
-            "--concurrency",
-            "4",
-            "--handler-delay",
-            &delay,
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-    );
+/// The worker flags of the scrape tests: 4 at a time, the delay, a 3 s lease, a free port.
+fn worker_flags(delay: &str) -> Vec<&str> {
+    vec!["--lease", "3", "--concurrency", "4", "--handler-delay", delay, "--metrics-addr", "127.0.0.1:0"]
+}
+
+/// The metrics URL of `EVENT metrics_endpoint` (checked: the bound port, not 0).
+async fn endpoint(worker: &Proc) -> String {
     worker.wait(Duration::from_secs(30), "metrics_endpoint", |p| !p.events("metrics_endpoint").is_empty()).await;
-    let endpoint = worker.events("metrics_endpoint").remove(0);
-    let addr = field(&endpoint, "addr").expect("addr").to_owned();
-    assert!(addr.starts_with("127.0.0.1:") && !addr.ends_with(":0"), "bound address printed: {endpoint}");
-    let metrics_url = field(&endpoint, "url").expect("url").to_owned();
-    assert_eq!(metrics_url, format!("http://{addr}/metrics"));
+    let line = worker.events("metrics_endpoint").remove(0);
+    let addr = field(&line, "addr").expect("addr").to_owned();
+    assert!(addr.starts_with("127.0.0.1:") && !addr.ends_with(":0"), "bound address printed: {line}");
+    let url = field(&line, "url").expect("url").to_owned();
+    assert_eq!(url, format!("http://{addr}/metrics"));
+    url
+}
 
+/// Waits for `N` acks, then scrapes until the exported counters equal the worker's last
+/// `EVENT metrics` line (the last ack is counted just after its `acked` line), and checks the
+/// scrape against the run: claims and completions equal the jobs; the handler histogram counts
+/// each job once and its sum is at least the jobs times the handler's delay; the commit and
+/// claim histograms count one value per statement and their jobs add up to the jobs; every
+/// heartbeat was timed; the in-flight gauge is back to 0; every series carries `queue` and
+/// `source`; the types are counter / histogram / gauge.
+async fn check_scrape(worker: &Proc, url: &str, queue: &str, source: &str) -> Scrape {
     worker.wait(Duration::from_secs(60), "all jobs acked", |p| p.events("acked").len() >= N).await;
-    let l = [("queue", queue.as_str()), ("source", "table")];
-    // The counters settle (the last ack is counted after its `acked` line): scrape until the
-    // exported counters equal the worker's own `EVENT metrics` line.
+    let l = [("queue", queue), ("source", source)];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let (s, line) = loop {
-        let s = scrape(&metrics_url).await;
+        let s = scrape(url).await;
         let line = worker.events("metrics").pop().expect("a metrics line");
         let fields: Vec<(&str, f64)> = line
             .trim_start_matches("EVENT metrics ")
@@ -241,7 +222,9 @@ async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
             .collect();
         let same = fields.iter().all(|(k, v)| {
             let name = format!("brokerfence_{k}_total");
-            s.samples.iter().any(|x| x.name == name && x.labels.get("queue") == Some(&queue) && x.value == *v)
+            s.samples
+                .iter()
+                .any(|x| x.name == name && x.labels.get("queue").map(String::as_str) == Some(queue) && x.value == *v)
         });
         if same && s.value("brokerfence_acks_total", &l) == N as f64 {
             break (s, line);
@@ -267,21 +250,21 @@ async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
     assert!(handler_sum < n * 30.0, "handler sum {handler_sum}");
     // Group commit: one value per statement, the jobs add up to the completions.
     let commits = v("brokerfence_commit_statements_total");
-    assert!(commits >= 1.0 && commits <= n, "commit statements {commits}");
+    assert!((1.0..=n).contains(&commits), "commit statements {commits}");
     assert_eq!(v("brokerfence_commit_duration_seconds_count"), commits);
     assert_eq!(v("brokerfence_commit_statement_jobs_count"), commits);
     assert_eq!(v("brokerfence_commit_statement_jobs_sum"), n);
-    // Claims: the table queue claims in its receive; the receives that claimed add up to N.
+    // Claims: one value per claim statement; the jobs they carried add up to N.
     let claim_statements = v("brokerfence_claim_statement_jobs_count");
-    assert!(claim_statements >= 1.0 && claim_statements <= n, "claiming receives {claim_statements}");
+    assert!((1.0..=n).contains(&claim_statements), "claim statements {claim_statements}");
     assert_eq!(v("brokerfence_claim_statement_jobs_sum"), n);
     assert_eq!(v("brokerfence_claim_duration_seconds_count"), claim_statements);
-    // Heartbeats (every second under a 3 s lease, the jobs took 3 × 1.2 s): each one timed.
+    // Heartbeats (every second under a 3 s lease; the jobs took 3 × 1.2 s): each one timed.
     let heartbeats = v("brokerfence_heartbeats_total");
     assert!(heartbeats >= 1.0, "no heartbeat in a {} s run", 3.0 * DELAY_MS as f64 / 1000.0);
     assert_eq!(v("brokerfence_heartbeat_duration_seconds_count"), heartbeats);
     // Buckets: the +Inf bucket is the count.
-    assert_eq!(s.value("brokerfence_handler_duration_seconds_bucket", &[("queue", &queue), ("le", "+Inf")]), n);
+    assert_eq!(s.value("brokerfence_handler_duration_seconds_bucket", &[("queue", queue), ("le", "+Inf")]), n);
     // Types.
     for (name, kind) in [
         ("brokerfence_claims_total", "counter"),
@@ -294,10 +277,85 @@ async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
     }
     // Every series of ours carries the queue and source labels.
     for sample in s.samples.iter().filter(|x| x.name.starts_with("brokerfence_")) {
-        assert_eq!(sample.labels.get("queue"), Some(&queue), "{sample:?}");
-        assert_eq!(sample.labels.get("source").map(String::as_str), Some("table"), "{sample:?}");
+        assert_eq!(sample.labels.get("queue").map(String::as_str), Some(queue), "{sample:?}");
+        assert_eq!(sample.labels.get("source").map(String::as_str), Some(source), "{sample:?}");
     }
+    s
+}
+
+/// `table_worker --metrics-addr 127.0.0.1:0` runs the jobs `table_produce` enqueued; its scrape
+/// matches the run ([`check_scrape`]). The table queue claims in its receive: no group-claim
+/// statement is counted, each receive that claimed is one claim value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
+    let url = common::database_url();
+    let fence = common::pg_unmigrated().await;
+    let schema = fence.schema().as_str().to_owned();
+    let queue = common::unique("metrics");
+    let n = N.to_string();
+    let produce = ["--database-url", &url, "--schema", &schema, "--queue", &queue, "--count", &n, "--migrate"];
+    let out = tokio::process::Command::new(example("table_produce")).args(produce).output().await.expect("produce");
+    assert!(out.status.success(), "table_produce: {}", String::from_utf8_lossy(&out.stderr));
+
+    let delay = DELAY_MS.to_string();
+    let mut args = vec!["--database-url", &url, "--schema", &schema, "--queue", &queue];
+    args.extend(worker_flags(&delay));
+    let worker = Proc::spawn("table_worker", &args);
+    let metrics_url = endpoint(&worker).await;
+    let s = check_scrape(&worker, &metrics_url, &queue, "table").await;
+    assert_eq!(s.value("brokerfence_claim_statements_total", &[("queue", &queue)]), 0.0);
     assert_eq!(worker.stop().await, 0);
+}
+
+/// `redis_worker --metrics-addr 127.0.0.1:0` on a stream `redis_produce` fills: its scrape
+/// matches the run ([`check_scrape`], `source="redis_stream"`), and the runtime's group claims
+/// are each counted and timed once (`claim_statements_total` = the claim histograms' count).
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ergonomics_metrics_scrape_of_a_redis_worker_matches_its_run() {
+    let url = common::database_url();
+    let redis_url = brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+    let fence = common::pg().await;
+    let schema = fence.schema().as_str().to_owned();
+    let stream = common::unique("metrics-stream");
+    let delay = DELAY_MS.to_string();
+    let mut args = vec![
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--database-url",
+        &url,
+        "--schema",
+        &schema,
+        "--redis-url",
+        &redis_url,
+        "--block",
+        "200",
+    ];
+    args.extend(worker_flags(&delay));
+    let worker = Proc::spawn("redis_worker", &args);
+    let metrics_url = endpoint(&worker).await;
+    worker.wait(Duration::from_secs(30), "ready", |p| !p.events("ready").is_empty()).await;
+    let n = N.to_string();
+    let out = tokio::process::Command::new(example("redis_produce"))
+        .args(["--stream", &stream, "--count", &n, "--redis-url", &redis_url])
+        .output()
+        .await
+        .expect("produce");
+    assert!(out.status.success(), "redis_produce: {}", String::from_utf8_lossy(&out.stderr));
+    let s = check_scrape(&worker, &metrics_url, &stream, "redis_stream").await;
+    assert_eq!(
+        s.value("brokerfence_claim_statements_total", &[("queue", &stream)]),
+        s.value("brokerfence_claim_duration_seconds_count", &[("queue", &stream)])
+    );
+    assert_eq!(worker.stop().await, 0);
+    use brokerfence::adapters::redis::client;
+    if let Ok(c) = client::Client::open(redis_url.as_str())
+        && let Ok(mut conn) = c.get_multiplexed_async_connection().await
+    {
+        let _: Result<i64, _> = client::cmd("DEL").arg(&stream).query_async(&mut conn).await;
+    }
 }
 
 /// `--metrics-addr` with an address that cannot be bound (taken) fails at start, before
