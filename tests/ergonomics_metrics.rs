@@ -254,10 +254,12 @@ async fn check_scrape(worker: &Proc, url: &str, queue: &str, source: &str) -> Sc
     assert_eq!(v("brokerfence_commit_duration_seconds_count"), commits);
     assert_eq!(v("brokerfence_commit_statement_jobs_count"), commits);
     assert_eq!(v("brokerfence_commit_statement_jobs_sum"), n);
-    // Claims: one value per claim statement; the jobs they carried add up to N.
+    // Claims: one value per claim statement; the deliveries they carried add up to the claims
+    // (N) and those refused as busy or duplicate (none, unless the broker redelivered one).
     let claim_statements = v("brokerfence_claim_statement_jobs_count");
-    assert!((1.0..=n).contains(&claim_statements), "claim statements {claim_statements}");
-    assert_eq!(v("brokerfence_claim_statement_jobs_sum"), n);
+    assert!(claim_statements >= 1.0, "claim statements {claim_statements}");
+    let refused = v("brokerfence_busy_total") + v("brokerfence_duplicates_total");
+    assert_eq!(v("brokerfence_claim_statement_jobs_sum"), n + refused);
     assert_eq!(v("brokerfence_claim_duration_seconds_count"), claim_statements);
     // Heartbeats (every second under a 3 s lease; the jobs took 3 × 1.2 s): each one timed.
     let heartbeats = v("brokerfence_heartbeats_total");
@@ -461,7 +463,7 @@ async fn ergonomics_metrics_middleware_under_a_debugging_recorder() {
 /// A lease taken over while its handler runs (PostgreSQL; the row's epoch and owner moved on, as
 /// a takeover after an expiry leaves them): the next heartbeat finds it lost and the handler is
 /// cancelled. `brokerfence_lease_loss_to_cancel_seconds{reason="superseded"}` holds one value,
-/// under 100 ms (from the heartbeat's answer to the dropped handler); the cancelled handler is
+/// under 0.5 s (from the heartbeat's answer to the dropped handler; 82 µs measured here); the cancelled handler is
 /// not in the handler histogram; `lease_losses` counts 1; every heartbeat was timed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ergonomics_metrics_lease_loss_to_cancellation_is_timed() {
@@ -505,7 +507,9 @@ async fn ergonomics_metrics_lease_loss_to_cancellation_is_timed() {
     println!("{values:#?}");
     let took = histogram(&values, "brokerfence_lease_loss_to_cancel_seconds{reason=superseded}");
     assert_eq!(took.len(), 1, "{took:?}");
-    assert!(took[0] >= 0.0 && took[0] < 0.1, "loss to cancellation took {} s", took[0]);
+    // The loss is found by the heartbeat a second after the claim; a value timed from the
+    // claim or the handler's start would be about 1 s.
+    assert!(took[0] >= 0.0 && took[0] < 0.5, "loss to cancellation took {} s", took[0]);
     assert!(histogram(&values, "brokerfence_lease_loss_to_cancel_seconds{reason=unconfirmed}").is_empty());
     assert!(histogram(&values, "brokerfence_handler_duration_seconds").is_empty(), "a cancelled handler is not timed");
     assert_eq!(counter(&values, "brokerfence_lease_losses_total"), 1);
