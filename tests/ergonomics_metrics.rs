@@ -463,8 +463,9 @@ async fn ergonomics_metrics_middleware_under_a_debugging_recorder() {
 /// A lease taken over while its handler runs (PostgreSQL; the row's epoch and owner moved on, as
 /// a takeover after an expiry leaves them): the next heartbeat finds it lost and the handler is
 /// cancelled. `brokerfence_lease_loss_to_cancel_seconds{reason="superseded"}` holds one value,
-/// under 0.5 s (from the heartbeat's answer to the dropped handler; 82 µs measured here); the cancelled handler is
-/// not in the handler histogram; `lease_losses` counts 1; every heartbeat was timed.
+/// under 0.5 s (from the heartbeat's answer to the dropped handler; 82 µs measured here); the
+/// cancelled handler is not in the handler histogram; `lease_losses` counts 1; every heartbeat
+/// was timed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ergonomics_metrics_lease_loss_to_cancellation_is_timed() {
     let recorder = DebuggingRecorder::new();
