@@ -11,6 +11,8 @@
 #![cfg(feature = "metrics")]
 
 mod common;
+#[cfg(feature = "sqs")]
+mod sqs_support;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -48,8 +50,14 @@ struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[&str]) -> Proc {
+        Proc::spawn_with(name, args, &[])
+    }
+
+    /// [`spawn`](Self::spawn) with more environment variables.
+    fn spawn_with(name: &str, args: &[&str], env: &[(&str, String)]) -> Proc {
         let mut child = tokio::process::Command::new(example(name))
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("NO_COLOR", "1")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -376,6 +384,35 @@ async fn ergonomics_metrics_addr_that_cannot_bind_fails_at_start() {
     assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
     assert!(stderr.contains(&format!("cannot listen on --metrics-addr {addr}")), "{stderr}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("EVENT ready"));
+}
+
+/// `sqs_worker --metrics-addr 127.0.0.1:0` on a standard queue (LocalStack) with `N` messages:
+/// its scrape matches the run ([`check_scrape`], `source="sqs"`, the queue label is the fence
+/// queue, the SQS queue's name), and the runtime's group claims are each counted and timed once.
+#[cfg(feature = "sqs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ergonomics_metrics_scrape_of_an_sqs_worker_matches_its_run() {
+    use sqs_support::{TestQueue, aws, drop_schema, pg, send, sqs, worker_args};
+    let client = sqs().await;
+    let fence = pg().await;
+    let q = TestQueue::new(&client, "metrics", 5).await;
+    for i in 0..N {
+        send(&client, &q.url, &format!("message {i}")).await;
+    }
+    let delay = DELAY_MS.to_string();
+    let args = worker_args(&q, &fence, &common::unique("metrics-sqs"), &worker_flags(&delay));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let worker = Proc::spawn_with("sqs_worker", &args, &aws().child_env());
+    let metrics_url = endpoint(&worker).await;
+    let queue = q.fence_queue();
+    let s = check_scrape(&worker, &metrics_url, queue.as_str(), "sqs").await;
+    assert_eq!(
+        s.value("brokerfence_claim_statements_total", &[("queue", queue.as_str())]),
+        s.value("brokerfence_claim_duration_seconds_count", &[("queue", queue.as_str())])
+    );
+    assert_eq!(worker.stop().await, 0);
+    q.delete(&client).await;
+    drop_schema(&fence).await;
 }
 
 // ------------------------------------------------------------------------------------ in process
