@@ -209,6 +209,7 @@ async fn worker(common: Common, queue: String, opts: WorkerOpts, idle_wait: Dura
     let owner = common.owner("outbox-worker").map_err(refuse)?;
     let queue = QueueName::new(queue).map_err(refuse)?;
     let lease = LeaseDuration::from_secs(common.lease).map_err(refuse)?;
+    common.serve_metrics().await?;
     let url = common::database_url(common.database_url.as_deref())?;
     let pg = common::connect_pg(&url, common.schema.as_deref(), &owner, common.migrate).await?;
     if common.migrate {

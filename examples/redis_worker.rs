@@ -137,6 +137,7 @@ mod worker {
         let refuse = |e: FenceError| StartError::Refused(e.to_string());
         let owner = c.owner("redis-worker").map_err(refuse)?;
         let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+        c.serve_metrics().await?;
         let redis_url =
             args.redis_url.clone().or_else(|| brokerfence_testkit::services::var("REDIS_URL")).ok_or_else(|| {
                 StartError::Refused("no Redis: give --redis-url or set REDIS_URL (localstack/up writes it)".into())

@@ -108,6 +108,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let refuse = |e: FenceError| StartError::Refused(e.to_string());
     let owner = c.owner("sqs-worker").map_err(refuse)?;
     let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+    c.serve_metrics().await?;
     let url = common::database_url(c.database_url.as_deref())?;
     let store: Arc<dyn FenceStore> = Arc::new(common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?);
 

@@ -59,6 +59,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let owner = c.owner("table-worker").map_err(refuse)?;
     let queue = QueueName::new(args.queue.clone().unwrap_or_default()).map_err(refuse)?;
     let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+    c.serve_metrics().await?;
     let url = common::database_url(c.database_url.as_deref())?;
     let pg = common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
     let store: Arc<dyn FenceStore> = Arc::new(pg);

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use fence::{
-    Claim, Counter, FenceError, FenceStore, JobKey, Lease, Metrics, Outcome, Owner, QueueName, Supervisor,
-    SupervisorConfig,
+    Claim, Counter, Distribution, FenceError, FenceStore, JobKey, Lease, Metrics, Outcome, Owner, QueueName,
+    Supervisor, SupervisorConfig,
 };
 
 use crate::disposition::Disposition;
@@ -67,7 +67,8 @@ impl Retrofit {
 
     /// Middleware with the given owner id.
     pub fn with_owner(store: Arc<dyn FenceStore>, queue: QueueName, owner: Owner, config: SupervisorConfig) -> Self {
-        Self { supervisor: Supervisor::new(store, owner, config), queue }
+        let metrics = Arc::new(Metrics::labelled(queue.as_str(), "middleware"));
+        Self { supervisor: Supervisor::with_metrics(store, owner, config, metrics), queue }
     }
 
     /// The supervisor (add a [`LeaseHook`](fence::LeaseHook) to extend your broker's visibility).
@@ -139,7 +140,10 @@ impl Retrofit {
         let lease = self.supervisor.config().lease();
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
+            let sent = std::time::Instant::now();
             let claim = store.claim(&queue, &key, &owner, lease).await;
+            metrics.observe_duration(Distribution::ClaimDuration, sent.elapsed());
+            metrics.observe(Distribution::ClaimStatementJobs, 1.0);
             if let Err(Ok(Claim::Claimed(lease))) = tx.send(claim) {
                 release(&*store, &metrics, &lease, "claimed for a caller that stopped waiting").await;
             }

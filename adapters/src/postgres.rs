@@ -60,6 +60,10 @@ impl Source for TableQueue {
         &self.queue
     }
 
+    fn kind(&self) -> &'static str {
+        "table"
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
         let n = u32::try_from(max).unwrap_or(u32::MAX);
         let jobs = self

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use fence::{
-    Claim, Counter, FenceStore, Grouper, JobKey, Lease, LeaseHook, Metrics, Owner, Supervisor, SupervisorConfig,
+    Claim, Counter, Distribution, FenceStore, Grouper, JobKey, Lease, LeaseHook, Metrics, Owner, Supervisor,
+    SupervisorConfig,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use tokio::sync::mpsc;
@@ -294,7 +295,9 @@ impl<S: Source> Consumer<S> {
     /// A consumer with the given owner id.
     pub fn with_owner(source: S, store: Arc<dyn FenceStore>, owner: Owner, config: ConsumerConfig) -> Self {
         let source = Arc::new(source);
-        let supervisor = Supervisor::new(store, owner, config.supervisor.clone());
+        // The exported metrics (feature `metrics`) carry this consumer's queue and source kind.
+        let metrics = Arc::new(Metrics::labelled(source.queue().as_str(), source.kind()));
+        let supervisor = Supervisor::with_metrics(store, owner, config.supervisor.clone(), metrics);
         let tracked = Arc::new(Tracked(Mutex::new(HashMap::new())));
         supervisor.add_hook(Arc::new(SourceHook { source: Arc::clone(&source), tracked: Arc::clone(&tracked) }));
         let unsettled = Arc::new(Semaphore::new(config.unsettled_limit()));
@@ -540,6 +543,16 @@ impl<S: Source> Consumer<S> {
     }
 }
 
+/// OpenTelemetry's `messaging.system` for a [`Source::kind`]: its well-known value where there is
+/// one (`aws_sqs`), else the kind.
+fn messaging_system(kind: &'static str) -> &'static str {
+    match kind {
+        "sqs" => "aws_sqs",
+        "redis_stream" | "redis_list" => "redis",
+        other => other,
+    }
+}
+
 /// A receive, boxed so that shutdown can hand it to a task of its own instead of dropping it.
 type Receive<D> = futures::future::BoxFuture<'static, Result<Vec<Incoming<D>>, SourceError>>;
 
@@ -692,6 +705,14 @@ impl<S: Source, H: Handler> Shared<S, H> {
         asked_at: std::time::Instant,
     ) {
         let mut unclaimed = Vec::new();
+        // Jobs the source claimed in its receive (the table queue's `claim_next`): that receive
+        // was their claim statement.
+        let claimed = incoming.iter().filter(|i| matches!(i, Incoming::Claimed { .. })).count();
+        if claimed > 0 {
+            let metrics = self.supervisor.metrics();
+            metrics.observe_duration(Distribution::ClaimDuration, asked_at.elapsed());
+            metrics.observe(Distribution::ClaimStatementJobs, claimed as f64);
+        }
         for (item, places) in incoming.into_iter().zip(held) {
             match item {
                 Incoming::Malformed { delivery, reason } => {
@@ -816,12 +837,11 @@ impl<S: Source, H: Handler> Shared<S, H> {
         metrics.incr(Counter::ClaimStatements);
         let keys: Vec<JobKey> = unclaimed.iter().map(|(_, k, _)| k.clone()).collect();
         let claim_sent = std::time::Instant::now();
-        let claims = match self
-            .supervisor
-            .store()
-            .claim_batch(self.source.queue(), &keys, self.supervisor.owner(), self.lease)
-            .await
-        {
+        let answer =
+            self.supervisor.store().claim_batch(self.source.queue(), &keys, self.supervisor.owner(), self.lease).await;
+        metrics.observe_duration(Distribution::ClaimDuration, claim_sent.elapsed());
+        metrics.observe(Distribution::ClaimStatementJobs, keys.len() as f64);
+        let claims = match answer {
             Ok(c) => {
                 self.claim_failures.store(0, Ordering::Relaxed);
                 c
@@ -910,8 +930,10 @@ impl<S: Source, H: Handler> Shared<S, H> {
             // is cancelled), so the commit and the broker call overlap the next job.
             let slots = shared.slots.clone();
             let stopping = shared.stopping.clone();
+            let system = messaging_system(shared.source.kind());
             let (gave_up, not_started) = tokio::sync::oneshot::channel::<()>();
             let run = move |ctx| async move {
+                tracing::Span::current().record("messaging.system", system);
                 // Prefetching: wait for a handler slot under the lease (the supervisor already
                 // heartbeats it), then give the prefetch place back. Otherwise the receive permit
                 // is the slot. Either frees the moment the handler returns. Shutdown before the

@@ -58,6 +58,21 @@ pub trait Source: Send + Sync + 'static {
     /// The queue name jobs of this source are fenced under.
     fn queue(&self) -> &QueueName;
 
+    /// What kind of source this is, for the `source` label of the exported metrics (feature
+    /// `metrics`) and the attempt span's `messaging.system`: `table`, `sqs`, `redis_stream`,
+    /// `redis_list`; `custom` unless a source says otherwise. A wrapper delegates it.
+    ///
+    /// ```
+    /// # fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) {
+    /// use brokerfence::{QueueName, Source, TableQueue};
+    /// let source = TableQueue::new(store, QueueName::new("emails").unwrap());
+    /// assert_eq!(source.kind(), "table");
+    /// # }
+    /// ```
+    fn kind(&self) -> &'static str {
+        "custom"
+    }
+
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
     async fn receive(
         &self,

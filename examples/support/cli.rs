@@ -153,6 +153,10 @@ pub struct Common {
     /// Milliseconds each handler waits after the receiver call
     #[arg(long, value_name = "MS", default_value = "0", value_parser = millis)]
     pub after_call_delay: Duration,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port; needs the
+    /// `metrics` feature)
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
 }
 
 impl Common {
@@ -169,6 +173,47 @@ impl Common {
         self.receiver_url.clone().or_else(|| std::env::var("RECEIVER_URL").ok().filter(|s| !s.is_empty()))
     }
 
+    /// With `--metrics-addr`: installs the Prometheus recorder, listens, and prints
+    /// `EVENT metrics_endpoint addr=HOST:PORT url=http://HOST:PORT/metrics` (the bound address:
+    /// port 0 picks a free one). Call it before the consumer is built (the consumer takes its
+    /// metric handles from the recorder installed then). Without the `metrics` feature the flag is
+    /// refused (exit 2); an address that cannot be bound fails (exit 1).
+    pub async fn serve_metrics(&self) -> Result<(), StartError> {
+        let Some(addr) = self.metrics_addr.as_deref() else { return Ok(()) };
+        if !cfg!(feature = "metrics") {
+            return Err(StartError::Refused(
+                "--metrics-addr needs the `metrics` feature (cargo run --features metrics --example …)".into(),
+            ));
+        }
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| StartError::Failed(format!("cannot listen on --metrics-addr {addr}: {e}")))?;
+        let bound = listener.local_addr().map_err(|e| StartError::Failed(format!("--metrics-addr {addr}: {e}")))?;
+        let handle = install_prometheus()?;
+        let upkeep = handle.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                upkeep.run_upkeep();
+            }
+        });
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move { ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()) }
+            }),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "metrics endpoint stopped");
+            }
+        });
+        let url = format!("http://{bound}/metrics");
+        event("metrics_endpoint", &[("addr", &bound), ("url", &url)]);
+        Ok(())
+    }
+
     /// The retry policy: the default with `--max-attempts`.
     pub fn retry_policy(&self) -> RetryPolicy {
         let default = RetryPolicy::default();
@@ -177,6 +222,29 @@ impl Common {
 }
 
 // ------------------------------------------------------------------------- logging and startup
+
+/// Buckets (seconds) of the `brokerfence_*_seconds` histograms: 1 ms to 30 s.
+pub const SECONDS_BUCKETS: [f64; 14] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+/// Buckets of the `brokerfence_*_statement_jobs` histograms (jobs per statement, up to the
+/// group statements' 256).
+pub const JOBS_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+/// Installs the Prometheus recorder as the global `metrics` recorder (histograms rendered with
+/// [`SECONDS_BUCKETS`] / [`JOBS_BUCKETS`]); its handle renders the text format.
+pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, StartError> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let failed = |e: &dyn Display| StartError::Failed(format!("metrics recorder: {e}"));
+    let recorder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_jobs".into()), &JOBS_BUCKETS))
+        .map_err(|e| failed(&e))?
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| failed(&e))?;
+    Ok(handle)
+}
 
 /// Colour only for a terminal, and never with `NO_COLOR` set (to anything but the empty string).
 pub fn use_colour() -> bool {
@@ -623,6 +691,10 @@ impl<S: Source> Source for EventSource<S> {
 
     fn queue(&self) -> &QueueName {
         self.0.queue()
+    }
+
+    fn kind(&self) -> &'static str {
+        self.0.kind()
     }
 
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError> {

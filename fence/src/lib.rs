@@ -56,7 +56,7 @@ pub use ledger::PgLedger;
 #[cfg(feature = "sqlite")]
 pub use ledger::SqliteLedger;
 pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, Verdict};
-pub use metrics::{Counter, Metrics, MetricsSnapshot};
+pub use metrics::{Counter, Distribution, Metrics, MetricsSnapshot};
 pub use model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,

@@ -27,7 +27,9 @@ use tracing::Instrument;
 use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::hook_runner::{HookRunner, LiveCheck};
-use crate::metrics::{Counter, Metrics};
+#[cfg(feature = "metrics")]
+use crate::metrics::LossKind;
+use crate::metrics::{Counter, Distribution, Metrics};
 use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
 use crate::own_tx::FencedConnection;
 use crate::store::FenceStore;
@@ -446,10 +448,15 @@ struct SlotState {
     /// The handler sent its own fenced completion ([`JobContext::complete_in`]): once it returns,
     /// the job row, not the handler's answer, says whether the result committed.
     own_commit: AtomicBool,
+    /// When the loss was found (`brokerfence_lease_loss_to_cancel_seconds`).
+    #[cfg(feature = "metrics")]
+    lost_at: std::sync::OnceLock<Instant>,
 }
 
 impl SlotState {
     fn lose(&self, reason: LossReason) {
+        #[cfg(feature = "metrics")]
+        self.lost_at.get_or_init(Instant::now);
         if let Ok(mut loss) = self.loss.lock() {
             loss.get_or_insert(reason);
         }
@@ -525,9 +532,12 @@ async fn commit_loop(store: Arc<dyn FenceStore>, metrics: Arc<Metrics>, mut grou
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
         let Some(batch) = groups.next().await else { return };
         metrics.incr(Counter::CommitStatements);
-        let store = Arc::clone(&store);
+        let (store, metrics) = (Arc::clone(&store), Arc::clone(&metrics));
         tokio::spawn(async move {
+            let (n, sent) = (batch.len(), Instant::now());
             commit_batch(&*store, batch).await;
+            metrics.observe_duration(Distribution::CommitDuration, sent.elapsed());
+            metrics.observe(Distribution::CommitStatementJobs, n as f64);
             drop(permit);
         });
     }
@@ -786,12 +796,18 @@ impl Supervisor {
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
     {
+        // OpenTelemetry's messaging conventions where they apply (a "process" span on the
+        // destination); `messaging.system` is filled in by the consumer runtime, which knows the
+        // source. The project's own fields stay (`key` is the job key, not a broker message id).
         let span = tracing::info_span!(
             "attempt",
             queue = %lease.queue,
             key = %lease.key,
             epoch = lease.epoch,
             owner = %lease.owner,
+            messaging.operation.type = "process",
+            messaging.destination.name = %lease.queue,
+            messaging.system = tracing::field::Empty,
         );
         self.run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler).instrument(span).await
     }
@@ -816,12 +832,15 @@ impl Supervisor {
             loss: Mutex::new(None),
             settling: AtomicBool::new(false),
             own_commit: AtomicBool::new(false),
+            #[cfg(feature = "metrics")]
+            lost_at: std::sync::OnceLock::new(),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {
             map.insert(id, Slot { lease: lease.clone(), state: Arc::clone(&state) });
         }
         inner.running.fetch_add(1, Ordering::AcqRel);
+        inner.metrics.in_flight(true);
         // Leaves the in-flight registry however this attempt ends: normally, by a panic in the
         // handler, or because the caller dropped this future. Otherwise the heartbeat would keep
         // renewing the lease of an attempt nobody runs any more, and the job would be stuck.
@@ -842,7 +861,19 @@ impl Supervisor {
             }
         };
         let guarded = Guarded::new(work, Arc::clone(&state), inner.base, inner.config.cancel_on_loss);
+        let started = Instant::now();
         let result = guarded.await;
+        match &result {
+            Ok(_) => inner.metrics.observe_duration(Distribution::HandlerDuration, started.elapsed()),
+            // The handler's future is dropped by now: the loss has reached it.
+            #[cfg(feature = "metrics")]
+            Err(reason @ (LossReason::Superseded | LossReason::Unconfirmed)) => {
+                let kind = if *reason == LossReason::Superseded { LossKind::Superseded } else { LossKind::Unconfirmed };
+                let found = state.lost_at.get().copied().unwrap_or(started);
+                inner.metrics.loss_to_cancel(kind, found.elapsed());
+            }
+            Err(_) => {}
+        }
         // The handler is done, but the lease stays registered, and renewed, until the database's
         // verdict on what follows: a commit that outlives the lease would let the job run again.
         registered.settle();
@@ -913,6 +944,7 @@ impl Registered<'_> {
     fn stop_running(&mut self) {
         if std::mem::take(&mut self.running) {
             self.inner.running.fetch_sub(1, Ordering::AcqRel);
+            self.inner.metrics.in_flight(false);
         }
     }
 
@@ -1271,7 +1303,10 @@ impl Inner {
                 self.store.heartbeat(leases, self.config.lease).await
             }
         };
-        Some(match tokio::time::timeout(interval, statement).await {
+        let sent = Instant::now();
+        let answer = tokio::time::timeout(interval, statement).await;
+        self.metrics.observe_duration(Distribution::HeartbeatDuration, sent.elapsed());
+        Some(match answer {
             Ok(answer) => answer.map_err(|e| e.to_string()),
             Err(_) => Err(format!("no answer within {interval:?}")),
         })

@@ -349,6 +349,10 @@ impl Source for ReliableList {
         &self.queue
     }
 
+    fn kind(&self) -> &'static str {
+        "redis_list"
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<ListDelivery>>, SourceError> {
         let lease = ctx.lease.get();
         let due = self

@@ -504,6 +504,10 @@ impl Source for StreamSource {
         &self.queue
     }
 
+    fn kind(&self) -> &'static str {
+        "redis_stream"
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<StreamDelivery>>, SourceError> {
         let consumer = ctx.owner.as_str().to_owned();
         let visibility = self.visibility.unwrap_or(ctx.lease.get());

@@ -385,6 +385,10 @@ impl Source for SqsSource {
         &self.inner.config.fence_queue
     }
 
+    fn kind(&self) -> &'static str {
+        "sqs"
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<SqsDelivery>>, SourceError> {
         let span = tracing::debug_span!("sqs_receive", queue = %self.inner.config.fence_queue, max);
         Ok(self.receive_inner(max, ctx).instrument(span).await?)
