@@ -453,6 +453,53 @@ async fn ergonomics_cli_dead_requeue_all_in_batches_sqlite() {
     requeue_all_case(sqlite_target(true).await).await;
 }
 
+/// Every call is bounded: a requeue that meets a row (PostgreSQL) or the write lock (SQLite)
+/// held by another transaction gives up after `--timeout`, exits 1 and changes nothing.
+#[tokio::test]
+async fn ergonomics_cli_requeue_gives_up_on_a_held_lock_pg() {
+    let t = pg_target(true).await;
+    let s = seed(t.store.as_ref()).await;
+    let pg = common::pg_on(t.schema.clone()).await;
+    let mut tx = pg.pool().begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {}.jobs WHERE queue = $1 AND key = 'd1' FOR UPDATE",
+        t.schema.as_str()
+    )))
+    .bind(s.q.as_str().to_owned())
+    .execute(&mut *tx)
+    .await
+    .expect("lock d1");
+    let started = std::time::Instant::now();
+    let run = t.run(&["--timeout", "1s", "dead", "requeue", s.q.as_str(), "d1"]).await;
+    assert_eq!(run.code, 1, "stdout {} stderr {}", run.stdout, run.stderr);
+    assert!(run.stderr.contains("lock_timeout"), "{}", run.stderr);
+    assert!(started.elapsed() < Duration::from_secs(10), "gave up after {:?}", started.elapsed());
+    tx.rollback().await.expect("rollback");
+    assert_eq!(t.store.job(&s.q, &key("d1")).await.expect("read").expect("row").state, JobState::Dead);
+    t.run(&["dead", "requeue", s.q.as_str(), "d1"]).await.ok();
+}
+
+#[tokio::test]
+async fn ergonomics_cli_requeue_gives_up_on_a_held_lock_sqlite() {
+    let t = sqlite_target(true).await;
+    let s = seed(t.store.as_ref()).await;
+    let file = t.file.clone().expect("SQLite file");
+    let lite = common::sqlite_on(&file).await;
+    let tx = lite.pool().begin_with("BEGIN IMMEDIATE").await.expect("hold the write lock");
+    let started = std::time::Instant::now();
+    let run = t.run(&["--timeout", "1s", "dead", "requeue", s.q.as_str(), "d1"]).await;
+    assert_eq!(run.code, 1, "stdout {} stderr {}", run.stdout, run.stderr);
+    assert!(run.stderr.contains("did not finish within 1s"), "{}", run.stderr);
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "gave up after {:?} (the busy timeout is 10 s)",
+        started.elapsed()
+    );
+    tx.rollback().await.expect("rollback");
+    assert_eq!(t.store.job(&s.q, &key("d1")).await.expect("read").expect("row").state, JobState::Dead);
+    t.run(&["dead", "requeue", s.q.as_str(), "d1"]).await.ok();
+}
+
 // ------------------------------------------------------------------------------------------------
 // prune
 // ------------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 //! Every time in these answers is on the **database clock** (the clock leases are judged by), in
 //! milliseconds since the Unix epoch ([`DbTime`]), and every "time left" is computed by the
 //! database in the same statement. Each call is bounded: on PostgreSQL by a `statement_timeout`
-//! and `lock_timeout` set for its own transaction, and on both backends by a client-side limit
-//! ([`Admin::with_timeout`], default 30 s) past which it answers [`AdminError::Timeout`].
+//! (the call's limit) and a `lock_timeout` (half of it, at most 3 s) set for its own
+//! transactions, and on both backends by a client-side limit ([`Admin::with_timeout`], default
+//! 30 s, plus 2 s for the server's answer) past which it answers [`AdminError::Timeout`].
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -28,7 +28,7 @@ const REQUEUE_SET: &str = "state = 'pending', epoch = t.epoch + 1, owner = NULL,
      failures = 0, run_at = clock_timestamp(), updated_at = clock_timestamp()";
 
 /// A transaction with the admin call's limits: `statement_timeout` = the call's limit,
-/// `lock_timeout` at most 3 s. `report` also gives the planner back its usual choices for this
+/// `lock_timeout` half of it, at most 3 s. `report` also gives the planner back its usual choices for this
 /// transaction (the fence's pool keeps it to index lookups, which suits key lookups, not counts).
 async fn begin(
     pg: &PgFence,
@@ -37,7 +37,8 @@ async fn begin(
 ) -> Result<sqlx::Transaction<'static, Postgres>, AdminError> {
     let mut tx = pg.pool().begin().await?;
     let statement = ms(timeout).max(1).to_string();
-    let lock = ms(timeout.min(Duration::from_secs(3))).max(1).to_string();
+    // Below the statement limit, so that a call stuck on a lock says so.
+    let lock = ms((timeout / 2).min(Duration::from_secs(3))).max(1).to_string();
     sqlx::query("SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $2, true)")
         .bind(statement)
         .bind(lock)
