@@ -83,15 +83,45 @@ use faults::{FaultLog, LossEvent, Target, now_ms};
 pub const WORKER_ENV: &str = "BROKERFENCE_CHAOS_WORKER_ARGS";
 const SEP: char = '\u{1f}';
 
+/// Which process this is: `chaos [RUNNER OPTIONS]` (the runner; its options are [`RunnerCli`]'s)
+/// or `chaos --worker [WORKER OPTIONS]` (a worker the runner starts; [`WorkerCli`]'s). Help and
+/// errors are left to those two parsers.
+#[derive(clap::Parser)]
+#[command(
+    name = "chaos",
+    disable_help_flag = true,
+    disable_version_flag = true,
+    args_conflicts_with_subcommands = true
+)]
+struct Process {
+    #[command(subcommand)]
+    worker: Option<WorkerMode>,
+    /// The runner's options.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    runner: Vec<String>,
+}
+
+#[derive(clap::Subcommand)]
+enum WorkerMode {
+    /// A worker process (`--worker` first).
+    #[command(name = "--worker", long_flag = "worker", disable_help_flag = true, hide = true)]
+    Worker {
+        /// The worker's options.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
 fn main() {
+    // A test binary re-executed as a worker gets its arguments in the environment.
     if let Ok(args) = std::env::var(WORKER_ENV) {
         std::process::exit(worker_main(args.split(SEP).map(str::to_owned).collect()));
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("--worker") {
-        std::process::exit(worker_main(args[1..].to_vec()));
-    }
-    std::process::exit(runner_main(args));
+    let process = <Process as clap::Parser>::parse();
+    std::process::exit(match process.worker {
+        Some(WorkerMode::Worker { args }) => worker_main(args),
+        None => runner_main(process.runner),
+    });
 }
 
 // ------------------------------------------------------------------------------------------------

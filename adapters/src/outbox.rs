@@ -155,7 +155,8 @@ impl RelayConfig {
         self.publish_timeout = d.max(Duration::from_millis(1));
         self
     }
-    /// Backoff after a failed round: `min` doubling to `max`, with jitter (default 100 ms .. 5 s).
+    /// Backoff after a failed round: from `min` doubling up to `max`, with jitter; every pause
+    /// lies between `min` and `max` (default 100 ms .. 5 s).
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         self.backoff_min = min.max(Duration::from_millis(1));
         self.backoff_max = max.max(self.backoff_min);
@@ -362,7 +363,7 @@ impl OutboxRelay {
     /// (it is bounded by the timeouts).
     pub async fn run(&self, shutdown: CancellationToken) -> Result<u64, RelayError> {
         let c = self.config;
-        let mut backoff = c.backoff_min;
+        let mut backoff = relay_backoff(c);
         let mut sent = 0u64;
         while !shutdown.is_cancelled() {
             let pause = match self.relay_once().await {
@@ -373,7 +374,7 @@ impl OutboxRelay {
                         // nobody can send (they stay at the head until they are fixed).
                         next_backoff(&mut backoff, c)
                     } else {
-                        backoff = c.backoff_min;
+                        backoff = relay_backoff(c);
                         if round.claimed >= c.batch as usize { Duration::ZERO } else { c.idle_wait }
                     }
                 }
@@ -394,12 +395,41 @@ impl OutboxRelay {
     }
 }
 
-/// The pause to take now (with up to 25 % jitter), and the next one doubled.
-fn next_backoff(backoff: &mut Duration, c: RelayConfig) -> Duration {
-    let nanos =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let jitter = backoff.mul_f64(f64::from(nanos % 1000) / 4000.0);
-    let pause = *backoff + jitter;
-    *backoff = (*backoff * 2).min(c.backoff_max);
-    pause
+/// The pauses after failed rounds (backon): the step doubles from `backoff_min` up to half of
+/// `backoff_max`, and each pause is between the step and twice it (jitter, so that relays a
+/// broker outage stopped together do not retry together), never longer than `backoff_max`.
+fn relay_backoff(c: RelayConfig) -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder as _;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(c.backoff_min)
+        .with_max_delay((c.backoff_max / 2).max(c.backoff_min))
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// The pause to take now.
+fn next_backoff(backoff: &mut backon::ExponentialBackoff, c: RelayConfig) -> Duration {
+    backoff.next().unwrap_or(c.backoff_max).min(c.backoff_max)
+}
+
+#[cfg(test)]
+mod backoff_tests {
+    use super::*;
+
+    /// Every pause lies between the configured minimum and maximum, also when they are equal.
+    #[test]
+    fn ergonomics_relay_backoff_stays_between_min_and_max() {
+        for (min, max) in [(100, 5_000), (250, 250), (10, 15)] {
+            let c = RelayConfig::default().backoff(Duration::from_millis(min), Duration::from_millis(max));
+            let mut b = relay_backoff(c);
+            let pauses: Vec<Duration> = (0..20).map(|_| next_backoff(&mut b, c)).collect();
+            assert!(
+                pauses.iter().all(|p| (Duration::from_millis(min)..=Duration::from_millis(max)).contains(p)),
+                "{min}..{max}: {pauses:?}"
+            );
+            assert!(pauses[19] >= Duration::from_millis(max) / 2, "reaches the cap's half: {pauses:?}");
+        }
+    }
 }

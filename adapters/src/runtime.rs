@@ -456,7 +456,7 @@ impl<S: Source> Consumer<S> {
             // While claims fail (database unreachable), slow down instead of piling up deliveries.
             let failures = shared.claim_failures.load(Ordering::Relaxed);
             if failures > 0 {
-                let wait = Backoff(failures.saturating_sub(1)).next();
+                let wait = Backoff::nth(failures.saturating_sub(1));
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(wait) => {}
@@ -1071,18 +1071,63 @@ async fn ack_loop<S: Source>(
     }
 }
 
-/// Exponential backoff, 100 ms doubling to 5 s.
-#[derive(Debug, Default)]
-struct Backoff(u32);
+/// Exponential backoff with jitter (backon), within 100 ms..5 s: the step doubles from 100 ms
+/// up to 2.5 s and each pause is between the step and twice it, so that the workers a database
+/// or broker outage failed together do not all retry at the same moments.
+#[derive(Debug)]
+struct Backoff(backon::ExponentialBackoff);
+
+/// The longest pause of a [`Backoff`].
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        use backon::BackoffBuilder as _;
+        Self(
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(100))
+                .with_max_delay(BACKOFF_MAX / 2)
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .build(),
+        )
+    }
+}
 
 impl Backoff {
+    /// The pause after failure number `n + 1` of a run of failures.
+    fn nth(n: u32) -> Duration {
+        // The step stops growing after 5 doublings.
+        Self::default().0.nth(n.min(8) as usize).unwrap_or(BACKOFF_MAX).min(BACKOFF_MAX)
+    }
     fn next(&mut self) -> Duration {
-        let d = Duration::from_millis(100).saturating_mul(1 << self.0.min(6)).min(Duration::from_secs(5));
-        self.0 = self.0.saturating_add(1);
-        d
+        self.0.next().unwrap_or(BACKOFF_MAX).min(BACKOFF_MAX)
     }
     fn reset(&mut self) {
-        self.0 = 0;
+        *self = Self::default();
+    }
+}
+
+#[cfg(test)]
+mod backoff_tests {
+    use super::*;
+
+    /// The pauses stay within 100 ms..5 s, grow with the step, and start over after a reset.
+    #[test]
+    fn ergonomics_runtime_backoff_stays_within_its_bounds() {
+        for _ in 0..50 {
+            let mut b = Backoff::default();
+            let pauses: Vec<Duration> = (0..12).map(|_| b.next()).collect();
+            for (i, p) in pauses.iter().enumerate() {
+                let step = Duration::from_millis(100 << i.min(5)).min(BACKOFF_MAX / 2);
+                assert!(*p >= step && *p <= (step * 2).min(BACKOFF_MAX), "pause {i}: {p:?} (step {step:?})");
+            }
+            b.reset();
+            assert!(b.next() < Duration::from_millis(200));
+            assert!(Backoff::nth(0) < Duration::from_millis(200));
+            assert!((BACKOFF_MAX / 2..=BACKOFF_MAX).contains(&Backoff::nth(u32::MAX)));
+        }
     }
 }
 

@@ -26,6 +26,7 @@
 #[cfg(not(any(feature = "postgres", feature = "sqlite")))]
 compile_error!("brokerfence: enable a backend feature, `postgres` or `sqlite` (both are on by default)");
 
+pub mod admin;
 mod error;
 mod group;
 mod guards;
@@ -47,6 +48,7 @@ mod store;
 mod supervisor;
 pub mod wire;
 
+pub use admin::{Admin, AdminError};
 pub use error::{FenceError, Result};
 pub use group::Grouper;
 pub use guards::Guards;

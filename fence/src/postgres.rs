@@ -1038,28 +1038,33 @@ impl PgFence {
     /// until `give_up_after` has passed.
     async fn migration_step(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
         let started = std::time::Instant::now();
-        let mut backoff = Duration::from_millis(200);
+        // 200 ms doubling, at most 5 s, with jitter so that migrators retrying together do not
+        // keep colliding (each pause between the step, capped at 2.5 s, and twice it).
+        let mut pauses = {
+            use backon::BackoffBuilder as _;
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_millis(2_500))
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .build()
+        };
         let mut tries = 0u32;
         loop {
             tries += 1;
             match self.migration_try(conn, m).await {
                 Ok(()) => return Ok(()),
                 Err(e) if is_lock_timeout(&e) && started.elapsed() < self.migration.give_up_after => {
-                    // Jitter, so that migrators retrying together do not keep colliding.
-                    let nanos = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.subsec_nanos())
-                        .unwrap_or(0);
-                    let jitter = Duration::from_millis(u64::from(nanos % 100));
+                    let pause = pauses.next().unwrap_or(Duration::from_secs(5)).min(Duration::from_secs(5));
                     tracing::warn!(
                         schema = self.schema.as_str(),
                         version = m.map(|m| m.version),
                         tries,
-                        retry_in = ?(backoff + jitter),
+                        retry_in = ?pause,
                         "migration step let go of its locks after the lock timeout (the table is in use); retrying"
                     );
-                    tokio::time::sleep(backoff + jitter).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    tokio::time::sleep(pause).await;
                 }
                 Err(e) => return Err(e),
             }

@@ -25,32 +25,23 @@ pub fn var(name: &str) -> Option<String> {
     {
         return Some(v);
     }
-    let file = dotenv_path()?;
-    let text = std::fs::read_to_string(file).ok()?;
-    parse(&text).into_iter().find(|(k, _)| k == name).map(|(_, v)| v)
+    read(&dotenv_path()?, name)
+}
+
+/// The value of `name` in the dotenv file `file` (a line that does not parse is skipped).
+fn read(file: &Path, name: &str) -> Option<String> {
+    dotenvy::from_path_iter(file).ok()?.filter_map(Result::ok).find(|(k, _)| k == name).map(|(_, v)| v)
 }
 
 /// Copies every variable of `localstack/.env` that is not already set into the process
-/// environment (so SDKs that read the environment themselves see it). Call it at start-up,
-/// before spawning threads.
+/// environment (so SDKs that read the environment themselves see it), with `dotenvy` (quotes,
+/// `export ` prefixes and comments as in a shell). Call it at start-up, before spawning threads.
 pub fn load_dotenv() {
     let Some(file) = dotenv_path() else { return };
-    let Ok(text) = std::fs::read_to_string(file) else { return };
-    for (k, v) in parse(&text) {
-        if std::env::var_os(&k).is_none() {
-            // SAFETY: documented to be called at start-up, before other threads exist.
-            unsafe { std::env::set_var(k, v) };
-        }
+    // dotenvy never overrides a variable that is already set (`from_path_override` would).
+    if let Err(e) = dotenvy::from_path(&file) {
+        eprintln!("warning: {}: {e}", file.display());
     }
-}
-
-fn parse(text: &str) -> Vec<(String, String)> {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .filter_map(|l| l.strip_prefix("export ").unwrap_or(l).split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('"').trim_matches('\'').to_owned()))
-        .collect()
 }
 
 /// The `localstack/.env` file, if one exists.
@@ -62,4 +53,26 @@ pub fn dotenv_path() -> Option<PathBuf> {
     starts
         .iter()
         .find_map(|start| start.ancestors().map(|d: &Path| d.join("localstack").join(".env")).find(|p| p.is_file()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `localstack/up` writes, and what people add by hand: `export `, quotes, comments.
+    #[test]
+    fn ergonomics_dotenv_reads_export_quotes_and_comments() {
+        let file = std::env::temp_dir().join(format!("brokerfence-testkit-{}.env", std::process::id()));
+        std::fs::write(
+            &file,
+            "# written by localstack/up\nexport DATABASE_URL=\"postgres://u@h:5432/test\"\nREDIS_URL='redis://h:6379'\n\
+             AWS_REGION=us-east-1 # the default\n",
+        )
+        .expect("write the dotenv file");
+        assert_eq!(read(&file, "DATABASE_URL").as_deref(), Some("postgres://u@h:5432/test"));
+        assert_eq!(read(&file, "REDIS_URL").as_deref(), Some("redis://h:6379"));
+        assert_eq!(read(&file, "AWS_REGION").as_deref(), Some("us-east-1"));
+        assert_eq!(read(&file, "MISSING"), None);
+        let _ = std::fs::remove_file(&file);
+    }
 }

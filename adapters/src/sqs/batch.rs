@@ -136,6 +136,17 @@ async fn chunk(
     let mut pending: Vec<(String, Entry)> =
         entries.into_iter().enumerate().map(|(i, e)| (format!("e{i}"), e)).collect();
     let mut attempt = 0;
+    // Pauses before retries 1, 2, 3: at most 200, 400, 800 ms; jitter (between half the step and
+    // the step) keeps the workers that SQS throttled together from retrying together.
+    let mut pauses = {
+        use backon::BackoffBuilder as _;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_factor(2.0)
+            .with_jitter()
+            .with_max_times(ENTRY_RETRIES as usize)
+            .build()
+    };
     loop {
         let failed = call(client, queue_url, op, &pending).await?;
         let (retry, fatal): (Vec<_>, Vec<_>) =
@@ -156,7 +167,7 @@ async fn chunk(
             tracing::debug!(operation = op.name(), code = f.code(), "batch entry refused");
         }
         attempt += 1;
-        tokio::time::sleep(Duration::from_millis(100u64 << attempt)).await;
+        tokio::time::sleep(pauses.next().unwrap_or(Duration::from_millis(800))).await;
         pending.retain(|(id, _)| retry.iter().any(|f| f.id() == id));
         // The newest handle of each message, and only while it is still ours.
         pending = pending

@@ -140,7 +140,15 @@ impl SqsSource {
         let queue_url = &self.inner.config.queue_url;
         let limit = self.inner.config.call_timeout;
         let endpoint = endpoint_of(&self.inner.client);
-        let mut wait = Duration::from_millis(500);
+        // 0.5 s, then 1 s: CHECK_ATTEMPTS attempts in all (one process at start-up: no jitter).
+        let mut waits = {
+            use backon::BackoffBuilder as _;
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(500))
+                .with_factor(2.0)
+                .with_max_times(CHECK_ATTEMPTS.saturating_sub(1) as usize)
+                .build()
+        };
         let mut attempt = 1;
         loop {
             let call = self
@@ -169,14 +177,13 @@ impl SqsSource {
                 }
                 Err(_) => format!("no answer within {limit:?}"),
             };
-            if attempt >= CHECK_ATTEMPTS {
+            let Some(wait) = waits.next() else {
                 return Err(SqsError::Unreachable { endpoint, queue_url: queue_url.clone(), attempts: attempt, cause });
-            }
+            };
             tracing::warn!(
                 "SQS at {endpoint}: attempt {attempt} of {CHECK_ATTEMPTS} failed: {cause}; retrying in {wait:?}"
             );
             tokio::time::sleep(wait).await;
-            wait = wait.saturating_mul(2);
             attempt += 1;
         }
     }

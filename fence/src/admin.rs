@@ -1,0 +1,697 @@
+//! Operator queries and repairs: what is in the queues, one job's state, dead letters and their
+//! fenced requeue. The `brokerfence` binary (feature `cli` of the `brokerfence` crate) is built on
+//! this module; everything it shows is available here as typed values.
+//!
+//! Every time in these answers is on the **database clock** (the clock leases are judged by), in
+//! milliseconds since the Unix epoch ([`DbTime`]), and every "time left" is computed by the
+//! database in the same statement. Each call is bounded: on PostgreSQL by a `statement_timeout`
+//! (the call's limit) and a `lock_timeout` (half of it, at most 3 s) set for its own
+//! transactions, and on both backends by a client-side limit ([`Admin::with_timeout`], default
+//! 30 s, plus 2 s for the server's answer) past which it answers [`AdminError::Timeout`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use brokerfence::admin::{Admin, Requeue};
+//! use brokerfence::{FenceStore, JobKey, PgFence, QueueName};
+//! let store = PgFence::connect("postgres://postgres@127.0.0.1/test").await?;
+//! let admin = Admin::new(&store)?;
+//! for q in admin.status(None).await?.queues {
+//!     println!("{}: {} dead, {} expired leases", q.queue, q.counts.dead, q.expired_leases);
+//! }
+//! let orders = QueueName::new("orders")?;
+//! let report = admin.requeue_dead(&orders, Requeue::Keys(vec![JobKey::new("order-7")?])).await?;
+//! println!("requeued {:?}", report.requeued);
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use crate::error::FenceError;
+use crate::key::{JobKey, QueueName};
+use crate::model::{DbTime, JobState};
+use crate::store::{Backend, FenceStore};
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+/// The default client-side limit of one admin call: 30 s.
+pub const DEFAULT_ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The default window of [`QueueStatus::expiring`]: leases that end within 10 s (or have ended).
+pub const DEFAULT_EXPIRING_WITHIN: Duration = Duration::from_secs(10);
+
+/// The default number of rows a requeue changes per statement (one short transaction each): 500.
+pub const DEFAULT_REQUEUE_BATCH: u32 = 500;
+
+/// What can go wrong in an admin call.
+///
+/// ```
+/// use std::time::Duration;
+/// use brokerfence::admin::AdminError;
+/// let err = AdminError::Timeout { operation: "status", after: Duration::from_secs(30) };
+/// assert_eq!(err.to_string(), "status did not finish within 30s (admin timeout)");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// The store or the database refused or failed: unreachable, a statement or lock timeout on
+    /// the server ([`FenceError::StatementTimeout`], [`FenceError::LockTimeout`]), a schema that
+    /// is missing or too old ([`FenceError::SchemaTooOld`]), and so on.
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    /// The call did not finish within the client-side limit ([`Admin::with_timeout`]).
+    #[error("{operation} did not finish within {after:?} (admin timeout)")]
+    Timeout {
+        /// The call.
+        operation: &'static str,
+        /// The limit.
+        after: Duration,
+    },
+    /// The store is neither a [`PgFence`](crate::PgFence) nor a
+    /// [`SqliteFence`](crate::SqliteFence), and does not name one through
+    /// [`FenceStore::concrete`].
+    #[error(
+        "the admin API needs a PgFence or a SqliteFence; this {backend} store does not expose one (FenceStore::concrete)"
+    )]
+    UnsupportedStore {
+        /// [`FenceStore::backend`] of the store.
+        backend: &'static str,
+    },
+}
+
+impl From<sqlx::Error> for AdminError {
+    fn from(e: sqlx::Error) -> Self {
+        AdminError::Fence(FenceError::from(e))
+    }
+}
+
+/// Jobs per state in one queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateCounts {
+    /// Waiting to be claimed.
+    pub pending: u64,
+    /// Held under a lease (live or expired).
+    pub running: u64,
+    /// Failed, waiting for their backoff to pass.
+    pub failed: u64,
+    /// Dead letters.
+    pub dead: u64,
+    /// Completed (kept until retention prunes them).
+    pub completed: u64,
+}
+
+impl StateCounts {
+    /// All jobs of the queue.
+    ///
+    /// ```
+    /// use brokerfence::admin::StateCounts;
+    /// assert_eq!(StateCounts { pending: 2, dead: 1, ..StateCounts::default() }.total(), 3);
+    /// ```
+    pub fn total(&self) -> u64 {
+        self.pending + self.running + self.failed + self.dead + self.completed
+    }
+
+    pub(crate) fn add(&mut self, state: JobState, n: u64) {
+        match state {
+            JobState::Pending => self.pending += n,
+            JobState::Running => self.running += n,
+            JobState::Failed => self.failed += n,
+            JobState::Dead => self.dead += n,
+            JobState::Completed => self.completed += n,
+        }
+    }
+}
+
+/// A running job, as the status shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningJob {
+    /// Key.
+    pub key: JobKey,
+    /// The epoch of the holder's claim.
+    pub epoch: i64,
+    /// The holder.
+    pub owner: Option<String>,
+    /// Claims so far.
+    pub attempts: i64,
+    /// When the lease ends (database clock).
+    pub lease_until: DbTime,
+    /// Milliseconds left on the lease when the database answered; negative when the lease has
+    /// ended that long ago (a stalled holder no claimer has taken over from yet).
+    pub lease_left_ms: i64,
+    /// When the job became due (its `run_at`: enqueued, or its backoff passed), so it has been
+    /// waiting or running for at least `now - due_since`.
+    pub due_since: DbTime,
+}
+
+impl RunningJob {
+    /// True when the lease has ended.
+    pub fn expired(&self) -> bool {
+        self.lease_left_ms < 0
+    }
+}
+
+/// One queue in a [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueStatus {
+    /// The queue.
+    pub queue: QueueName,
+    /// Jobs per state.
+    pub counts: StateCounts,
+    /// Running jobs whose lease has ended (their holder stalled or died; the next claim takes
+    /// them over).
+    pub expired_leases: u64,
+    /// The running job that has been due the longest (smallest `run_at`), if any is running.
+    pub oldest_running: Option<RunningJob>,
+    /// Running jobs whose lease ends within [`Admin::with_expiring_within`] (or has ended),
+    /// soonest first, at most [`Admin::with_list_limit`] of them.
+    pub expiring: Vec<RunningJob>,
+}
+
+/// What [`Admin::status`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    /// The database clock when the status was read.
+    pub now: DbTime,
+    /// The queues that have jobs, by name.
+    pub queues: Vec<QueueStatus>,
+}
+
+/// One job, as [`Admin::job`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobInfo {
+    /// Queue.
+    pub queue: QueueName,
+    /// Key.
+    pub key: JobKey,
+    /// State.
+    pub state: JobState,
+    /// The newest epoch handed out (the fencing token a holder must present).
+    pub epoch: i64,
+    /// Last owner (none after a requeue).
+    pub owner: Option<String>,
+    /// Claims so far (takeovers included; checked against the store's `max_claims`).
+    pub attempts: i64,
+    /// Handler failures so far (checked against `RetryPolicy::max_attempts`).
+    pub failures: i64,
+    /// Lease end (database clock), while running.
+    pub lease_until: Option<DbTime>,
+    /// Milliseconds left on the lease when the database answered (negative: ended that long ago).
+    pub lease_left_ms: Option<i64>,
+    /// When the job is (or was) due.
+    pub run_at: DbTime,
+    /// Last error (kept after a requeue; see [`Admin::requeue_dead`]).
+    pub last_error: Option<String>,
+    /// When the row was created.
+    pub created_at: DbTime,
+    /// When the row last changed (claims, heartbeats, commits, failures).
+    pub updated_at: DbTime,
+    /// Bytes of the payload (table queue), if any.
+    pub payload_bytes: Option<u64>,
+    /// Bytes of the last checkpoint, if any.
+    pub progress_bytes: Option<u64>,
+    /// Bytes of the committed result, if any.
+    pub result_bytes: Option<u64>,
+    /// The database clock when the job was read.
+    pub now: DbTime,
+}
+
+/// A dead letter, as [`Admin::dead`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadJob {
+    /// Queue.
+    pub queue: QueueName,
+    /// Key.
+    pub key: JobKey,
+    /// The epoch that buried it.
+    pub epoch: i64,
+    /// Its last owner.
+    pub owner: Option<String>,
+    /// Claims.
+    pub attempts: i64,
+    /// Handler failures.
+    pub failures: i64,
+    /// Why it died.
+    pub last_error: Option<String>,
+    /// When it died (the row's last change, database clock).
+    pub died_at: DbTime,
+    /// Milliseconds since it died, when the database answered.
+    pub age_ms: i64,
+}
+
+/// Which dead jobs of a queue [`Admin::requeue_dead`] gives another run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Requeue {
+    /// These keys (a key that is not dead is reported in [`RequeueReport::skipped`]).
+    Keys(Vec<JobKey>),
+    /// Every job of the queue that was dead when the call started (dead letters made while it
+    /// runs are left for the next call, so the call ends even while jobs keep dying).
+    AllDead,
+}
+
+/// A job [`Admin::requeue_dead`] made pending again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Requeued {
+    /// Key.
+    pub key: JobKey,
+    /// Its new epoch (one above the epoch it died under).
+    pub epoch: i64,
+}
+
+/// A key [`Admin::requeue_dead`] left alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    /// Key.
+    pub key: JobKey,
+    /// Its state (not dead), or `None` when the queue has no such job.
+    pub state: Option<JobState>,
+}
+
+/// What [`Admin::requeue_dead`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequeueReport {
+    /// Jobs made pending, with their new epochs.
+    pub requeued: Vec<Requeued>,
+    /// Keys named that were not dead (or do not exist): nothing was changed for them.
+    pub skipped: Vec<Skipped>,
+    /// Statements (each its own short transaction) that changed rows.
+    pub batches: u64,
+}
+
+/// The concrete store an [`Admin`] works on.
+#[derive(Debug, Clone)]
+enum Store {
+    #[cfg(feature = "postgres")]
+    Postgres(crate::PgFence),
+    #[cfg(feature = "sqlite")]
+    Sqlite(crate::SqliteFence),
+}
+
+/// Operator queries and repairs on a [`PgFence`](crate::PgFence) or
+/// [`SqliteFence`](crate::SqliteFence) (same schema, same pool).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use brokerfence::admin::Admin;
+/// use brokerfence::{JobKey, QueueName, SqliteFence};
+/// let store = SqliteFence::open("sqlite:jobs.db").await?;
+/// let admin = Admin::new(&store)?.with_timeout(Duration::from_secs(5));
+/// if let Some(job) = admin.job(&QueueName::new("emails")?, &JobKey::new("welcome-42")?).await? {
+///     println!("{} at epoch {}, last error {:?}", job.state, job.epoch, job.last_error);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Admin {
+    store: Store,
+    timeout: Duration,
+    expiring_within: Duration,
+    list_limit: u32,
+    batch: u32,
+}
+
+impl Admin {
+    /// An admin on the concrete store behind `store` ([`FenceStore::concrete`]): its pool and
+    /// schema. A store that names none answers [`AdminError::UnsupportedStore`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use brokerfence::{FenceStore, SqliteFence, admin::Admin};
+    /// let store = SqliteFence::open("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let status = Admin::new(&store)?.status(None).await?;
+    /// assert!(status.queues.is_empty());
+    /// # Ok(()) }
+    /// ```
+    pub fn new<S: FenceStore + ?Sized>(store: &S) -> Result<Self, AdminError> {
+        let store = match store.concrete() {
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => Store::Postgres(pg.clone()),
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(lite) => Store::Sqlite(lite.clone()),
+            _ => return Err(AdminError::UnsupportedStore { backend: store.backend() }),
+        };
+        Ok(Self {
+            store,
+            timeout: DEFAULT_ADMIN_TIMEOUT,
+            expiring_within: DEFAULT_EXPIRING_WITHIN,
+            list_limit: 10,
+            batch: DEFAULT_REQUEUE_BATCH,
+        })
+    }
+
+    /// The limit of one call (default [`DEFAULT_ADMIN_TIMEOUT`], at least 1 ms). On PostgreSQL it
+    /// is also the `statement_timeout` of the call's statements.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Which leases [`QueueStatus::expiring`] lists: those ending within `window` (default
+    /// [`DEFAULT_EXPIRING_WITHIN`]) or ended already.
+    pub fn with_expiring_within(mut self, window: Duration) -> Self {
+        self.expiring_within = window;
+        self
+    }
+
+    /// How many leases [`QueueStatus::expiring`] lists per queue (default 10, at least 1).
+    pub fn with_list_limit(mut self, n: u32) -> Self {
+        self.list_limit = n.max(1);
+        self
+    }
+
+    /// Rows a requeue changes per statement (default [`DEFAULT_REQUEUE_BATCH`], at least 1).
+    pub fn with_batch_size(mut self, n: u32) -> Self {
+        self.batch = n.max(1);
+        self
+    }
+
+    /// The backend's name ("postgres", "sqlite").
+    pub fn backend(&self) -> &'static str {
+        match &self.store {
+            #[cfg(feature = "postgres")]
+            Store::Postgres(_) => "postgres",
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite(_) => "sqlite",
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        operation: &'static str,
+        call: impl Future<Output = Result<T, AdminError>>,
+    ) -> Result<T, AdminError> {
+        // On PostgreSQL the server's statement_timeout (the same limit) normally answers first;
+        // the margin lets its typed error through.
+        let limit = self.timeout.saturating_add(Duration::from_secs(2));
+        tokio::time::timeout(limit, call).await.unwrap_or(Err(AdminError::Timeout { operation, after: self.timeout }))
+    }
+
+    /// The queues that have jobs, by name. On PostgreSQL it skips through the primary-key
+    /// index one queue at a time (as many index probes as there are queues).
+    pub async fn queues(&self) -> Result<Vec<QueueName>, AdminError> {
+        self.bounded("queues", async {
+            let names = match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Postgres(pg) => postgres::queues(pg, self.timeout).await?,
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(lite) => sqlite::queues(lite).await?,
+            };
+            names.into_iter().map(stored_queue).collect()
+        })
+        .await
+    }
+
+    /// Jobs per state, expired leases, the oldest running job and the leases about to end, per
+    /// queue (`queue`, or every queue that has jobs). Counting reads every row of the queue(s),
+    /// within the call's time limit.
+    pub async fn status(&self, queue: Option<&QueueName>) -> Result<Status, AdminError> {
+        let (within, limit) = (self.expiring_within, self.list_limit);
+        self.bounded("status", async {
+            match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Postgres(pg) => postgres::status(pg, self.timeout, queue, within, limit).await,
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(lite) => sqlite::status(lite, queue, within, limit).await,
+            }
+        })
+        .await
+    }
+
+    /// One job, with its lease's time left on the database clock; `None` when the queue has no
+    /// such job (never enqueued or claimed, or pruned).
+    pub async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobInfo>, AdminError> {
+        self.bounded("job", async {
+            match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Postgres(pg) => postgres::job(pg, self.timeout, queue, key).await,
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(lite) => sqlite::job(lite, queue, key).await,
+            }
+        })
+        .await
+    }
+
+    /// Dead letters of `queue` (or of every queue), the most recent first, at most `limit`.
+    pub async fn dead(&self, queue: Option<&QueueName>, limit: u32) -> Result<Vec<DeadJob>, AdminError> {
+        self.bounded("dead list", async {
+            match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Postgres(pg) => postgres::dead(pg, self.timeout, queue, limit).await,
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(lite) => sqlite::dead(lite, queue, limit).await,
+            }
+        })
+        .await
+    }
+
+    /// Gives dead jobs of `queue` another run, fenced. Each requeued job:
+    ///
+    /// - **epoch + 1**: the requeue is a new epoch of the job that nobody holds, so whoever held
+    ///   the job before (the attempt that failed it, or the stalled holder whose job hit
+    ///   `max_claims`) stays fenced: its heartbeats, checkpoints, commits and failures match no
+    ///   row, and a receiver's ledger refuses its epoch once the next attempt's is seen. The next
+    ///   claim hands out epoch + 2.
+    /// - **state pending**, due now (`run_at` = the database clock), owner and lease cleared.
+    /// - **attempts and failures back to 0**: a full budget of claims and failures, as a new
+    ///   job has (a job that died of `max_attempts` or `max_claims` would otherwise die again at
+    ///   its next failure or claim).
+    /// - **last error kept**, as the reason of the last death, until the next failure
+    ///   replaces it; the **progress** of the last checkpoint is kept too (the next attempt
+    ///   receives it, as after any retry).
+    ///
+    /// Only jobs that are dead are changed; other keys come back in
+    /// [`RequeueReport::skipped`]. Keys are changed in batches of [`Admin::with_batch_size`]
+    /// rows, each one statement (a short transaction); [`Requeue::AllDead`] works the same way
+    /// through the jobs dead when the call started, oldest first. The time limit applies to the
+    /// whole call: a call that runs out of it leaves the batches done so far committed.
+    ///
+    /// ```no_run
+    /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {
+    /// use brokerfence::admin::Requeue;
+    /// let report = admin.requeue_dead(&brokerfence::QueueName::new("orders")?, Requeue::AllDead).await?;
+    /// println!("{} requeued in {} batches", report.requeued.len(), report.batches);
+    /// # Ok(()) }
+    /// ```
+    pub async fn requeue_dead(&self, queue: &QueueName, which: Requeue) -> Result<RequeueReport, AdminError> {
+        let batch = self.batch;
+        self.bounded("dead requeue", async {
+            match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Postgres(pg) => postgres::requeue(pg, self.timeout, queue, &which, batch).await,
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(lite) => sqlite::requeue(lite, queue, &which, batch).await,
+            }
+        })
+        .await
+    }
+
+    /// [`FenceStore::prune`] of the store, within the call's time limit (a run cut short keeps
+    /// the batches it committed; the next run carries on).
+    ///
+    /// ```no_run
+    /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {
+    /// use brokerfence::{QueueName, QueueRetention, Retention};
+    /// let retention = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
+    /// println!("{:?}", admin.prune(&retention).await?);
+    /// # Ok(()) }
+    /// ```
+    pub async fn prune(&self, retention: &crate::Retention) -> Result<crate::PruneReport, AdminError> {
+        self.bounded("prune", async {
+            Ok(match &self.store {
+                #[cfg(feature = "postgres")]
+                Store::Postgres(pg) => pg.prune(retention).await?,
+                #[cfg(feature = "sqlite")]
+                Store::Sqlite(lite) => lite.prune(retention).await?,
+            })
+        })
+        .await
+    }
+}
+
+/// A key read back from the database.
+pub(crate) fn stored_key(k: String) -> Result<JobKey, AdminError> {
+    JobKey::new(k).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored job key: {e}"))))
+}
+
+/// A queue name read back from the database.
+pub(crate) fn stored_queue(q: String) -> Result<QueueName, AdminError> {
+    QueueName::new(q).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored queue name: {e}"))))
+}
+
+/// A count from the database.
+pub(crate) fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+/// Milliseconds of a duration for a statement parameter (saturating).
+pub(crate) fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A running-job row: key, epoch, owner, attempts, lease_until, lease left, run_at (ms).
+pub(crate) type RunningRow = (String, String, i64, Option<String>, i64, i64, i64, i64);
+
+/// Puts status rows together: counts (queue, state, n, expired), then running rows of the oldest
+/// (`oldest`) and the expiring (`expiring`) kind, each with its queue first.
+pub(crate) fn assemble(
+    now: i64,
+    counts: Vec<(String, String, i64, i64)>,
+    oldest: Vec<RunningRow>,
+    expiring: Vec<RunningRow>,
+) -> Result<Status, AdminError> {
+    let mut queues: std::collections::BTreeMap<String, QueueStatus> = std::collections::BTreeMap::new();
+    for (queue, state, n, expired) in counts {
+        let entry = match queues.entry(queue.clone()) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => v.insert(QueueStatus {
+                queue: stored_queue(queue)?,
+                counts: StateCounts::default(),
+                expired_leases: 0,
+                oldest_running: None,
+                expiring: Vec::new(),
+            }),
+        };
+        entry.counts.add(JobState::parse(&state)?, count(n));
+        entry.expired_leases += count(expired);
+    }
+    let running = |row: RunningRow| -> Result<(String, RunningJob), AdminError> {
+        let (queue, key, epoch, owner, attempts, lease_until, left, run_at) = row;
+        Ok((
+            queue,
+            RunningJob {
+                key: stored_key(key)?,
+                epoch,
+                owner,
+                attempts,
+                lease_until: DbTime(lease_until),
+                lease_left_ms: left,
+                due_since: DbTime(run_at),
+            },
+        ))
+    };
+    for row in oldest {
+        let (queue, job) = running(row)?;
+        if let Some(q) = queues.get_mut(&queue) {
+            q.oldest_running = Some(job);
+        }
+    }
+    for row in expiring {
+        let (queue, job) = running(row)?;
+        if let Some(q) = queues.get_mut(&queue) {
+            q.expiring.push(job);
+        }
+    }
+    Ok(Status { now: DbTime(now), queues: queues.into_values().collect() })
+}
+
+/// A dead-job row: queue, key, epoch, owner, attempts, failures, last_error, updated_at, age (ms).
+pub(crate) type DeadRow = (String, String, i64, Option<String>, i64, i64, Option<String>, i64, i64);
+
+pub(crate) fn dead_job(row: DeadRow) -> Result<DeadJob, AdminError> {
+    let (queue, key, epoch, owner, attempts, failures, last_error, died_at, age_ms) = row;
+    Ok(DeadJob {
+        queue: stored_queue(queue)?,
+        key: stored_key(key)?,
+        epoch,
+        owner,
+        attempts,
+        failures,
+        last_error,
+        died_at: DbTime(died_at),
+        age_ms,
+    })
+}
+
+/// A job row: state, epoch, owner, attempts, failures, lease_until, lease left, run_at,
+/// last_error, created_at, updated_at, payload/progress/result bytes, now (ms).
+pub(crate) type JobInfoRow = (
+    String,
+    i64,
+    Option<String>,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    i64,
+    Option<String>,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    i64,
+);
+
+pub(crate) fn job_info(queue: &QueueName, key: &JobKey, row: JobInfoRow) -> Result<JobInfo, AdminError> {
+    let (
+        state,
+        epoch,
+        owner,
+        attempts,
+        failures,
+        lease_until,
+        lease_left_ms,
+        run_at,
+        last_error,
+        created_at,
+        updated_at,
+        payload,
+        progress,
+        result,
+        now,
+    ) = row;
+    let bytes = |n: Option<i64>| n.map(count);
+    Ok(JobInfo {
+        queue: queue.clone(),
+        key: key.clone(),
+        state: JobState::parse(&state)?,
+        epoch,
+        owner,
+        attempts,
+        failures,
+        lease_until: lease_until.map(DbTime),
+        lease_left_ms,
+        run_at: DbTime(run_at),
+        last_error,
+        created_at: DbTime(created_at),
+        updated_at: DbTime(updated_at),
+        payload_bytes: bytes(payload),
+        progress_bytes: bytes(progress),
+        result_bytes: bytes(result),
+        now: DbTime(now),
+    })
+}
+
+/// Sorts the outcome of a keyed requeue: `rows` are (key, new epoch if requeued, state seen).
+pub(crate) fn keyed_outcome(
+    report: &mut RequeueReport,
+    rows: Vec<(String, Option<i64>, Option<String>)>,
+) -> Result<(), AdminError> {
+    let mut changed = false;
+    for (key, epoch, state) in rows {
+        let key = stored_key(key)?;
+        match epoch {
+            Some(epoch) => {
+                changed = true;
+                report.requeued.push(Requeued { key, epoch });
+            }
+            None => report.skipped.push(Skipped { key, state: state.as_deref().map(JobState::parse).transpose()? }),
+        }
+    }
+    if changed {
+        report.batches += 1;
+    }
+    Ok(())
+}
+
+/// The distinct keys of `keys`, first-seen order, in chunks of `batch`.
+pub(crate) fn key_chunks(keys: &[JobKey], batch: u32) -> Vec<Vec<String>> {
+    let distinct = crate::store::distinct_keys(keys);
+    distinct
+        .chunks(usize::try_from(batch.max(1)).unwrap_or(usize::MAX))
+        .map(|c| c.iter().map(|k| k.as_str().to_owned()).collect())
+        .collect()
+}
