@@ -19,7 +19,7 @@ fn correct(source: Source, workers: u8) {
         report.max_depth,
         report.elapsed.as_secs_f64()
     );
-    for (name, path) in &report.counterexamples {
+    if let Some((name, path)) = report.counterexamples.iter().next() {
         let states = model.states_along(path).unwrap_or_default();
         panic!(
             "counterexample to \"{name}\" in the correct model ({} steps):\n{}\nlast state: {:#?}",
