@@ -13,9 +13,11 @@
 //! space finite without a bound on time; [`Action::Tick`] is always enabled.
 //!
 //! ```
-//! use brokerfence_model::{ProtocolModel, Source};
+//! use brokerfence_model::{Bounds, ProtocolModel, Source};
 //! use stateright::{Checker, Model};
-//! let checker = ProtocolModel::new(Source::Table, 2).checker().spawn_bfs().join();
+//! let model = ProtocolModel::new(Source::Table, 2);
+//! let model = model.with_bounds(Bounds { errors: 0, releases: 0, ..model.bounds });
+//! let checker = model.checker().spawn_bfs().join();
 //! checker.assert_properties();
 //! assert!(checker.unique_state_count() > 1000);
 //! ```
@@ -318,18 +320,39 @@ impl ProtocolModel {
     ///
     /// The receiver's effects are modelled with the table queue only (they do not depend on the
     /// source, and they multiply the state space of the broker sources by about 15).
+    ///
+    /// ```
+    /// use brokerfence_model::{ProtocolModel, Source};
+    /// let model = ProtocolModel::new(Source::Sqs, 2);
+    /// assert!(model.guards.commit_cas && !model.bounds.effects);
+    /// ```
     pub fn new(source: Source, workers: u8) -> Self {
         let effects = source == Source::Table;
         Self { source, guards: Guards::default(), bounds: Bounds { workers, effects, ..Bounds::default() } }
     }
 
-    /// The same model with other guards.
+    /// The same model with other guards: a negative control.
+    ///
+    /// ```
+    /// use brokerfence_model::{Guards, ProtocolModel, SAFETY, Source};
+    /// let broken = ProtocolModel::new(Source::Table, 2)
+    ///     .with_guards(Guards { commit_cas: false, ..Guards::default() });
+    /// let report = broken.check_safety(1);
+    /// assert!(report.counterexamples.contains_key(SAFETY[0]));
+    /// ```
     pub fn with_guards(mut self, guards: Guards) -> Self {
         self.guards = guards;
         self
     }
 
     /// The same model with other bounds.
+    ///
+    /// ```
+    /// use brokerfence_model::{Bounds, ProtocolModel, Source};
+    /// let model = ProtocolModel::new(Source::Table, 2);
+    /// let model = model.with_bounds(Bounds { errors: 0, releases: 0, ..model.bounds });
+    /// assert_eq!(model.bounds.errors, 0);
+    /// ```
     pub fn with_bounds(mut self, bounds: Bounds) -> Self {
         self.bounds = bounds;
         self
@@ -337,6 +360,15 @@ impl ProtocolModel {
 
     /// The database's answer to a store step in `s`, and the row after it (None when `a` is no
     /// store step or is not enabled). Shared by the transition and the replay against the real store.
+    ///
+    /// ```
+    /// use brokerfence_model::{Action, Answer, ProtocolModel, Source};
+    /// use stateright::Model;
+    /// let model = ProtocolModel::new(Source::Table, 2);
+    /// let init = &model.init_states()[0];
+    /// let (_, answer) = model.store_step(init, Action::ClaimNext(0)).unwrap();
+    /// assert_eq!(answer, Answer::Claimed { epoch: 1 });
+    /// ```
     pub fn store_step(&self, s: &State, a: Action) -> Option<(Option<Row>, Answer)> {
         let g = &self.guards;
         let b = &self.bounds;
@@ -847,6 +879,15 @@ pub struct SafetyReport {
 impl ProtocolModel {
     /// Checks the four safety properties on every state reachable within the bounds
     /// (breadth-first, `threads` threads). Stops at the first counterexample.
+    ///
+    /// ```
+    /// use brokerfence_model::{Bounds, ProtocolModel, Source};
+    /// let model = ProtocolModel::new(Source::Table, 2);
+    /// let model = model.with_bounds(Bounds { errors: 0, releases: 0, ..model.bounds });
+    /// let report = model.check_safety(1);
+    /// assert!(report.counterexamples.is_empty());
+    /// println!("{} states", report.unique_states);
+    /// ```
     pub fn check_safety(self, threads: usize) -> SafetyReport {
         use stateright::Checker;
         let started = std::time::Instant::now();
@@ -864,6 +905,14 @@ impl ProtocolModel {
     }
 
     /// The states along `path` from the initial state (None if a step is not enabled).
+    ///
+    /// ```
+    /// use brokerfence_model::{Action, JobState, ProtocolModel, Source};
+    /// let model = ProtocolModel::new(Source::Table, 2);
+    /// let states = model.states_along(&[Action::ClaimNext(0), Action::HandlerOk(0), Action::Complete(0)]).unwrap();
+    /// assert_eq!(states.last().unwrap().row.unwrap().state, JobState::Completed);
+    /// assert!(model.states_along(&[Action::Complete(0)]).is_none()); // nothing to complete yet
+    /// ```
     pub fn states_along(&self, path: &[Action]) -> Option<Vec<State>> {
         let mut out = self.init_states();
         out.truncate(1);

@@ -29,6 +29,14 @@ pub struct Liveness {
 }
 
 /// Explores every reachable state of `model` and checks that a done state is reachable from each.
+///
+/// ```
+/// use brokerfence_model::{Bounds, ProtocolModel, Source, liveness};
+/// let model = ProtocolModel::new(Source::Table, 2);
+/// let model = model.with_bounds(Bounds { errors: 0, releases: 0, ..model.bounds });
+/// let live = liveness::check(&model);
+/// assert!(live.stuck.is_none(), "{:?}", live.stuck);
+/// ```
 pub fn check(model: &ProtocolModel) -> Liveness {
     // States by fingerprint (as stateright keeps them), each state stored once.
     let mut ids: HashMap<u64, u32> = HashMap::new();
