@@ -12,6 +12,12 @@
 //! compares a stored time with `clock_timestamp()` only, so this loses nothing and keeps the state
 //! space finite without a bound on time; [`Action::Tick`] is always enabled.
 //!
+//! What it leaves out: several jobs and batches (one job, one key per statement), checkpoints,
+//! `complete_in` and the outbox, retention and epoch floors, SQLite, FIFO groups, Redis lists,
+//! broker counters (SQS receive count, stream delivery count: hints only), failures and timeouts
+//! of the database or broker calls themselves, clock drift (every clock ticks at the rate of the
+//! database's; the safety margin is 0 ticks), and row locks (each statement is one atomic step).
+//!
 //! ```
 //! use brokerfence_model::{Bounds, ProtocolModel, Source};
 //! use stateright::{Checker, Model};

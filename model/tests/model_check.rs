@@ -159,3 +159,24 @@ fn model_check_sqs_newest_handle_only() {
     );
     assert!(report.counterexamples.is_empty(), "{:?}", report.counterexamples);
 }
+
+/// Larger bounds than CI's (two pauses, four claims; SQS with the receiver's effects):
+/// `cargo test -p brokerfence-model --test model_check model_check_deep -- --ignored --nocapture`.
+/// Minutes, and gigabytes of memory for the liveness pass.
+#[test]
+#[ignore = "minutes: run by hand (see the doc comment)"]
+fn model_check_deep() {
+    for (source, effects) in [(Source::Table, true), (Source::Sqs, true), (Source::RedisStream, false)] {
+        let model = ProtocolModel::new(source, 2);
+        let model = model.with_bounds(Bounds { pauses: 2, max_claims: 4, effects, ..model.bounds });
+        let report = model.check_safety(THREADS);
+        println!(
+            "deep {source:?} {:?}: {} distinct states, depth {}, {:.1} s",
+            model.bounds,
+            report.unique_states,
+            report.max_depth,
+            report.elapsed.as_secs_f64()
+        );
+        assert!(report.counterexamples.is_empty(), "{:?}", report.counterexamples);
+    }
+}
