@@ -899,8 +899,23 @@ impl ProtocolModel {
         let started = std::time::Instant::now();
         let checker =
             self.checker().threads(threads).finish_when(stateright::HasDiscoveries::AnyFailures).spawn_bfs().join();
-        let counterexamples =
-            checker.discoveries().into_iter().map(|(name, path)| (name, path.into_actions())).collect();
+        // Each path cut at the first state that breaks its property (a discovery's path can run
+        // a step past it).
+        let properties = self.properties();
+        let counterexamples = checker
+            .discoveries()
+            .into_iter()
+            .map(|(name, path)| {
+                let mut path = path.into_actions();
+                let holds = properties.iter().find(|p| p.name == name).map(|p| p.condition);
+                if let (Some(holds), Some(states)) = (holds, self.states_along(&path))
+                    && let Some(first) = states.iter().position(|s| !holds(&self, s))
+                {
+                    path.truncate(first);
+                }
+                (name, path)
+            })
+            .collect();
         SafetyReport {
             unique_states: checker.unique_state_count(),
             states: checker.state_count(),
