@@ -2,14 +2,14 @@
 //! path (`claim_next`, `claim_batch`, `heartbeat`, `complete`, `fail`, `release`) becomes the real
 //! call, and the real answer and the job row after it must equal the model's.
 //!
-//! Time: a model tick is one second of the database clock. The database clock cannot be moved,
-//! so a `Tick` moves the job's stored times instead (`lease_until` and `run_at` one second back,
+//! Time: a model tick is ten seconds of the database clock. The database clock cannot be moved,
+//! so a `Tick` moves the job's stored times instead (`lease_until` and `run_at` ten seconds back,
 //! in this test's own schema): every statement compares those with `clock_timestamp()` only, so
-//! that is the same as one second passing for this job. Leases are 3.5 s (3 ticks and a half: a
-//! lease with 0 ticks left on the model's clock has half a second left on the real one) and the
-//! backoff 0.5 s (due after one tick), so the real time a replay takes (milliseconds per step)
-//! never crosses a boundary the model's tick does not; each path asserts it stays under 0.4 s
-//! between two ticks.
+//! that is the same as ten seconds passing for this job. Leases are 35 s (3 ticks and a half: a
+//! lease with 0 ticks left on the model's clock has 5 s left on the real one) and the backoff
+//! 5 s (due after one tick), so the real time a replay takes (milliseconds per step) never
+//! crosses a boundary the model's tick does not; each path asserts it stays under 4 s between
+//! two ticks.
 //!
 //! Paths: the counterexamples of the negative controls (the real store must refuse the step the
 //! broken model allowed: its answer is the correct model's, taken in the broken model's state)
@@ -24,18 +24,18 @@ use fence::{
 use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
 
-/// Real time allowed between two ticks of a replay (the half-tick margin is 0.5 s).
-const MAX_DRIFT: Duration = Duration::from_millis(400);
+/// Real time allowed between two ticks of a replay (the half-tick margin is 5 s).
+const MAX_DRIFT: Duration = Duration::from_secs(4);
 
 fn lease() -> LeaseDuration {
-    LeaseDuration::new(Duration::from_millis(3_500)).expect("lease of 3.5 s")
+    LeaseDuration::new(Duration::from_secs(35)).expect("lease of 35 s")
 }
 
 fn policy(model: &ProtocolModel) -> RetryPolicy {
     RetryPolicy {
         max_attempts: i64::from(model.bounds.max_attempts),
-        base_backoff: Duration::from_millis(500),
-        max_backoff: Duration::from_millis(500),
+        base_backoff: Duration::from_secs(5),
+        max_backoff: Duration::from_secs(5),
     }
 }
 
@@ -93,8 +93,8 @@ impl<'a> Replay<'a> {
             Action::Tick => {
                 let s = f.schema().as_str();
                 sqlx::query(AssertSqlSafe(format!(
-                    "UPDATE {s}.jobs SET lease_until = lease_until - interval '1 second', \
-                     run_at = run_at - interval '1 second' WHERE queue = $1"
+                    "UPDATE {s}.jobs SET lease_until = lease_until - interval '10 seconds', \
+                     run_at = run_at - interval '10 seconds' WHERE queue = $1"
                 )))
                 .bind(self.queue.as_str().to_owned())
                 .execute(f.pool())
