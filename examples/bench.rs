@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{
     Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobError, JobKey, JobRecord, Lease,

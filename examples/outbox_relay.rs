@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig, RelayRound};
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::redis::{RedisConnections, RedisPublisher};
 use brokerfence::adapters::sqs::{SqsPublisher, client_from_env};
 use brokerfence::adapters::{Consumer, ConsumerConfig};

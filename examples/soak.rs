@@ -23,7 +23,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{
     FenceStore, JobContext, JobError, JobKey, LeaseDuration, Metrics, PgFence, PgLedger, QueueName, QueueRetention,

@@ -22,7 +22,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{FenceStore, JobContext, LeaseDuration, QueueName, SupervisorConfig};
 

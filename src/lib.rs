@@ -164,14 +164,24 @@ pub use fence::*;
 
 #[doc(inline)]
 pub use adapters::{
-    Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, Detail, Disposition, Handler, HandlerFuture, Incoming, Processed,
-    ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
+    CancellationToken, Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, Detail, Disposition, Handler, HandlerFuture,
+    Incoming, Processed, ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
 };
 
 /// The table-queue source: jobs in the fence's own table, no broker. It runs on [`PgFence`] and
-/// [`SqliteFence`] alike (its home module, `adapters::postgres`, is named after the architecture).
+/// [`SqliteFence`] alike (also at `brokerfence::table::TableQueue`; the old path
+/// `brokerfence::adapters::postgres::TableQueue` is a deprecated alias).
 #[doc(inline)]
-pub use adapters::postgres::TableQueue;
+pub use adapters::table::TableQueue;
+
+/// The table queue: jobs in the fence's own table (PostgreSQL or SQLite), no broker.
+#[doc(inline)]
+pub use adapters::table;
+
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+#[doc(inline)]
+pub use adapters::tower;
 
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]

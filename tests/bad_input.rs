@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
 use brokerfence::fence::wire::{FenceStamp, StampError};
 use brokerfence::fence::{

@@ -18,7 +18,7 @@ mod sqs_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LossReason, Outcome, Owner, PgFence, QueueName,

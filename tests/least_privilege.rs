@@ -15,7 +15,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobKey, JobState, LeaseDuration, Owner, PgFence, PgLedger, QueueName,

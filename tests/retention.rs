@@ -11,7 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobState, Lease, LeaseDuration, Ledger, Owner, PgFence, PgLedger, QueueName,

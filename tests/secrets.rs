@@ -13,7 +13,7 @@ mod common;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobError, JobKey, LeaseDuration, Owner, PgFence, PgLedger, QueueName,

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
+use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Disposition, Retrofit};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, Owner, PgFence, QueueName, SchemaName,

@@ -30,6 +30,7 @@ mod error;
 mod group;
 mod guards;
 mod hook_runner;
+mod job;
 mod key;
 pub mod ledger;
 mod metrics;
@@ -50,6 +51,9 @@ pub mod wire;
 pub use error::{FenceError, Result};
 pub use group::Grouper;
 pub use guards::Guards;
+#[cfg(feature = "serde")]
+pub use job::Json;
+pub use job::{BoxError, IntoJobResult, JobError, JobResultExt};
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
 #[cfg(feature = "postgres")]
 pub use ledger::PgLedger;
@@ -72,5 +76,5 @@ pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
 pub use supervisor::{
-    DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
+    DEFAULT_COMMIT_WINDOW, JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
 };

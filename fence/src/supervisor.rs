@@ -27,6 +27,7 @@ use tracing::Instrument;
 use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::hook_runner::{HookRunner, LiveCheck};
+use crate::job::{IntoJobResult, JobError};
 use crate::metrics::{Counter, Metrics};
 use crate::model::{FailOutcome, Lease, LeaseDuration, RetryPolicy};
 use crate::own_tx::FencedConnection;
@@ -203,35 +204,6 @@ pub enum LossReason {
     Unconfirmed,
     /// The supervisor is shutting down and the grace period ran out.
     Shutdown,
-}
-
-/// A failure a handler reports: retried (with backoff) or final.
-///
-/// ```
-/// let e = brokerfence::JobError::retry("upstream 503");
-/// assert!(e.retry);
-/// let e = brokerfence::JobError::fatal("malformed order");
-/// assert!(!e.retry);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct JobError {
-    /// What went wrong (stored as the job's last_error).
-    pub message: String,
-    /// Whether another attempt may succeed.
-    pub retry: bool,
-}
-
-impl JobError {
-    /// A failure worth retrying.
-    pub fn retry(message: impl ToString) -> Self {
-        Self { message: message.to_string(), retry: true }
-    }
-
-    /// A final failure: the job goes dead.
-    pub fn fatal(message: impl ToString) -> Self {
-        Self { message: message.to_string(), retry: false }
-    }
 }
 
 /// How one attempt ended. Only `Completed` may be acknowledged to a broker.
@@ -747,10 +719,11 @@ impl Supervisor {
     /// The worker's monotonic deadline counts the lease's `ttl` from *now*: call this right after
     /// the claim answered. When leases wait before they run (a batch claimed ahead), use
     /// [`run_claimed_at`](Self::run_claimed_at) so the time already spent counts.
-    pub async fn run<F, Fut>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
+    pub async fn run<F, Fut, R>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+        Fut: Future<Output = std::result::Result<R, JobError>>,
+        R: IntoJobResult,
     {
         self.run_claimed_at(lease, std::time::Instant::now(), payload, progress, handler).await
     }
@@ -774,7 +747,7 @@ impl Supervisor {
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn run_claimed_at<F, Fut>(
+    pub async fn run_claimed_at<F, Fut, R>(
         &self,
         lease: Lease,
         claimed_at: std::time::Instant,
@@ -784,7 +757,8 @@ impl Supervisor {
     ) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+        Fut: Future<Output = std::result::Result<R, JobError>>,
+        R: IntoJobResult,
     {
         let span = tracing::info_span!(
             "attempt",
@@ -796,7 +770,7 @@ impl Supervisor {
         self.run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler).instrument(span).await
     }
 
-    async fn run_inner<F, Fut>(
+    async fn run_inner<F, Fut, R>(
         &self,
         lease: Lease,
         claimed_at: Instant,
@@ -806,7 +780,8 @@ impl Supervisor {
     ) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+        Fut: Future<Output = std::result::Result<R, JobError>>,
+        R: IntoJobResult,
     {
         let inner = &self.inner;
         let margin = inner.config.safety_margin();
@@ -836,9 +811,11 @@ impl Supervisor {
         };
         let timeout = inner.config.attempt_timeout;
         let work = async move {
+            // The result's conversion (a `Json` result's serialization) is part of the attempt.
+            let handled = async move { handler(ctx).await.and_then(IntoJobResult::into_job_result) };
             match timeout {
-                Some(t) => tokio::time::timeout(t, handler(ctx)).await.map_err(|_| ()),
-                None => Ok(handler(ctx).await),
+                Some(t) => tokio::time::timeout(t, handled).await.map_err(|_| ()),
+                None => Ok(handled.await),
             }
         };
         let guarded = Guarded::new(work, Arc::clone(&state), inner.base, inner.config.cancel_on_loss);
