@@ -224,7 +224,7 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
         Arc::new(fence.clone()),
         QueueName::new(list.as_str()).expect("queue"),
         SupervisorConfig::new(lease(10)),
-        redis.commands(),
+        &redis,
         list.as_str(),
         ItemKey::Split(b'|'),
     );

@@ -681,7 +681,7 @@ async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S
         store,
         q.clone(),
         SupervisorConfig::new(lease(30)),
-        redis.commands(),
+        &redis,
         list.as_str(),
         ItemKey::ContentHash,
     );

@@ -1436,7 +1436,7 @@ mod tests {
         let (sup, lease) = setup().await;
         let s = sup.clone();
         let joined = tokio::spawn(async move {
-            s.run(lease, Vec::new(), None, |_ctx| async move {
+            s.run::<_, _, ()>(lease, Vec::new(), None, |_ctx| async move {
                 tokio::task::yield_now().await;
                 panic!("handler bug")
             })
@@ -1451,7 +1451,7 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_attempt_leaves_the_registry() {
         let (sup, lease) = setup().await;
-        let run = sup.run(lease, Vec::new(), None, |_ctx| std::future::pending());
+        let run = sup.run(lease, Vec::new(), None, |_ctx| std::future::pending::<Result<(), JobError>>());
         assert!(tokio::time::timeout(Duration::from_millis(50), run).await.is_err());
         assert_eq!(sup.in_flight(), 0, "a dropped attempt must not be renewed forever");
         assert_eq!(sup.leases_held(), 0, "a dropped attempt must not be renewed forever");
