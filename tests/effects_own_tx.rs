@@ -18,12 +18,12 @@ mod sqs_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LossReason, Outcome, Owner, PgFence, QueueName,
     SqliteFence, Supervisor, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use common::{key, lease, unique};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;

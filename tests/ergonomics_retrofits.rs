@@ -22,8 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::{
-    FenceStore, JobError, JobKey, JobResultExt, JobState, Outcome, QueueName, Retrofit, RetryPolicy,
-    SupervisorConfig,
+    FenceStore, JobError, JobKey, JobResultExt, JobState, Outcome, QueueName, Retrofit, RetryPolicy, SupervisorConfig,
 };
 use common::{lease, unique};
 
@@ -104,8 +103,11 @@ async fn ergonomics_fatal_is_dead_at_once_and_a_plain_error_is_retried_pg() {
     let fence = common::pg().await;
     let queue = QueueName::new(unique("ergo-fatal")).expect("queue");
     let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
-    let retry =
-        RetryPolicy { max_attempts: 5, base_backoff: Duration::from_millis(50), max_backoff: Duration::from_millis(200) };
+    let retry = RetryPolicy {
+        max_attempts: 5,
+        base_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(200),
+    };
     let retrofit = Retrofit::new(store.clone(), queue.clone(), SupervisorConfig::new(lease(10)).retry(retry));
     let pool = fence.pool().clone();
 
@@ -182,7 +184,8 @@ async fn ergonomics_list_retrofit_in_a_brpop_loop_pg() {
     let list = unique("ergo-list");
     let queue = QueueName::new(list.as_str()).expect("queue");
     let config = SupervisorConfig::new(lease(10));
-    let fence_list = ListRetrofit::new(store.clone(), queue.clone(), config, &redis, list.as_str(), ItemKey::Split(b'|'));
+    let fence_list =
+        ListRetrofit::new(store.clone(), queue.clone(), config, &redis, list.as_str(), ItemKey::Split(b'|'));
     let mut producer = redis.commands();
     for i in 1..=3 {
         let _: i64 = client::cmd("LPUSH")
@@ -327,7 +330,10 @@ async fn ergonomics_serde_typed_payload_and_result_sqlite() {
 
     let k = JobKey::new("order-bad").expect("key");
     let done = retrofit.process(&k, br#"{"id":"seven"}"#.to_vec(), handler).await;
-    assert!(matches!(&done.detail, brokerfence::Detail::Ran(Outcome::Dead { error }) if error.contains("invalid type")), "{done:?}");
+    assert!(
+        matches!(&done.detail, brokerfence::Detail::Ran(Outcome::Dead { error }) if error.contains("invalid type")),
+        "{done:?}"
+    );
 }
 
 /// A tower stack as the handler (feature `tower`): a job past the `TimeoutLayer` is a retried
@@ -340,16 +346,15 @@ async fn ergonomics_tower_stack_as_the_handler_sqlite() {
     let store: Arc<dyn FenceStore> = Arc::new(fence);
     let queue = QueueName::new("towered").expect("queue");
     let retrofit = Retrofit::new(store.clone(), queue.clone(), SupervisorConfig::new(lease(10)));
-    let service = tower::ServiceBuilder::new().timeout(Duration::from_millis(200)).service_fn(
-        |ctx: JobContext| async move {
+    let service =
+        tower::ServiceBuilder::new().timeout(Duration::from_millis(200)).service_fn(|ctx: JobContext| async move {
             match ctx.payload() {
                 b"slow" => tokio::time::sleep(Duration::from_secs(2)).await,
                 b"poison" => return Err(JobError::fatal("poison")),
                 _ => {}
             }
             Ok::<_, JobError>(format!("done {}", ctx.key()))
-        },
-    );
+        });
     let handler = brokerfence::tower::handler(service);
     let k = JobKey::new("fast").expect("key");
     assert!(retrofit.process(&k, b"fast".to_vec(), handler.clone()).await.should_ack());

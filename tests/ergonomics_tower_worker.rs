@@ -26,9 +26,11 @@ fn example(name: &str) -> PathBuf {
     if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
         candidates.push(PathBuf::from(dir).join("debug").join("examples").join(name));
     }
-    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
-        panic!("example {name} not built (looked at {candidates:?}): run cargo test --all-features")
-    })
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| panic!("example {name} not built (looked at {candidates:?}): run cargo test --all-features"))
 }
 
 /// The value of `name=` in an `EVENT` line (quoted values unescaped for `\"` and `\\` only).

@@ -11,12 +11,12 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::table::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobState, Lease, LeaseDuration, Ledger, Owner, PgFence, PgLedger, QueueName,
     QueueRetention, Retention, SqliteFence, SqliteLedger, SupervisorConfig, Verdict,
 };
+use brokerfence::table::TableQueue;
 use common::{TestStore, key, lease};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;

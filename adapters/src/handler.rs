@@ -33,9 +33,7 @@ pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, JobError>> 
 /// }
 /// assert_handler(echo());
 /// ```
-pub trait Handler:
-    Fn(JobContext) -> <Self as Handler>::Future + Clone + Send + Sync + 'static
-{
+pub trait Handler: Fn(JobContext) -> <Self as Handler>::Future + Clone + Send + Sync + 'static {
     /// The future of one call (call the handler as a function: `handler(ctx)`).
     type Future: Future<Output = Result<Self::Response, JobError>> + Send + 'static;
     /// The result it commits.

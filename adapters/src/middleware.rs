@@ -138,10 +138,7 @@ impl Retrofit {
                     metrics: Arc::clone(self.metrics()),
                     lease: Some(lease.clone()),
                 };
-                let outcome = self
-                    .supervisor
-                    .run_claimed_at(lease, claim_sent, payload, None, handler)
-                    .await;
+                let outcome = self.supervisor.run_claimed_at(lease, claim_sent, payload, None, handler).await;
                 guard.lease = None;
                 Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }
             }

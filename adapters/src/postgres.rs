@@ -3,5 +3,7 @@
 //! PostgreSQL and SQLite alike; this module was named after one of them.
 
 /// Moved to [`crate::table::TableQueue`] (also `brokerfence::TableQueue`).
-#[deprecated(note = "the table queue runs on PostgreSQL and SQLite: use `brokerfence::TableQueue` (or `brokerfence::table::TableQueue`)")]
+#[deprecated(
+    note = "the table queue runs on PostgreSQL and SQLite: use `brokerfence::TableQueue` (or `brokerfence::table::TableQueue`)"
+)]
 pub type TableQueue = crate::table::TableQueue;

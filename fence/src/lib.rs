@@ -75,6 +75,4 @@ pub use schema::{DEFAULT_SCHEMA, SchemaName};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
-pub use supervisor::{
-    DEFAULT_COMMIT_WINDOW, JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
-};
+pub use supervisor::{DEFAULT_COMMIT_WINDOW, JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::Message;
-use fence::{FenceStore, IntoJobResult, JobContext, JobError, Lease, LeaseHook, Metrics, Owner, QueueName, SupervisorConfig};
+use fence::{
+    FenceStore, IntoJobResult, JobContext, JobError, Lease, LeaseHook, Metrics, Owner, QueueName, SupervisorConfig,
+};
 use tracing::Instrument;
 
 use super::delivery::SqsDelivery;
