@@ -226,7 +226,17 @@ pub use fence;
 #[doc(inline)]
 pub use adapters;
 
-/// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http`; the default backends on).
-#[cfg(all(doctest, feature = "postgres", feature = "sqlite", feature = "sqs", feature = "redis", feature = "http"))]
+/// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http,tower,serde`; the default
+/// backends on).
+#[cfg(all(
+    doctest,
+    feature = "postgres",
+    feature = "sqlite",
+    feature = "sqs",
+    feature = "redis",
+    feature = "http",
+    feature = "tower",
+    feature = "serde"
+))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
