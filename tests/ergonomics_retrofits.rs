@@ -397,14 +397,12 @@ async fn ergonomics_consumer_runs_until_a_plain_future_sqlite() {
     for i in 0..3 {
         assert_eq!(committed(&*store, &queue, &format!("j{i}")).await, Some(format!("j{i} done")));
     }
-    // The re-exported token, as before.
+    // The re-exported token, as before; the table queue's old path still compiles (deprecated).
     let token = CancellationToken::new();
     token.cancel();
-    let consumer = Consumer::new(
-        TableQueue::new(store.clone(), queue),
-        store,
-        ConsumerConfig::new(SupervisorConfig::new(lease(10))),
-    );
+    #[allow(deprecated)]
+    let old_path = brokerfence::adapters::postgres::TableQueue::new(store.clone(), queue);
+    let consumer = Consumer::new(old_path, store, ConsumerConfig::new(SupervisorConfig::new(lease(10))));
     tokio::time::timeout(Duration::from_secs(30), consumer.run(|_| async { Ok(()) }, token))
         .await
         .expect("stops on the token")
