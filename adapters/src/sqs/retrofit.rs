@@ -45,7 +45,10 @@ pub enum SqsDetail {
 impl SqsProcessed {
     /// True when the handler's result was committed and the message deleted.
     ///
-    /// ```no_run
+    /// (A crate of its own: a user's `async fn` around `process` and nothing else, whose layout
+    /// overflowed the compiler's query depth before `process` boxed its inner future.)
+    ///
+    /// ```no_run,standalone_crate
     /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
     /// let done = fence.process(&m, |_ctx| async move { Ok(()) }).await;
     /// assert!(done.is_completed());
@@ -200,7 +203,10 @@ impl SqsRetrofit {
             queue = %self.retrofit.queue(),
             message_id = message.message_id().unwrap_or("?"),
         );
-        self.process_inner(message, handler).instrument(span).await
+        // Boxed: a caller's async fn would otherwise nest every layer of this future (the SDK's
+        // calls, the retrofit, the supervisor, the handler's future) and computing its layout
+        // overflows the compiler's query depth.
+        Box::pin(self.process_inner(message, handler).instrument(span)).await
     }
 
     async fn process_inner<F, Fut, R>(&self, message: &Message, handler: F) -> SqsProcessed
