@@ -349,7 +349,7 @@ impl JobContext {
     ///
     /// ```no_run
     /// # async fn handler(ctx: brokerfence::JobContext) -> Result<Vec<u8>, brokerfence::JobError> {
-    /// ctx.checkpoint(b"page 3 of 10").await.map_err(brokerfence::JobError::retry)?;
+    /// ctx.checkpoint(b"page 3 of 10").await?; // a FenceError: the attempt fails (retried)
     /// # Ok(vec![]) }
     /// ```
     pub async fn checkpoint(&self, progress: &[u8]) -> Result<()> {
@@ -381,15 +381,14 @@ impl JobContext {
     ///
     /// ```no_run
     /// # async fn handler(ctx: brokerfence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, brokerfence::JobError> {
-    /// let mut tx = pool.begin().await.map_err(brokerfence::JobError::retry)?;
+    /// let mut tx = pool.begin().await?; // `?` on any error: the attempt fails and is retried
     /// sqlx::query("INSERT INTO invoices (job, epoch) VALUES ($1, $2)")
     ///     .bind(ctx.key().as_str())
     ///     .bind(ctx.epoch())
     ///     .execute(&mut *tx)
-    ///     .await
-    ///     .map_err(brokerfence::JobError::retry)?;
-    /// ctx.complete_in(&mut *tx, b"invoiced").await.map_err(brokerfence::JobError::retry)?;
-    /// tx.commit().await.map_err(brokerfence::JobError::retry)?;
+    ///     .await?;
+    /// ctx.complete_in(&mut *tx, b"invoiced").await?;
+    /// tx.commit().await?;
     /// Ok(Vec::new()) // not stored: the result given to complete_in is
     /// # }
     /// ```
