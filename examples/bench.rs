@@ -31,12 +31,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{
     Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobError, JobKey, JobRecord, Lease,
     LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName, Supervisor, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 

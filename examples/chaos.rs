@@ -2026,8 +2026,8 @@ async fn worker(o: WorkerOpts) -> Result<(), String> {
     event(format!("ready pid={} owner={owner}", std::process::id()));
     match o.source {
         SourceKind::Table => {
-            let source = brokerfence::adapters::postgres::TableQueue::new(Arc::clone(&store), queue)
-                .idle_wait(Duration::from_millis(50));
+            let source =
+                brokerfence::table::TableQueue::new(Arc::clone(&store), queue).idle_wait(Duration::from_millis(50));
             consume(source, store, owner, config, env).await
         }
         #[cfg(feature = "sqs")]

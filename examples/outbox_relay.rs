@@ -23,13 +23,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig, RelayRound};
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::redis::{RedisConnections, RedisPublisher};
 use brokerfence::adapters::sqs::{SqsPublisher, client_from_env};
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 
 #[path = "support/cli.rs"]

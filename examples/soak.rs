@@ -23,12 +23,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{
     FenceStore, JobContext, JobError, JobKey, LeaseDuration, Metrics, PgFence, PgLedger, QueueName, QueueRetention,
     Retention, SchemaName, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 

@@ -22,9 +22,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{FenceStore, JobContext, LeaseDuration, QueueName, SupervisorConfig};
+use brokerfence::table::TableQueue;
 
 #[path = "support/cli.rs"]
 mod common;

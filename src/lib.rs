@@ -14,9 +14,17 @@
 //!
 //! ## Ways in
 //!
-//! Pick the one that matches what you have today. Each runs your handler (an `async` closure
-//! taking a [`JobContext`] and returning the result bytes or a [`JobError`]) under a lease that a
-//! heartbeat renews every lease/3.
+//! Pick the one that matches what you have today. Each runs your handler under a lease that a
+//! heartbeat renews every lease/3. A handler is a closure `|ctx| async move { … }` (no type
+//! annotation needed) taking a [`JobContext`] and returning its result — anything
+//! [`IntoJobResult`]: bytes, a `String`, a `&'static str`, `()`, or with the feature `serde` a
+//! `Json(value)` — or a [`JobError`]. `?` works on any error
+//! (`std::error::Error + Send + Sync + 'static`): the attempt fails and is retried, with the
+//! error's whole chain as the job's last error; [`.fatal()`](JobResultExt::fatal) makes a failure
+//! final (the job goes dead at once). The retrofits await the handler in place, so there it may be
+//! any `FnOnce`, moving loop state in or borrowing locals; [`Consumer`] runs many at once, so its
+//! handler is a [`Handler`] (`Fn + Clone + Send + Sync + 'static`). With the feature `tower`, a
+//! tower `Service<JobContext>` stack is a handler too ([`tower::handler`][tower-handler]).
 //!
 //! | you have | use | feature |
 //! |---|---|---|
@@ -33,8 +41,8 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use brokerfence::{
-//!     Consumer, ConsumerConfig, FenceStore, JobContext, JobKey, LeaseDuration, PgFence, QueueName,
-//!     SupervisorConfig, TableQueue, shutdown_signal,
+//!     Consumer, ConsumerConfig, FenceStore, JobKey, LeaseDuration, PgFence, QueueName, SupervisorConfig,
+//!     TableQueue, shutdown_signal,
 //! };
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -47,11 +55,11 @@
 //! let consumer = Consumer::new(TableQueue::new(store.clone(), queue), store, config);
 //! consumer
 //!     .run(
-//!         |ctx: JobContext| async move {
+//!         |ctx| async move {
 //!             // send ctx.stamp() (queue, job, epoch, owner) with every downstream call
-//!             Ok(format!("sent at epoch {}", ctx.epoch()).into_bytes())
+//!             Ok(format!("sent at epoch {}", ctx.epoch()))
 //!         },
-//!         shutdown_signal(),
+//!         shutdown_signal(), // or `run_until(handler, any_future)`
 //!     )
 //!     .await?;
 //! # Ok(()) }
@@ -62,15 +70,20 @@
 //! ### Inside a loop you already own
 //!
 //! ```no_run
-//! use brokerfence::{FenceStore, JobContext, JobKey, LeaseDuration, QueueName, Retrofit, SupervisorConfig};
+//! use brokerfence::{FenceStore, JobKey, JobResultExt, LeaseDuration, QueueName, Retrofit, SupervisorConfig};
 //!
 //! # async fn demo(store: std::sync::Arc<dyn FenceStore>) -> brokerfence::Result<()> {
 //! let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
 //! let fence = Retrofit::new(store, QueueName::new("orders")?, config); // one per process
+//! let mut handled = 0; // your loop's state: the handler may borrow it
 //! // for each delivery your loop received:
+//! let count = &mut handled;
 //! let done = fence
-//!     .process(&JobKey::new("msg-id")?, b"body".to_vec(), |ctx: JobContext| async move {
-//!         Ok(format!("handled at epoch {}", ctx.epoch()).into_bytes())
+//!     .process(&JobKey::new("msg-id")?, b"body".to_vec(), |ctx| async move {
+//!         let body = std::str::from_utf8(ctx.payload()).fatal()?; // not UTF-8: dead, never retried
+//!         std::fs::write("/tmp/last-order", body)?; // an io::Error: retried
+//!         *count += 1;
+//!         Ok(format!("handled at epoch {}", ctx.epoch()))
 //!     })
 //!     .await;
 //! if done.should_ack() { /* delete / XACK / LREM the delivery */ }
@@ -95,6 +108,8 @@
 //! | `redis-tls` | | `rediss://` URLs (rustls on *ring*, system roots) |
 //! | `http` | | [`adapters::http`][http-mod]: the axum middleware that enforces the epoch on a receiver |
 //! | `tls` | | TLS to PostgreSQL (rustls on *ring*, system roots): see [`PgFence::connect_with`] |
+//! | `tower` | | [`tower::handler`][tower-handler]: a tower `Service<JobContext>` stack (timeout, concurrency limit, retry, tracing layers) as the handler |
+//! | `serde` | | typed payloads and results: `ctx.json::<T>()` and the `Json(T)` result (serde_json) |
 //!
 //! A PostgreSQL-only application depends on
 //! `brokerfence = { version = "0.1", default-features = false, features = ["postgres"] }`, so
@@ -156,6 +171,11 @@
            [atomic-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/struct.AtomicEpochGuard.html\n\
            [http-mod]: https://docs.rs/brokerfence/latest/brokerfence/adapters/http/index.html"
 )]
+#![cfg_attr(feature = "tower", doc = "[tower-handler]: tower::handler")]
+#![cfg_attr(
+    not(feature = "tower"),
+    doc = "[tower-handler]: https://docs.rs/brokerfence/latest/brokerfence/tower/fn.handler.html"
+)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
@@ -164,14 +184,24 @@ pub use fence::*;
 
 #[doc(inline)]
 pub use adapters::{
-    Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, Detail, Disposition, Handler, HandlerFuture, Incoming, Processed,
-    ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
+    CancellationToken, Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, Detail, Disposition, Handler, HandlerFuture,
+    Incoming, Processed, ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
 };
 
 /// The table-queue source: jobs in the fence's own table, no broker. It runs on [`PgFence`] and
-/// [`SqliteFence`] alike (its home module, `adapters::postgres`, is named after the architecture).
+/// [`SqliteFence`] alike (also at `brokerfence::table::TableQueue`; the old path
+/// `brokerfence::adapters::postgres::TableQueue` is a deprecated alias).
 #[doc(inline)]
-pub use adapters::postgres::TableQueue;
+pub use adapters::table::TableQueue;
+
+/// The table queue: jobs in the fence's own table (PostgreSQL or SQLite), no broker.
+#[doc(inline)]
+pub use adapters::table;
+
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+#[doc(inline)]
+pub use adapters::tower;
 
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
@@ -196,7 +226,17 @@ pub use fence;
 #[doc(inline)]
 pub use adapters;
 
-/// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http`; the default backends on).
-#[cfg(all(doctest, feature = "postgres", feature = "sqlite", feature = "sqs", feature = "redis", feature = "http"))]
+/// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http,tower,serde`; the default
+/// backends on).
+#[cfg(all(
+    doctest,
+    feature = "postgres",
+    feature = "sqlite",
+    feature = "sqs",
+    feature = "redis",
+    feature = "http",
+    feature = "tower",
+    feature = "serde"
+))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

@@ -14,13 +14,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
 use brokerfence::fence::wire::{FenceStamp, StampError};
 use brokerfence::fence::{
     FenceError, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, MAX_KEY_BYTES, MetricsSnapshot,
     Owner, QueueName, SchemaName, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use tokio_util::sync::CancellationToken;
 
 // ------------------------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ mod edges {
         if cfg!(feature = "redis") {
             v.extend(["redis_worker", "redis_produce"]);
         }
+        if cfg!(feature = "tower") {
+            v.push("tower_worker");
+        }
         v
     }
 

@@ -160,7 +160,7 @@ mod edges {
             QueueName::new(list).expect("queue"),
             Owner::new(owner).expect("owner"),
             config,
-            env.redis.commands(),
+            &env.redis,
             list,
             ItemKey::Split(b'|'),
         )
@@ -745,7 +745,7 @@ mod edges {
             store,
             QueueName::new("stalled").expect("queue"),
             SupervisorConfig::new(lease(3)),
-            conns.commands(),
+            &conns,
             "stalled-list",
             ItemKey::Split(b'|'),
         )

@@ -13,12 +13,12 @@ mod edges {
     use std::time::Duration;
 
     use async_trait::async_trait;
-    use brokerfence::adapters::postgres::TableQueue;
     use brokerfence::adapters::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Retrofit, Source, SourceError};
     use brokerfence::fence::{
         self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobKey, JobRecord, JobState,
         Lease, LeaseDuration, Owner, QueueName, RetryPolicy, SupervisorConfig,
     };
+    use brokerfence::table::TableQueue;
     use tokio::sync::Notify;
     use tokio_util::sync::CancellationToken;
 

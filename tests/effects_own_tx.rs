@@ -18,12 +18,12 @@ mod sqs_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LossReason, Outcome, Owner, PgFence, QueueName,
     SqliteFence, Supervisor, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use common::{key, lease, unique};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -224,7 +224,7 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
         Arc::new(fence.clone()),
         QueueName::new(list.as_str()).expect("queue"),
         SupervisorConfig::new(lease(10)),
-        redis.commands(),
+        &redis,
         list.as_str(),
         ItemKey::Split(b'|'),
     );

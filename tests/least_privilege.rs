@@ -15,12 +15,12 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobKey, JobState, LeaseDuration, Owner, PgFence, PgLedger, QueueName,
     QueueRetention, Retention, RetryPolicy, SchemaName, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgConnectOptions;
 use tokio_util::sync::CancellationToken;

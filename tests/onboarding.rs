@@ -280,6 +280,9 @@ fn all_examples() -> Vec<&'static str> {
     if cfg!(all(feature = "sqs", feature = "redis")) {
         v.push("outbox_relay");
     }
+    if cfg!(feature = "tower") {
+        v.push("tower_worker");
+    }
     v
 }
 

@@ -499,7 +499,7 @@ async fn list_retrofit_in_a_brpop_loop() {
         QueueName::new(list.as_str()).expect("q"),
         owner.clone(),
         SupervisorConfig::new(lease(3)),
-        env.redis.commands(),
+        &env.redis,
         list.as_str(),
         ItemKey::Split(b'|'),
     );

@@ -11,12 +11,12 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobState, Lease, LeaseDuration, Ledger, Owner, PgFence, PgLedger, QueueName,
     QueueRetention, Retention, SqliteFence, SqliteLedger, SupervisorConfig, Verdict,
 };
+use brokerfence::table::TableQueue;
 use common::{TestStore, key, lease};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -681,7 +681,7 @@ async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S
         store,
         q.clone(),
         SupervisorConfig::new(lease(30)),
-        redis.commands(),
+        &redis,
         list.as_str(),
         ItemKey::ContentHash,
     );

@@ -13,12 +13,12 @@ mod common;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobError, JobKey, LeaseDuration, Owner, PgFence, PgLedger, QueueName,
     RetryPolicy, SchemaName, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, ConnectOptions};
 use tokio_util::sync::CancellationToken;

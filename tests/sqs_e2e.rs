@@ -359,7 +359,7 @@ async fn dead_letter_after_max_receives_and_on_fatal_failure() {
     let config = ConsumerConfig::new(SupervisorConfig::new(lease3()).retry(retry)).concurrency(4);
     let handler = |ctx: JobContext| async move {
         match ctx.payload() {
-            b"fatal" => Err(JobError::fatal("poison order")),
+            b"fatal" => Err::<(), _>(JobError::fatal("poison order")),
             _ => Err(JobError::retry("upstream down")),
         }
     };

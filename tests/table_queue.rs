@@ -4,12 +4,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::postgres::TableQueue;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Disposition, Retrofit};
 use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, Owner, PgFence, QueueName, SchemaName,
     SqliteFence, SupervisorConfig,
 };
+use brokerfence::table::TableQueue;
 use tokio_util::sync::CancellationToken;
 
 fn unique(prefix: &str) -> String {

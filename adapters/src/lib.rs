@@ -5,7 +5,7 @@
 //! inside a loop you already own. What the broker is told always follows from what the fence
 //! decided ([`Disposition`]): only a committed result is acknowledged.
 //!
-//! Sources: [`postgres::TableQueue`] (no broker), `sqs` (feature `sqs`), `redis` (feature `redis`);
+//! Sources: [`table::TableQueue`] (no broker, on PostgreSQL or SQLite), `sqs` (feature `sqs`), `redis` (feature `redis`);
 //! `http` (feature `http`) is the receiver side: the axum middleware that enforces the epoch.
 //!
 //! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports everything here
@@ -25,6 +25,10 @@ pub mod outbox;
 pub mod postgres;
 mod runtime;
 mod source;
+pub mod table;
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+pub mod tower;
 
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
@@ -41,3 +45,5 @@ pub use handler::{Handler, HandlerFuture};
 pub use middleware::{Detail, Processed, Retrofit};
 pub use runtime::{Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, ReceiveContext, shutdown_signal};
 pub use source::{Incoming, Source, SourceError};
+/// The token [`Consumer::run`] stops on (tokio-util's), so no direct dependency is needed.
+pub use tokio_util::sync::CancellationToken;

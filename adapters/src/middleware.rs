@@ -2,15 +2,15 @@
 //! delivery inside a consumer loop you already own. You keep receiving and acknowledging; the
 //! fence tells you what to do with each delivery.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use fence::{
-    Claim, Counter, Distribution, FenceError, FenceStore, JobKey, Lease, Metrics, Outcome, Owner, QueueName,
-    Supervisor, SupervisorConfig,
+    Claim, Counter, Distribution, FenceError, FenceStore, IntoJobResult, JobContext, JobError, JobKey, Lease, Metrics,
+    Outcome, Owner, QueueName, Supervisor, SupervisorConfig,
 };
 
 use crate::disposition::Disposition;
-use crate::handler::Handler;
 
 /// What happened to one delivery, and what to tell your broker.
 #[derive(Debug)]
@@ -47,8 +47,8 @@ impl Processed {
 /// use brokerfence::{JobKey, LeaseDuration, QueueName, SupervisorConfig};
 /// let fence = Retrofit::new(store, QueueName::new("orders")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?));
 /// // inside your existing loop, for each message you popped:
-/// let done = fence.process(&JobKey::new("msg-123")?, b"body".to_vec(), |ctx: brokerfence::JobContext| async move {
-///     Ok(format!("handled epoch {}", ctx.epoch()).into_bytes())
+/// let done = fence.process(&JobKey::new("msg-123")?, b"body".to_vec(), |ctx| async move {
+///     Ok(format!("handled epoch {}", ctx.epoch()))
 /// }).await;
 /// if done.should_ack() { /* delete / XACK / LREM the message */ }
 /// # Ok(()) }
@@ -94,7 +94,34 @@ impl Retrofit {
     /// is pending again, no attempt spent) whether it was still on its way back or its handler
     /// was running; the handler is dropped with the future. The delivery stays with the caller,
     /// who still has to give it back to the broker (or let it come back).
-    pub async fn process<H: Handler>(&self, key: &JobKey, payload: Vec<u8>, handler: H) -> Processed {
+    ///
+    /// The handler is awaited in place, so it may be any `FnOnce`: a closure that moves loop
+    /// state in, or borrows locals (its future need not be `Send` or `'static`). It returns its
+    /// result ([`IntoJobResult`]: bytes, a `String`, `()`, …) or a [`JobError`]; `?` turns any
+    /// error into a retried one, [`.fatal()`](fence::JobResultExt::fatal) into a final one.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::Retrofit, deliveries: Vec<(String, Vec<u8>)>) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, JobResultExt};
+    /// let mut handled = Vec::new(); // loop state
+    /// for (id, body) in deliveries {
+    ///     let handled = &mut handled; // the handler borrows it
+    ///     let done = fence.process(&JobKey::new(id.as_str())?, body, |ctx| async move {
+    ///         let text = std::str::from_utf8(ctx.payload()).fatal()?; // not UTF-8: dead at once
+    ///         std::fs::write(format!("/tmp/{id}"), text)?; // an io::Error: retried
+    ///         handled.push(id); // `id` moved in: a FnOnce
+    ///         Ok("written")
+    ///     }).await;
+    ///     if done.should_ack() { /* delete the delivery */ }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn process<F, Fut, R>(&self, key: &JobKey, payload: Vec<u8>, handler: F) -> Processed
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<R, JobError>>,
+        R: IntoJobResult,
+    {
         let claim_sent = std::time::Instant::now();
         let claim = match self.claim_detached(key).await {
             Ok(c) => c,
@@ -112,10 +139,7 @@ impl Retrofit {
                     metrics: Arc::clone(self.metrics()),
                     lease: Some(lease.clone()),
                 };
-                let outcome = self
-                    .supervisor
-                    .run_claimed_at(lease, claim_sent, payload, None, move |ctx| handler.call(ctx))
-                    .await;
+                let outcome = self.supervisor.run_claimed_at(lease, claim_sent, payload, None, handler).await;
                 guard.lease = None;
                 Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }
             }

@@ -1,79 +1,9 @@
-//! The table queue: jobs live in the fence's own table (PostgreSQL, or SQLite on one host), so
-//! no broker is needed. The claim *is* the receive: `claim_next` takes due rows with
-//! `FOR UPDATE SKIP LOCKED` and hands the runtime deliveries that are already claimed.
+//! The old home of the table queue, kept for compatibility: use [`crate::table`]
+//! (`brokerfence::table::TableQueue`, or `brokerfence::TableQueue`). The table queue runs on
+//! PostgreSQL and SQLite alike; this module was named after one of them.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use async_trait::async_trait;
-use fence::{FenceStore, QueueName};
-
-use crate::runtime::ReceiveContext;
-use crate::source::{Incoming, Source, SourceError};
-
-/// A table-queue source over any [`FenceStore`] (the name of the module follows the
-/// architecture; the same source runs on [`SqliteFence`](fence::SqliteFence)).
-///
-/// ```no_run
-/// # async fn demo() -> brokerfence::Result<()> {
-/// use std::sync::Arc;
-/// use brokerfence::{FenceStore, JobKey, PgFence, QueueName};
-/// let store = Arc::new(PgFence::connect("postgres://postgres@127.0.0.1/test").await?);
-/// store.migrate().await?;
-/// let q = QueueName::new("thumbnails")?;
-/// store.enqueue(&q, &JobKey::new("img-1")?, b"{\"w\":128}").await?;
-/// let source = brokerfence::TableQueue::new(store, q);
-/// # let _ = source; Ok(()) }
-/// ```
-#[derive(Clone)]
-pub struct TableQueue {
-    store: Arc<dyn FenceStore>,
-    queue: QueueName,
-    idle_wait: Duration,
-}
-
-impl std::fmt::Debug for TableQueue {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableQueue").field("queue", &self.queue).field("backend", &self.store.backend()).finish()
-    }
-}
-
-impl TableQueue {
-    /// A source for `queue`; when nothing is due it polls again after 100 ms.
-    pub fn new(store: Arc<dyn FenceStore>, queue: QueueName) -> Self {
-        Self { store, queue, idle_wait: Duration::from_millis(100) }
-    }
-
-    /// How long to wait before asking again when nothing was due.
-    pub fn idle_wait(mut self, wait: Duration) -> Self {
-        self.idle_wait = wait;
-        self
-    }
-}
-
-#[async_trait]
-impl Source for TableQueue {
-    /// The table queue needs no broker handle: the lease is the whole identity.
-    type Delivery = ();
-
-    fn queue(&self) -> &QueueName {
-        &self.queue
-    }
-
-    fn kind(&self) -> &'static str {
-        "table"
-    }
-
-    async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
-        let n = u32::try_from(max).unwrap_or(u32::MAX);
-        let jobs = self
-            .store
-            .claim_next(&self.queue, &ctx.owner, ctx.lease, n)
-            .await
-            .map_err(|e| SourceError::Transient(e.to_string()))?;
-        if jobs.is_empty() {
-            tokio::time::sleep(self.idle_wait).await;
-        }
-        Ok(jobs.into_iter().map(|job| Incoming::Claimed { delivery: (), job }).collect())
-    }
-}
+/// Moved to [`crate::table::TableQueue`] (also `brokerfence::TableQueue`).
+#[deprecated(
+    note = "the table queue runs on PostgreSQL and SQLite: use `brokerfence::TableQueue` (or `brokerfence::table::TableQueue`)"
+)]
+pub type TableQueue = crate::table::TableQueue;

@@ -373,7 +373,49 @@ impl<S: Source> Consumer<S> {
     /// build needs ends the run at once with [`SourceError::Fatal`] naming the versions, since
     /// migrations are a deploy step of their own and never run here. A store that cannot answer
     /// yet (database down) is not a reason to refuse: the loop starts and retries as usual.
+    ///
+    /// `shutdown` is a [`CancellationToken`] (re-exported as `brokerfence::CancellationToken`;
+    /// [`shutdown_signal`] makes one that fires on SIGTERM or Ctrl-C); to stop on any other
+    /// future, use [`run_until`](Self::run_until).
     pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
+        self.run_until(handler, shutdown.cancelled_owned()).await
+    }
+
+    /// [`run`](Self::run) until the future `shutdown` completes: a channel, a timer, your own
+    /// signal handling, `token.cancelled_owned()`. It is polled beside the receive loop (it need
+    /// not be `'static`); once it completes, the consumer stops as [`run`](Self::run) describes.
+    ///
+    /// ```no_run
+    /// # async fn demo(consumer: brokerfence::Consumer<brokerfence::TableQueue>) -> Result<(), brokerfence::SourceError> {
+    /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    /// # drop(stop);
+    /// consumer
+    ///     .run_until(|ctx| async move { Ok(format!("done at epoch {}", ctx.epoch())) }, async {
+    ///         let _ = stopped.await; // fires when `stop` is sent (or dropped)
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_until<H: Handler>(
+        &self,
+        handler: H,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), SourceError> {
+        // The loop and its tasks watch a token; the caller's future fires it.
+        let shutdown_token = CancellationToken::new();
+        let watch = async {
+            shutdown.await;
+            shutdown_token.cancel();
+            std::future::pending::<std::convert::Infallible>().await
+        };
+        let run = self.run_with_token(handler, &shutdown_token);
+        tokio::select! {
+            result = run => result,
+            never = watch => match never {},
+        }
+    }
+
+    async fn run_with_token<H: Handler>(&self, handler: H, shutdown: &CancellationToken) -> Result<(), SourceError> {
         self.check_schema().await?;
         let places = self.config.places();
         // Every queued acknowledgement holds an unsettled place, so the channel never fills
@@ -412,7 +454,7 @@ impl<S: Source> Consumer<S> {
         let pruner = self.config.retention.clone().map(|retention| {
             tokio::spawn(prune_loop(Arc::clone(self.supervisor.store()), retention, shared.stopping.clone()))
         });
-        let result = self.receive_loop(&shared, &permits, &shutdown).await;
+        let result = self.receive_loop(&shared, &permits, shutdown).await;
         // However the loop ended, jobs not started yet are given back, not started.
         shared.stopping.cancel();
         if let Some(pruner) = pruner
@@ -953,7 +995,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
                     }
                     None => (None, Some(place)),
                 };
-                let result = handler.call(ctx).await;
+                let result = handler(ctx).await;
                 drop(slot);
                 result
             };

@@ -31,6 +31,7 @@ mod error;
 mod group;
 mod guards;
 mod hook_runner;
+mod job;
 mod key;
 pub mod ledger;
 mod metrics;
@@ -52,6 +53,9 @@ pub use admin::{Admin, AdminError};
 pub use error::{FenceError, Result};
 pub use group::Grouper;
 pub use guards::Guards;
+#[cfg(feature = "serde")]
+pub use job::Json;
+pub use job::{BoxError, IntoJobResult, JobError, JobResultExt};
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
 #[cfg(feature = "postgres")]
 pub use ledger::PgLedger;
@@ -73,6 +77,4 @@ pub use schema::{DEFAULT_SCHEMA, SchemaName};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
-pub use supervisor::{
-    DEFAULT_COMMIT_WINDOW, JobContext, JobError, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig,
-};
+pub use supervisor::{DEFAULT_COMMIT_WINDOW, JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};

@@ -27,6 +27,7 @@ use tracing::Instrument;
 use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::hook_runner::{HookRunner, LiveCheck};
+use crate::job::{IntoJobResult, JobError};
 #[cfg(feature = "metrics")]
 use crate::metrics::LossKind;
 use crate::metrics::{Counter, Distribution, Metrics};
@@ -207,35 +208,6 @@ pub enum LossReason {
     Shutdown,
 }
 
-/// A failure a handler reports: retried (with backoff) or final.
-///
-/// ```
-/// let e = brokerfence::JobError::retry("upstream 503");
-/// assert!(e.retry);
-/// let e = brokerfence::JobError::fatal("malformed order");
-/// assert!(!e.retry);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct JobError {
-    /// What went wrong (stored as the job's last_error).
-    pub message: String,
-    /// Whether another attempt may succeed.
-    pub retry: bool,
-}
-
-impl JobError {
-    /// A failure worth retrying.
-    pub fn retry(message: impl ToString) -> Self {
-        Self { message: message.to_string(), retry: true }
-    }
-
-    /// A final failure: the job goes dead.
-    pub fn fatal(message: impl ToString) -> Self {
-        Self { message: message.to_string(), retry: false }
-    }
-}
-
 /// How one attempt ended. Only `Completed` may be acknowledged to a broker.
 #[derive(Debug)]
 pub enum Outcome {
@@ -379,7 +351,7 @@ impl JobContext {
     ///
     /// ```no_run
     /// # async fn handler(ctx: brokerfence::JobContext) -> Result<Vec<u8>, brokerfence::JobError> {
-    /// ctx.checkpoint(b"page 3 of 10").await.map_err(brokerfence::JobError::retry)?;
+    /// ctx.checkpoint(b"page 3 of 10").await?; // a FenceError: the attempt fails (retried)
     /// # Ok(vec![]) }
     /// ```
     pub async fn checkpoint(&self, progress: &[u8]) -> Result<()> {
@@ -411,15 +383,14 @@ impl JobContext {
     ///
     /// ```no_run
     /// # async fn handler(ctx: brokerfence::JobContext, pool: sqlx::PgPool) -> Result<Vec<u8>, brokerfence::JobError> {
-    /// let mut tx = pool.begin().await.map_err(brokerfence::JobError::retry)?;
+    /// let mut tx = pool.begin().await?; // `?` on any error: the attempt fails and is retried
     /// sqlx::query("INSERT INTO invoices (job, epoch) VALUES ($1, $2)")
     ///     .bind(ctx.key().as_str())
     ///     .bind(ctx.epoch())
     ///     .execute(&mut *tx)
-    ///     .await
-    ///     .map_err(brokerfence::JobError::retry)?;
-    /// ctx.complete_in(&mut *tx, b"invoiced").await.map_err(brokerfence::JobError::retry)?;
-    /// tx.commit().await.map_err(brokerfence::JobError::retry)?;
+    ///     .await?;
+    /// ctx.complete_in(&mut *tx, b"invoiced").await?;
+    /// tx.commit().await?;
     /// Ok(Vec::new()) // not stored: the result given to complete_in is
     /// # }
     /// ```
@@ -757,10 +728,11 @@ impl Supervisor {
     /// The worker's monotonic deadline counts the lease's `ttl` from *now*: call this right after
     /// the claim answered. When leases wait before they run (a batch claimed ahead), use
     /// [`run_claimed_at`](Self::run_claimed_at) so the time already spent counts.
-    pub async fn run<F, Fut>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
+    pub async fn run<F, Fut, R>(&self, lease: Lease, payload: Vec<u8>, progress: Option<Vec<u8>>, handler: F) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+        Fut: Future<Output = std::result::Result<R, JobError>>,
+        R: IntoJobResult,
     {
         self.run_claimed_at(lease, std::time::Instant::now(), payload, progress, handler).await
     }
@@ -784,7 +756,7 @@ impl Supervisor {
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn run_claimed_at<F, Fut>(
+    pub async fn run_claimed_at<F, Fut, R>(
         &self,
         lease: Lease,
         claimed_at: std::time::Instant,
@@ -794,7 +766,8 @@ impl Supervisor {
     ) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+        Fut: Future<Output = std::result::Result<R, JobError>>,
+        R: IntoJobResult,
     {
         // OpenTelemetry's messaging conventions where they apply (a "process" span on the
         // destination); `messaging.system` is filled in by the consumer runtime, which knows the
@@ -812,7 +785,7 @@ impl Supervisor {
         self.run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler).instrument(span).await
     }
 
-    async fn run_inner<F, Fut>(
+    async fn run_inner<F, Fut, R>(
         &self,
         lease: Lease,
         claimed_at: Instant,
@@ -822,7 +795,8 @@ impl Supervisor {
     ) -> Outcome
     where
         F: FnOnce(JobContext) -> Fut,
-        Fut: Future<Output = std::result::Result<Vec<u8>, JobError>>,
+        Fut: Future<Output = std::result::Result<R, JobError>>,
+        R: IntoJobResult,
     {
         let inner = &self.inner;
         let margin = inner.config.safety_margin();
@@ -855,9 +829,11 @@ impl Supervisor {
         };
         let timeout = inner.config.attempt_timeout;
         let work = async move {
+            // The result's conversion (a `Json` result's serialization) is part of the attempt.
+            let handled = async move { handler(ctx).await.and_then(IntoJobResult::into_job_result) };
             match timeout {
-                Some(t) => tokio::time::timeout(t, handler(ctx)).await.map_err(|_| ()),
-                None => Ok(handler(ctx).await),
+                Some(t) => tokio::time::timeout(t, handled).await.map_err(|_| ()),
+                None => Ok(handled.await),
             }
         };
         let guarded = Guarded::new(work, Arc::clone(&state), inner.base, inner.config.cancel_on_loss);
@@ -1494,7 +1470,7 @@ mod tests {
         let (sup, lease) = setup().await;
         let s = sup.clone();
         let joined = tokio::spawn(async move {
-            s.run(lease, Vec::new(), None, |_ctx| async move {
+            s.run::<_, _, ()>(lease, Vec::new(), None, |_ctx| async move {
                 tokio::task::yield_now().await;
                 panic!("handler bug")
             })
@@ -1509,7 +1485,7 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_attempt_leaves_the_registry() {
         let (sup, lease) = setup().await;
-        let run = sup.run(lease, Vec::new(), None, |_ctx| std::future::pending());
+        let run = sup.run(lease, Vec::new(), None, |_ctx| std::future::pending::<Result<(), JobError>>());
         assert!(tokio::time::timeout(Duration::from_millis(50), run).await.is_err());
         assert_eq!(sup.in_flight(), 0, "a dropped attempt must not be renewed forever");
         assert_eq!(sup.leases_held(), 0, "a dropped attempt must not be renewed forever");

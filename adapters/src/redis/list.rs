@@ -2,14 +2,16 @@
 //! source ([`ReliableList`]).
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ::redis::Value;
-use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
-use fence::{FenceStore, JobContext, JobKey, JobState, Lease, Owner, QueueName, SupervisorConfig};
+use fence::{
+    FenceStore, IntoJobResult, JobContext, JobError, JobKey, JobState, Lease, Owner, QueueName, SupervisorConfig,
+};
 use tokio::time::Instant;
 
 use super::conn::{RedisConnections, bounded};
@@ -19,7 +21,6 @@ use super::lease::{LeaseKeyHook, LeaseKeys};
 use super::reply;
 use super::scripts::SCRIPTS;
 use crate::disposition::Disposition;
-use crate::handler::Handler;
 use crate::middleware::{Detail, Retrofit};
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
@@ -494,7 +495,7 @@ impl ListProcessed {
 /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
-/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, redis.commands(), "mail", ItemKey::Split(b'|'));
+/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'));
 /// let mut conn = redis.blocking();
 /// let block = std::time::Duration::from_secs(5);
 /// loop {
@@ -505,7 +506,7 @@ impl ListProcessed {
 ///     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
 ///     let Ok(popped) = tokio::time::timeout(redis.timeouts().blocking(block), read).await else { continue };
 ///     let Some((_, item)) = popped? else { continue };
-///     let done = fence.process(&item, |ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }).await;
+///     let done = fence.process(&item, |ctx| async move { Ok(ctx.payload().to_vec()) }).await;
 ///     fence.requeue_popped(&item, &done).await?; // puts back what must run again
 /// }
 /// # }
@@ -515,7 +516,7 @@ pub struct ListRetrofit {
     retrofit: Retrofit,
     leases: LeaseKeys,
     item_key: ItemKey,
-    conn: ConnectionManager,
+    redis: RedisConnections,
     list: String,
     dead: String,
 }
@@ -524,15 +525,22 @@ impl ListRetrofit {
     /// The fence for items of `list`, fenced under `queue`, with a fresh owner id; `item_key` maps
     /// each item to its job key and payload (see [`ItemKey`] for what each choice means for
     /// identical items). Must be created inside a tokio runtime.
+    ///
+    /// The fence's own calls (lease keys, the push back and dead letter of
+    /// [`requeue_popped`](Self::requeue_popped)) go over `redis`'s command connection
+    /// ([`RedisConnections::commands`]), each bounded by its response timeout
+    /// ([`RedisTimeouts::response`](super::RedisTimeouts::response), default 2 s; change it with
+    /// [`command_timeout`](Self::command_timeout)); your blocking pop belongs on
+    /// [`RedisConnections::blocking`], which has no response timeout of its own.
     pub fn new(
         store: Arc<dyn FenceStore>,
         queue: QueueName,
         config: SupervisorConfig,
-        conn: ConnectionManager,
+        redis: &RedisConnections,
         list: impl Into<String>,
         item_key: ItemKey,
     ) -> Self {
-        Self::with_owner(store, queue, Owner::unique("worker"), config, conn, list, item_key)
+        Self::with_owner(store, queue, Owner::unique("worker"), config, redis, list, item_key)
     }
 
     /// Like [`new`](Self::new) with the given owner id.
@@ -541,15 +549,15 @@ impl ListRetrofit {
         queue: QueueName,
         owner: Owner,
         config: SupervisorConfig,
-        conn: ConnectionManager,
+        redis: &RedisConnections,
         list: impl Into<String>,
         item_key: ItemKey,
     ) -> Self {
         let list = list.into();
         let retrofit = Retrofit::with_owner(store, queue, owner, config);
-        let leases = LeaseKeys::new(conn.clone(), list.clone());
+        let leases = LeaseKeys::new(redis.commands(), list.clone()).with_timeout(redis.timeouts().response_timeout());
         retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
-        Self { retrofit, leases, item_key, conn, dead: sibling_key(&list, ":dead"), list }
+        Self { retrofit, leases, item_key, redis: redis.clone(), dead: sibling_key(&list, ":dead"), list }
     }
 
     /// The response timeout of this fence's Redis calls (default 2 s): lease keys, the push back
@@ -564,7 +572,7 @@ impl ListRetrofit {
     /// use brokerfence::redis::{ItemKey, ListRetrofit};
     /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
-    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, redis.commands(), "mail", ItemKey::Split(b'|'))
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))
     ///     .command_timeout(Duration::from_millis(500));
     /// assert_eq!(fence.leases().timeout(), Duration::from_millis(500));
     /// # Ok(()) }
@@ -591,7 +599,15 @@ impl ListRetrofit {
 
     /// Claims the item's job, sets its lease key, runs `handler` under the lease, commits through
     /// the fence, releases the lease key, and says what to do with the item.
-    pub async fn process<H: Handler>(&self, item: &[u8], handler: H) -> ListProcessed {
+    ///
+    /// The handler is awaited in place: any `FnOnce` closure, borrowing locals or moving loop
+    /// state in (see [`Retrofit::process`]).
+    pub async fn process<F, Fut, R>(&self, item: &[u8], handler: F) -> ListProcessed
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<R, JobError>>,
+        R: IntoJobResult,
+    {
         let (key, payload) = match self.item_key.decode(item) {
             Ok(v) => v,
             Err(reason) => {
@@ -607,8 +623,6 @@ impl ListRetrofit {
             let (leases, lease_key, ours, claimed) =
                 (self.leases.clone(), lease_key.clone(), Arc::clone(&ours), Arc::clone(&claimed));
             move |ctx: JobContext| {
-                let (handler, leases, lease_key, ours) =
-                    (handler.clone(), leases.clone(), lease_key.clone(), ours.clone());
                 claimed.store(ctx.epoch(), Ordering::SeqCst);
                 async move {
                     let l = ctx.lease();
@@ -624,7 +638,7 @@ impl ListRetrofit {
                         }
                         Err(e) => tracing::warn!(error = %e, "could not set the lease key (the database lease stands)"),
                     }
-                    handler.call(ctx).await
+                    handler(ctx).await
                 }
             }
         };
@@ -706,7 +720,7 @@ impl ListRetrofit {
                     .arg(&self.list)
                     .arg("item")
                     .arg(item);
-                let mut conn = self.conn.clone();
+                let mut conn = self.redis.commands();
                 let _: Value = bounded("XADD", self.leases.timeout(), xadd.query_async(&mut conn)).await?;
                 return Ok(());
             }
@@ -717,7 +731,7 @@ impl ListRetrofit {
         };
         let push = {
             let (mut conn, list, item, limit) =
-                (self.conn.clone(), self.list.clone(), item.to_vec(), self.leases.timeout());
+                (self.redis.commands(), self.list.clone(), item.to_vec(), self.leases.timeout());
             async move {
                 let mut lpush = ::redis::cmd("LPUSH");
                 lpush.arg(&list).arg(item);

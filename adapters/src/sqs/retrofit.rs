@@ -3,18 +3,20 @@
 //! deletes.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::Message;
-use fence::{FenceStore, Lease, LeaseHook, Metrics, Owner, QueueName, SupervisorConfig};
+use fence::{
+    FenceStore, IntoJobResult, JobContext, JobError, Lease, LeaseHook, Metrics, Owner, QueueName, SupervisorConfig,
+};
 use tracing::Instrument;
 
 use super::delivery::SqsDelivery;
 use super::error::SqsError;
 use super::source::SqsSource;
 use crate::disposition::Disposition;
-use crate::handler::Handler;
 use crate::middleware::{Detail, Retrofit};
 
 /// What happened to one message in [`SqsRetrofit::process`].
@@ -43,9 +45,12 @@ pub enum SqsDetail {
 impl SqsProcessed {
     /// True when the handler's result was committed and the message deleted.
     ///
-    /// ```no_run
+    /// (A crate of its own: a user's `async fn` around `process` and nothing else, whose layout
+    /// overflowed the compiler's query depth before `process` boxed its inner future.)
+    ///
+    /// ```no_run,standalone_crate
     /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
-    /// let done = fence.process(&m, |ctx: brokerfence::JobContext| async move { Ok(Vec::new()) }).await;
+    /// let done = fence.process(&m, |_ctx| async move { Ok(()) }).await;
     /// assert!(done.is_completed());
     /// # }
     /// ```
@@ -123,8 +128,8 @@ impl LeaseHook for ExtendHook {
 /// loop {
 ///     let out = client.receive_message().queue_url(url).wait_time_seconds(20).send().await?;
 ///     for message in out.messages() {
-///         let done = fence.process(message, |ctx: brokerfence::JobContext| async move {
-///             Ok(format!("handled {} at epoch {}", ctx.key(), ctx.epoch()).into_bytes())
+///         let done = fence.process(message, |ctx| async move {
+///             Ok(format!("handled {} at epoch {}", ctx.key(), ctx.epoch()))
 ///         }).await;
 ///         println!("{:?}", done.disposition); // deleted, re-hidden, dead-lettered or left
 ///     }
@@ -184,16 +189,32 @@ impl SqsRetrofit {
     /// (another message carrying the same key is never extended for it). A message your loop
     /// received has a visibility the adapter does not know until its first extension: receive
     /// with a visibility timeout of at least the lease.
-    pub async fn process<H: Handler>(&self, message: &Message, handler: H) -> SqsProcessed {
+    ///
+    /// The handler is awaited in place: any `FnOnce` closure, borrowing locals or moving loop
+    /// state in (see [`Retrofit::process`]).
+    pub async fn process<F, Fut, R>(&self, message: &Message, handler: F) -> SqsProcessed
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<R, JobError>>,
+        R: IntoJobResult,
+    {
         let span = tracing::info_span!(
             "sqs_process",
             queue = %self.retrofit.queue(),
             message_id = message.message_id().unwrap_or("?"),
         );
-        self.process_inner(message, handler).instrument(span).await
+        // Boxed: a caller's async fn would otherwise nest every layer of this future (the SDK's
+        // calls, the retrofit, the supervisor, the handler's future) and computing its layout
+        // overflows the compiler's query depth.
+        Box::pin(self.process_inner(message, handler).instrument(span)).await
     }
 
-    async fn process_inner<H: Handler>(&self, message: &Message, handler: H) -> SqsProcessed {
+    async fn process_inner<F, Fut, R>(&self, message: &Message, handler: F) -> SqsProcessed
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = Result<R, JobError>>,
+        R: IntoJobResult,
+    {
         let delivery = match self.source.delivery(message.clone()) {
             Ok(d) => d,
             Err(e) => {
@@ -227,13 +248,13 @@ impl SqsRetrofit {
         // the job is someone else's: then it never is).
         let running: Arc<Mutex<Option<LeaseId>>> = Arc::default();
         let (in_flight, d, slot) = (Arc::clone(&self.in_flight), delivery.clone(), Arc::clone(&running));
-        let wrapped = move |ctx: fence::JobContext| {
+        let wrapped = move |ctx: JobContext| {
             let id = lease_id(ctx.lease());
             in_flight.insert(id.clone(), d.clone());
             if let Ok(mut s) = slot.lock() {
                 *s = Some(id);
             }
-            handler.call(ctx)
+            handler(ctx)
         };
         let processed = self.retrofit.process(&key, payload, wrapped).await;
         if let Some(id) = running.lock().ok().and_then(|mut s| s.take()) {
