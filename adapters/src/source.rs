@@ -73,6 +73,22 @@ pub trait Source: Send + Sync + 'static {
         "custom"
     }
 
+    /// How many deliveries the consumer asks one [`receive`](Self::receive) for when its
+    /// [`ConsumerConfig::batch`](crate::ConsumerConfig::batch) is not set: 10 unless a source
+    /// says otherwise (one SQS `ReceiveMessage` returns at most 10; more per receive only pays
+    /// where one call can really serve more). The table queue says 64. A wrapper delegates it.
+    ///
+    /// ```
+    /// # fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) {
+    /// use brokerfence::{QueueName, Source, TableQueue};
+    /// let source = TableQueue::new(store, QueueName::new("emails").unwrap());
+    /// assert_eq!(source.default_batch(), 64);
+    /// # }
+    /// ```
+    fn default_batch(&self) -> usize {
+        10
+    }
+
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
     async fn receive(
         &self,

@@ -65,6 +65,14 @@ impl Source for TableQueue {
         "table"
     }
 
+    /// 64: the receive is the claim statement, so this is how many jobs one statement may hand
+    /// out. A statement costs the database far more than a row does, and 64 is what a plain
+    /// `FOR UPDATE SKIP LOCKED` loop usually claims at once; the consumer never asks for more
+    /// than it has free places for.
+    fn default_batch(&self) -> usize {
+        64
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
         let n = u32::try_from(max).unwrap_or(u32::MAX);
         let jobs = self

@@ -697,6 +697,10 @@ impl<S: Source> Source for EventSource<S> {
         self.0.kind()
     }
 
+    fn default_batch(&self) -> usize {
+        self.0.default_batch()
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError> {
         let got = self.0.receive(max, ctx).await?;
         Ok(got
