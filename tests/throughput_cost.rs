@@ -44,6 +44,8 @@ struct Wal {
     records: i64,
     fpi: i64,
     bytes: i64,
+    /// Server-side execution time, µs (printed only: the machine's load makes it noisy).
+    exec_us: f64,
 }
 
 impl std::ops::AddAssign for Wal {
@@ -51,13 +53,14 @@ impl std::ops::AddAssign for Wal {
         self.records += o.records;
         self.fpi += o.fpi;
         self.bytes += o.bytes;
+        self.exec_us += o.exec_us;
     }
 }
 
 impl Wal {
-    fn per_job(&self) -> (f64, f64, f64) {
+    fn per_job(&self) -> (f64, f64, f64, f64) {
         let n = JOBS as f64;
-        (self.records as f64 / n, self.fpi as f64 / n, self.bytes as f64 / n)
+        (self.records as f64 / n, self.fpi as f64 / n, self.bytes as f64 / n, self.exec_us / n)
     }
 }
 
@@ -80,7 +83,12 @@ async fn explain_wal(conn: &mut PgConnection, statement: &str) -> Wal {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in the plan of {statement}: {plan}"))
     };
-    Wal { records: field("WAL Records"), fpi: field("WAL FPI"), bytes: field("WAL Bytes") }
+    let exec_ms: f64 = plan
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Execution Time:").map(str::trim))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Execution Time in the plan of {statement}: {plan}"));
+    Wal { records: field("WAL Records"), fpi: field("WAL FPI"), bytes: field("WAL Bytes"), exec_us: exec_ms * 1000.0 }
 }
 
 /// A text literal (the values here are generated ASCII names, quoted all the same).
@@ -313,8 +321,8 @@ async fn throughput_wal_bytes_per_job_fenced_vs_plain_loop() {
     let mut plain_wal = d.plain_claim;
     plain_wal += d.plain_finish;
     let show = |name: &str, w: &Wal| {
-        let (r, f, b) = w.per_job();
-        println!("  {name:<22} {r:>6.2} records/job {f:>6.3} FPI/job {b:>8.1} bytes/job");
+        let (r, f, b, us) = w.per_job();
+        println!("  {name:<22} {r:>6.2} records/job {f:>6.3} FPI/job {b:>8.1} bytes/job {us:>6.1} µs/job executing");
     };
     println!("WAL per job, {JOBS} jobs, batches of {PER_CLAIM} (EXPLAIN ANALYZE, WAL):");
     show("fenced claim_next", &d.fenced_claim);
