@@ -142,12 +142,13 @@ const MIGRATIONS: &[Migration] = &[
         name: "room on the page for claims and commits",
         // Issue #18, the fence's WAL per job. Every claim and every commit writes a new version of
         // the job row. With the pages packed full by `enqueue_many` (the default fillfactor, 100)
-        // the first claims of a page put that version on another page: PostgreSQL then logs an
+        // the claims of a page put most new versions on another page: PostgreSQL then logs an
         // extra lock record for the old version and the whole new row (two pages referenced, no
         // prefix/suffix compression). With 30 % of each page kept free the new version stays on
-        // its page, and the record holds only the bytes that changed. Measured with
-        // `tests/throughput_cost.rs` (2,000 jobs, claims of 10, EXPLAIN ANALYZE WAL), together
-        // with the claim no longer writing `updated_at`: see docs/performance.md.
+        // its page, and the record holds only the bytes that changed: 25-35 bytes of WAL less per
+        // claim (`tests/throughput_cost.rs`, 2,000 jobs in claims of 10: 412.7 -> 387.6 bytes per
+        // job, or 389.0 -> 353.7 with claims that leave `updated_at`); commits measured the same
+        // either way (the claim's dead version is pruned first). See docs/performance.md.
         //
         // A storage parameter: a catalog change under a SHARE UPDATE EXCLUSIVE lock (reads and
         // writes go on; only other schema changes and VACUUM wait), no table rewrite. It applies
@@ -230,8 +231,8 @@ fn locked_by_key(s: &str) -> String {
 /// running row; the pruner ages finished rows by it, set when they finish), a claim that makes it
 /// dead sets it. That is WAL: a claimed row's new version is logged from its first changed
 /// byte to its last, and `updated_at` is the last column but one, so a claim that set it logged
-/// `run_at`, the payload and `created_at` as well (about 25-45 bytes per claim in
-/// `tests/throughput_cost.rs`, more with a larger payload).
+/// `run_at`, the payload and `created_at` as well (24-34 bytes per claim in
+/// `tests/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
 fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
     let over = format!("t.attempts >= {cap}::bigint");
     format!(
