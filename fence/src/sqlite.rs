@@ -100,7 +100,8 @@ const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The SET list of a claim by `owner` until `lease_end`, with the cap on claims (`cap`, a
 /// parameter): a claim that would exceed it makes the job dead instead (epoch and owner kept),
-/// naming the cap in `last_error`. `t` is the prefix of the old row's columns.
+/// naming the cap in `last_error`. `t` is the prefix of the old row's columns. As on PostgreSQL
+/// (see `postgres::capped_claim`), `updated_at` changes only when the claim makes the job dead.
 fn capped_claim(t: &str, owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
     let over = format!("{t}attempts >= {cap}");
     format!(
@@ -111,7 +112,7 @@ fn capped_claim(t: &str, owner: &str, lease_end: &str, cap: &str, inc: &str) -> 
          attempts = CASE WHEN {over} THEN {t}attempts ELSE {t}attempts + 1 END, \
          last_error = CASE WHEN {over} THEN 'claimed ' || {t}attempts || \
            ' times without finishing (max_claims = ' || {cap} || ')' ELSE {t}last_error END, \
-         updated_at = {NOW}"
+         updated_at = CASE WHEN {over} THEN {NOW} ELSE {t}updated_at END"
     )
 }
 
