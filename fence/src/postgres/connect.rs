@@ -313,10 +313,10 @@ impl PgFence {
     }
 
     /// Caps the claims of one job at `n` (at least 1; default 20,
-    /// [`RetryPolicy::max_claims`] of the default policy): a claim that would exceed it makes
+    /// [`RetryPolicy::max_claims`](crate::RetryPolicy::max_claims) of the default policy): a claim that would exceed it makes
     /// the job dead, with the last error "claimed N times without finishing (max_claims = M)",
-    /// and answers [`Claim::Dead`]. Claims count takeovers of stalled or killed holders, which
-    /// are not the job's fault and do not count against [`RetryPolicy::max_attempts`]: this is
+    /// and answers [`Claim::Dead`](crate::Claim::Dead). Claims count takeovers of stalled or killed holders, which
+    /// are not the job's fault and do not count against [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts): this is
     /// the cap against a job that kills every worker that runs it. Keep it well above
     /// `max_attempts` (`policy.max_claims()` suggests a value).
     pub fn with_max_claims(mut self, n: i64) -> Self {

@@ -81,7 +81,7 @@ impl PgFence {
     /// raised on its connection): its rows can no longer commit, every later statement in it
     /// fails, and `COMMIT` rolls it back, even if the caller ignores the answer. Call it last,
     /// right before `COMMIT`: from here on the transaction holds the job's row lock (see
-    /// [`Heartbeat::held`]).
+    /// [`Heartbeat::held`](crate::Heartbeat::held)).
     ///
     /// ```no_run
     /// # async fn demo(fence: brokerfence::PgFence, lease: brokerfence::Lease) -> brokerfence::Result<()> {

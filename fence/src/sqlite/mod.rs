@@ -148,7 +148,7 @@ impl SqliteFence {
 
     /// Caps the claims of one job at `n` (at least 1; default 20): a claim that would exceed it
     /// makes the job dead, with the last error "claimed N times without finishing (max_claims =
-    /// M)", and answers [`Claim::Dead`]. See [`PgFence::with_max_claims`](crate::PgFence::with_max_claims).
+    /// M)", and answers [`Claim::Dead`](crate::Claim::Dead). See [`PgFence::with_max_claims`](crate::PgFence::with_max_claims).
     pub fn with_max_claims(mut self, n: i64) -> Self {
         self.max_claims = n.max(1);
         self

@@ -45,8 +45,8 @@ impl SupervisorConfig {
         }
     }
 
-    /// How long one call of a broker hook ([`LeaseHook`]) may take before it is dropped (a
-    /// warning, and [`Counter::HookTimeouts`]; the database lease stands). Never more than the
+    /// How long one call of a broker hook ([`LeaseHook`](crate::LeaseHook)) may take before it is dropped (a
+    /// warning, and [`Counter::HookTimeouts`](crate::Counter::HookTimeouts); the database lease stands). Never more than the
     /// heartbeat interval, lease/3, which is also the default: a longer value is cut to it.
     ///
     /// Hooks run beside the heartbeat in tasks of their own, so a slow broker costs a visibility
@@ -72,7 +72,7 @@ impl SupervisorConfig {
 
     /// How long a finished attempt waits for the database's verdict on its commit, failure record
     /// or release (its lease is renewed all the while). Past it the outcome is
-    /// [`Outcome::StoreError`] with [`FenceError::CommitUnconfirmed`]: never acknowledged, and a
+    /// [`Outcome::StoreError`](crate::Outcome::StoreError) with [`FenceError::CommitUnconfirmed`](crate::FenceError::CommitUnconfirmed): never acknowledged, and a
     /// redelivery finds the job committed or claimable. Default: twice the lease, at least 30 s.
     ///
     /// ```

@@ -106,7 +106,7 @@ impl JobContext {
     /// commit together or not at all. Once the handler returns, the supervisor reads the job row
     /// (one grouped statement for the attempts returning meanwhile, like the group commit)
     /// instead of committing the returned bytes: completed under this epoch means
-    /// [`Outcome::Completed`] (the delivery is acknowledged, no second commit); still running under
+    /// [`Outcome::Completed`](crate::Outcome::Completed) (the delivery is acknowledged, no second commit); still running under
     /// it means the transaction did not commit, and the attempt counts as failed (retried).
     ///
     /// A [`Fenced`](FenceError::Fenced) answer means a newer epoch holds the job: the transaction

@@ -61,7 +61,7 @@ impl Outcome {
 /// Called only with leases the database has just confirmed (or found lost).
 ///
 /// Hooks never hold up the heartbeat: each runs in a task of its own, one call at a time, and a
-/// call is dropped after [`SupervisorConfig::hook_timeout`] (at most lease/3). While a call is
+/// call is dropped after [`SupervisorConfig::hook_timeout`](crate::SupervisorConfig::hook_timeout) (at most lease/3). While a call is
 /// out, later heartbeats' answers replace the waiting ones, so the next call carries only the
 /// newest lease per job. Right before a `confirmed` call goes out, leases whose attempt has ended
 /// or whose worker-side deadline has passed are left out, and each lease's `ttl` is what is left
