@@ -40,12 +40,12 @@ pub(super) const ABORT_FENCED_TX: &str = "DO $$ BEGIN RAISE EXCEPTION USING ERRC
     MESSAGE = 'brokerfence: complete_in was fenced (a newer epoch holds the job); this transaction cannot commit'; END $$";
 
 /// The compare-and-set every write on behalf of a lease carries ($1 queue, $2 key, $3 owner, $4 epoch).
-pub(super) const CAS: &str = "t.queue = $1 AND t.key = $2 AND t.owner = $3 AND t.epoch = $4 AND t.state = 'running'";
+const CAS: &str = "t.queue = $1 AND t.key = $2 AND t.owner = $3 AND t.epoch = $4 AND t.state = 'running'";
 /// What is left of it when the commit guard is switched off (tests only).
-pub(super) const NO_CAS: &str = "t.queue = $1 AND t.key = $2";
+const NO_CAS: &str = "t.queue = $1 AND t.key = $2";
 
 /// Wraps a fenced UPDATE so that the same round trip reports the current epoch and owner.
-pub(super) fn fenced(schema: &str, update: &str, returning: &str) -> String {
+fn fenced(schema: &str, update: &str, returning: &str) -> String {
     format!(
         "WITH upd AS ({update} RETURNING {returning}) \
          SELECT (SELECT count(*) FROM upd)::bigint, (SELECT r FROM upd LIMIT 1), j.epoch, j.owner \
@@ -61,7 +61,7 @@ pub(super) fn fenced(schema: &str, update: &str, returning: &str) -> String {
 /// row, in key order, and yields the newest version of each row, locked. As a join, a plan made
 /// while the table was nearly empty was a hash join over a sequential scan (see
 /// [`PgFence::pool_options`] for how the plans are kept index lookups).
-pub(super) fn locked_by_key(s: &str) -> String {
+fn locked_by_key(s: &str) -> String {
     format!(
         "cur AS MATERIALIZED (SELECT u.*, t.epoch AS cur_epoch, t.owner AS cur_owner, t.state AS cur_state \
          FROM (SELECT * FROM u ORDER BY queue, key) u \
@@ -80,7 +80,7 @@ pub(super) fn locked_by_key(s: &str) -> String {
 /// byte to its last, and `updated_at` is the last column but one, so a claim that set it logged
 /// `run_at`, the payload and `created_at` as well (24-34 bytes per claim in
 /// `tests/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
-pub(super) fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
+fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
     let over = format!("t.attempts >= {cap}::bigint");
     format!(
         "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \

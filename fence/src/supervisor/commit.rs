@@ -63,7 +63,7 @@ pub(super) async fn commit_loop(store: Arc<dyn FenceStore>, metrics: Arc<Metrics
 }
 
 /// Commits one group and answers each of its completions.
-pub(super) async fn commit_batch(store: &dyn FenceStore, batch: Vec<CommitRequest>) {
+async fn commit_batch(store: &dyn FenceStore, batch: Vec<CommitRequest>) {
     let (items, replies): (Vec<(Lease, Vec<u8>)>, Vec<_>) =
         batch.into_iter().map(|(lease, result, reply)| ((lease, result), reply)).unzip();
     match store.complete_batch(&items).await {
@@ -173,7 +173,7 @@ impl Inner {
 
     /// Whether the job of `lease` is completed under it, through the group read (see
     /// [`verify_loop`]), bounded like a commit's verdict.
-    pub(super) async fn completed_under(&self, lease: &Lease) -> Result<bool> {
+    async fn completed_under(&self, lease: &Lease) -> Result<bool> {
         let (reply, verdict) = tokio::sync::oneshot::channel();
         self.settled(async {
             match self.verifier.send((lease.clone(), reply)).await {
@@ -191,7 +191,7 @@ impl Inner {
     /// Commits a result through the group commit (the fenced compare-and-set, batched). While
     /// the commit queue is full the attempt waits to enqueue (backpressure; its lease is still
     /// renewed); nothing is dropped.
-    pub(super) async fn commit(&self, lease: &Lease, result: Vec<u8>) -> Result<()> {
+    async fn commit(&self, lease: &Lease, result: Vec<u8>) -> Result<()> {
         let (reply, verdict) = tokio::sync::oneshot::channel();
         self.settled(async {
             match self.committer.send((lease.clone(), result, reply)).await {
@@ -209,14 +209,14 @@ impl Inner {
     /// Waits for the database's verdict on a commit, failure record or release, at most
     /// [`SupervisorConfig::settle_timeout`]: past it the fate is unknown
     /// ([`FenceError::CommitUnconfirmed`]), so the delivery is not acknowledged.
-    pub(super) async fn settled<T>(&self, verdict: impl Future<Output = Result<T>>) -> Result<T> {
+    async fn settled<T>(&self, verdict: impl Future<Output = Result<T>>) -> Result<T> {
         let limit = self.config.settle_timeout_length();
         tokio::time::timeout(limit, verdict).await.unwrap_or_else(|_| {
             Err(FenceError::CommitUnconfirmed(format!("no verdict from the database within {limit:?}")))
         })
     }
 
-    pub(super) fn commit_error(&self, e: FenceError) -> Outcome {
+    fn commit_error(&self, e: FenceError) -> Outcome {
         if e.is_fenced() {
             self.metrics.incr(Counter::FencedRejections);
             tracing::warn!(error = %e, "commit fenced: result dropped, delivery not acknowledged");
@@ -227,7 +227,7 @@ impl Inner {
         }
     }
 
-    pub(super) async fn fail(&self, lease: &Lease, error: JobError) -> Outcome {
+    async fn fail(&self, lease: &Lease, error: JobError) -> Outcome {
         match self.settled(self.store.fail(lease, &error.message, error.retry, &self.config.retry)).await {
             Ok(FailOutcome::Retry { retry_in }) => {
                 self.metrics.incr(Counter::Failures);

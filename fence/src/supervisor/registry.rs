@@ -94,7 +94,7 @@ impl Registered<'_> {
         self.stop_running();
     }
 
-    pub(super) fn stop_running(&mut self) {
+    fn stop_running(&mut self) {
         if std::mem::take(&mut self.running) {
             self.inner.running.fetch_sub(1, Ordering::AcqRel);
             self.inner.metrics.in_flight(false);
@@ -199,7 +199,7 @@ impl Inner {
         u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
     }
 
-    pub(super) fn remove(&self, id: u64) {
+    fn remove(&self, id: u64) {
         if let Ok(mut map) = self.inflight.lock() {
             map.remove(&id);
             if map.is_empty() {

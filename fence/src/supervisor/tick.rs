@@ -16,7 +16,7 @@ use crate::model::Lease;
 impl Inner {
     /// One heartbeat: renews every in-flight lease in one statement. Returns false when the
     /// database could not confirm (so the next tick comes sooner).
-    pub(super) async fn tick(self: &Arc<Self>) -> bool {
+    async fn tick(self: &Arc<Self>) -> bool {
         let snapshot: Vec<(u64, Lease, Arc<SlotState>)> = match self.inflight.lock() {
             Ok(map) => map.iter().map(|(id, s)| (*id, s.lease.clone(), Arc::clone(&s.state))).collect(),
             Err(_) => return false,
@@ -67,7 +67,7 @@ impl Inner {
 
     /// Applies one renewal statement's answer for the attempts of `snapshot`: moves the
     /// deadlines of the renewed, cancels the lost that still run, and posts both to the hooks.
-    pub(super) fn apply_renewals(
+    fn apply_renewals(
         &self,
         snapshot: &[(u64, Lease, Arc<SlotState>)],
         sent: Instant,
@@ -120,7 +120,7 @@ impl Inner {
 
     /// One renewal statement for `leases` (none when there are none), bounded by the heartbeat
     /// interval; `unless_locked`: skip rows another transaction holds locked.
-    pub(super) async fn renew(
+    async fn renew(
         &self,
         leases: &[Lease],
         unless_locked: bool,
