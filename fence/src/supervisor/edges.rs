@@ -14,9 +14,11 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::commit::COMMITS_IN_FLIGHT;
 use super::*;
-use crate::model::{Claim, ClaimedJob, Heartbeat, JobRecord};
-use crate::{DbTime, SqliteFence};
+use crate::error::Result;
+use crate::model::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, LeaseDuration, RetryPolicy};
+use crate::{DbTime, JobKey, QueueName, SqliteFence};
 
 const LEASE_SECS: u64 = 3;
 

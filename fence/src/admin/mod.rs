@@ -3,7 +3,7 @@
 //! this module; everything it shows is available here as typed values.
 //!
 //! Every time in these answers is on the **database clock** (the clock leases are judged by), in
-//! milliseconds since the Unix epoch ([`DbTime`]), and every "time left" is computed by the
+//! milliseconds since the Unix epoch ([`DbTime`](crate::DbTime)), and every "time left" is computed by the
 //! database in the same statement. Each call is bounded: on PostgreSQL by a `statement_timeout`
 //! (the call's limit) and a `lock_timeout` (half of it, at most 3 s) set for its own
 //! transactions, and on both backends by a client-side limit ([`Admin::with_timeout`], default
@@ -28,13 +28,23 @@ use std::time::Duration;
 
 use crate::error::FenceError;
 use crate::key::{JobKey, QueueName};
-use crate::model::{DbTime, JobState};
 use crate::store::{Backend, FenceStore};
 
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+
+mod rows;
+mod types;
+
+pub(crate) use rows::{
+    DeadRow, JobInfoRow, RunningRow, assemble, dead_job, job_info, key_chunks, keyed_outcome, ms, stored_key,
+    stored_queue,
+};
+pub use types::{
+    DeadJob, JobInfo, QueueStatus, Requeue, RequeueReport, Requeued, RunningJob, Skipped, StateCounts, Status,
+};
 
 /// The default client-side limit of one admin call: 30 s.
 pub const DEFAULT_ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -85,198 +95,6 @@ impl From<sqlx::Error> for AdminError {
     fn from(e: sqlx::Error) -> Self {
         AdminError::Fence(FenceError::from(e))
     }
-}
-
-/// Jobs per state in one queue.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StateCounts {
-    /// Waiting to be claimed.
-    pub pending: u64,
-    /// Held under a lease (live or expired).
-    pub running: u64,
-    /// Failed, waiting for their backoff to pass.
-    pub failed: u64,
-    /// Dead letters.
-    pub dead: u64,
-    /// Completed (kept until retention prunes them).
-    pub completed: u64,
-}
-
-impl StateCounts {
-    /// All jobs of the queue.
-    ///
-    /// ```
-    /// use brokerfence::admin::StateCounts;
-    /// assert_eq!(StateCounts { pending: 2, dead: 1, ..StateCounts::default() }.total(), 3);
-    /// ```
-    pub fn total(&self) -> u64 {
-        self.pending + self.running + self.failed + self.dead + self.completed
-    }
-
-    pub(crate) fn add(&mut self, state: JobState, n: u64) {
-        match state {
-            JobState::Pending => self.pending += n,
-            JobState::Running => self.running += n,
-            JobState::Failed => self.failed += n,
-            JobState::Dead => self.dead += n,
-            JobState::Completed => self.completed += n,
-        }
-    }
-}
-
-/// A running job, as the status shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunningJob {
-    /// Key.
-    pub key: JobKey,
-    /// The epoch of the holder's claim.
-    pub epoch: i64,
-    /// The holder.
-    pub owner: Option<String>,
-    /// Claims so far.
-    pub attempts: i64,
-    /// When the lease ends (database clock).
-    pub lease_until: DbTime,
-    /// Milliseconds left on the lease when the database answered; negative when the lease has
-    /// ended that long ago (a stalled holder no claimer has taken over from yet).
-    pub lease_left_ms: i64,
-    /// When the job became due (its `run_at`: enqueued, or its backoff passed), so it has been
-    /// waiting or running for at least `now - due_since`.
-    pub due_since: DbTime,
-}
-
-impl RunningJob {
-    /// True when the lease has ended.
-    pub fn expired(&self) -> bool {
-        self.lease_left_ms < 0
-    }
-}
-
-/// One queue in a [`Status`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QueueStatus {
-    /// The queue.
-    pub queue: QueueName,
-    /// Jobs per state.
-    pub counts: StateCounts,
-    /// Running jobs whose lease has ended (their holder stalled or died; the next claim takes
-    /// them over).
-    pub expired_leases: u64,
-    /// The running job that has been due the longest (smallest `run_at`), if any is running.
-    pub oldest_running: Option<RunningJob>,
-    /// Running jobs whose lease ends within [`Admin::with_expiring_within`] (or has ended),
-    /// soonest first, at most [`Admin::with_list_limit`] of them.
-    pub expiring: Vec<RunningJob>,
-}
-
-/// What [`Admin::status`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Status {
-    /// The database clock when the status was read.
-    pub now: DbTime,
-    /// The queues that have jobs, by name.
-    pub queues: Vec<QueueStatus>,
-}
-
-/// One job, as [`Admin::job`] shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JobInfo {
-    /// Queue.
-    pub queue: QueueName,
-    /// Key.
-    pub key: JobKey,
-    /// State.
-    pub state: JobState,
-    /// The newest epoch handed out (the fencing token a holder must present).
-    pub epoch: i64,
-    /// Last owner (none after a requeue).
-    pub owner: Option<String>,
-    /// Claims so far (takeovers included; checked against the store's `max_claims`).
-    pub attempts: i64,
-    /// Handler failures so far (checked against `RetryPolicy::max_attempts`).
-    pub failures: i64,
-    /// Lease end (database clock), while running.
-    pub lease_until: Option<DbTime>,
-    /// Milliseconds left on the lease when the database answered (negative: ended that long ago).
-    pub lease_left_ms: Option<i64>,
-    /// When the job is (or was) due.
-    pub run_at: DbTime,
-    /// Last error (kept after a requeue; see [`Admin::requeue_dead`]).
-    pub last_error: Option<String>,
-    /// When the row was created.
-    pub created_at: DbTime,
-    /// When the row last changed (claims, heartbeats, commits, failures).
-    pub updated_at: DbTime,
-    /// Bytes of the payload (table queue), if any.
-    pub payload_bytes: Option<u64>,
-    /// Bytes of the last checkpoint, if any.
-    pub progress_bytes: Option<u64>,
-    /// Bytes of the committed result, if any.
-    pub result_bytes: Option<u64>,
-    /// The database clock when the job was read.
-    pub now: DbTime,
-}
-
-/// A dead letter, as [`Admin::dead`] lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadJob {
-    /// Queue.
-    pub queue: QueueName,
-    /// Key.
-    pub key: JobKey,
-    /// The epoch that buried it.
-    pub epoch: i64,
-    /// Its last owner.
-    pub owner: Option<String>,
-    /// Claims.
-    pub attempts: i64,
-    /// Handler failures.
-    pub failures: i64,
-    /// Why it died.
-    pub last_error: Option<String>,
-    /// When it died (the row's last change, database clock).
-    pub died_at: DbTime,
-    /// Milliseconds since it died, when the database answered.
-    pub age_ms: i64,
-}
-
-/// Which dead jobs of a queue [`Admin::requeue_dead`] gives another run.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Requeue {
-    /// These keys (a key that is not dead is reported in [`RequeueReport::skipped`]).
-    Keys(Vec<JobKey>),
-    /// Every job of the queue that was dead when the call started (dead letters made while it
-    /// runs are left for the next call, so the call ends even while jobs keep dying).
-    AllDead,
-}
-
-/// A job [`Admin::requeue_dead`] made pending again.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Requeued {
-    /// Key.
-    pub key: JobKey,
-    /// Its new epoch (one above the epoch it died under).
-    pub epoch: i64,
-}
-
-/// A key [`Admin::requeue_dead`] left alone.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Skipped {
-    /// Key.
-    pub key: JobKey,
-    /// Its state (not dead), or `None` when the queue has no such job.
-    pub state: Option<JobState>,
-}
-
-/// What [`Admin::requeue_dead`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RequeueReport {
-    /// Jobs made pending, with their new epochs.
-    pub requeued: Vec<Requeued>,
-    /// Keys named that were not dead (or do not exist): nothing was changed for them.
-    pub skipped: Vec<Skipped>,
-    /// Statements (each its own short transaction) that changed rows.
-    pub batches: u64,
 }
 
 /// The concrete store an [`Admin`] works on.
@@ -509,189 +327,4 @@ impl Admin {
         })
         .await
     }
-}
-
-/// A key read back from the database.
-pub(crate) fn stored_key(k: String) -> Result<JobKey, AdminError> {
-    JobKey::new(k).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored job key: {e}"))))
-}
-
-/// A queue name read back from the database.
-pub(crate) fn stored_queue(q: String) -> Result<QueueName, AdminError> {
-    QueueName::new(q).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored queue name: {e}"))))
-}
-
-/// A count from the database.
-pub(crate) fn count(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
-}
-
-/// Milliseconds of a duration for a statement parameter (saturating).
-pub(crate) fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// A running-job row: key, epoch, owner, attempts, lease_until, lease left, run_at (ms).
-pub(crate) type RunningRow = (String, String, i64, Option<String>, i64, i64, i64, i64);
-
-/// Puts status rows together: counts (queue, state, n, expired), then running rows of the oldest
-/// (`oldest`) and the expiring (`expiring`) kind, each with its queue first.
-pub(crate) fn assemble(
-    now: i64,
-    counts: Vec<(String, String, i64, i64)>,
-    oldest: Vec<RunningRow>,
-    expiring: Vec<RunningRow>,
-) -> Result<Status, AdminError> {
-    let mut queues: std::collections::BTreeMap<String, QueueStatus> = std::collections::BTreeMap::new();
-    for (queue, state, n, expired) in counts {
-        let entry = match queues.entry(queue.clone()) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(v) => v.insert(QueueStatus {
-                queue: stored_queue(queue)?,
-                counts: StateCounts::default(),
-                expired_leases: 0,
-                oldest_running: None,
-                expiring: Vec::new(),
-            }),
-        };
-        entry.counts.add(JobState::parse(&state)?, count(n));
-        entry.expired_leases += count(expired);
-    }
-    let running = |row: RunningRow| -> Result<(String, RunningJob), AdminError> {
-        let (queue, key, epoch, owner, attempts, lease_until, left, run_at) = row;
-        Ok((
-            queue,
-            RunningJob {
-                key: stored_key(key)?,
-                epoch,
-                owner,
-                attempts,
-                lease_until: DbTime(lease_until),
-                lease_left_ms: left,
-                due_since: DbTime(run_at),
-            },
-        ))
-    };
-    for row in oldest {
-        let (queue, job) = running(row)?;
-        if let Some(q) = queues.get_mut(&queue) {
-            q.oldest_running = Some(job);
-        }
-    }
-    for row in expiring {
-        let (queue, job) = running(row)?;
-        if let Some(q) = queues.get_mut(&queue) {
-            q.expiring.push(job);
-        }
-    }
-    Ok(Status { now: DbTime(now), queues: queues.into_values().collect() })
-}
-
-/// A dead-job row: queue, key, epoch, owner, attempts, failures, last_error, updated_at, age (ms).
-pub(crate) type DeadRow = (String, String, i64, Option<String>, i64, i64, Option<String>, i64, i64);
-
-pub(crate) fn dead_job(row: DeadRow) -> Result<DeadJob, AdminError> {
-    let (queue, key, epoch, owner, attempts, failures, last_error, died_at, age_ms) = row;
-    Ok(DeadJob {
-        queue: stored_queue(queue)?,
-        key: stored_key(key)?,
-        epoch,
-        owner,
-        attempts,
-        failures,
-        last_error,
-        died_at: DbTime(died_at),
-        age_ms,
-    })
-}
-
-/// A job row: state, epoch, owner, attempts, failures, lease_until, lease left, run_at,
-/// last_error, created_at, updated_at, payload/progress/result bytes, now (ms).
-pub(crate) type JobInfoRow = (
-    String,
-    i64,
-    Option<String>,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-    i64,
-    Option<String>,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-    Option<i64>,
-    i64,
-);
-
-pub(crate) fn job_info(queue: &QueueName, key: &JobKey, row: JobInfoRow) -> Result<JobInfo, AdminError> {
-    let (
-        state,
-        epoch,
-        owner,
-        attempts,
-        failures,
-        lease_until,
-        lease_left_ms,
-        run_at,
-        last_error,
-        created_at,
-        updated_at,
-        payload,
-        progress,
-        result,
-        now,
-    ) = row;
-    let bytes = |n: Option<i64>| n.map(count);
-    Ok(JobInfo {
-        queue: queue.clone(),
-        key: key.clone(),
-        state: JobState::parse(&state)?,
-        epoch,
-        owner,
-        attempts,
-        failures,
-        lease_until: lease_until.map(DbTime),
-        lease_left_ms,
-        run_at: DbTime(run_at),
-        last_error,
-        created_at: DbTime(created_at),
-        updated_at: DbTime(updated_at),
-        payload_bytes: bytes(payload),
-        progress_bytes: bytes(progress),
-        result_bytes: bytes(result),
-        now: DbTime(now),
-    })
-}
-
-/// Sorts the outcome of a keyed requeue: `rows` are (key, new epoch if requeued, state seen).
-pub(crate) fn keyed_outcome(
-    report: &mut RequeueReport,
-    rows: Vec<(String, Option<i64>, Option<String>)>,
-) -> Result<(), AdminError> {
-    let mut changed = false;
-    for (key, epoch, state) in rows {
-        let key = stored_key(key)?;
-        match epoch {
-            Some(epoch) => {
-                changed = true;
-                report.requeued.push(Requeued { key, epoch });
-            }
-            None => report.skipped.push(Skipped { key, state: state.as_deref().map(JobState::parse).transpose()? }),
-        }
-    }
-    if changed {
-        report.batches += 1;
-    }
-    Ok(())
-}
-
-/// The distinct keys of `keys`, first-seen order, in chunks of `batch`.
-pub(crate) fn key_chunks(keys: &[JobKey], batch: u32) -> Vec<Vec<String>> {
-    let distinct = crate::store::distinct_keys(keys);
-    distinct
-        .chunks(usize::try_from(batch.max(1)).unwrap_or(usize::MAX))
-        .map(|c| c.iter().map(|k| k.as_str().to_owned()).collect())
-        .collect()
 }

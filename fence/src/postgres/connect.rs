@@ -1,0 +1,386 @@
+//! Connecting: the session setup, the connect probe, the server-side time limits ([`PgTimeouts`])
+//! and the constructors and accessors of [`PgFence`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Connection;
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+
+use super::{MigrationLimits, PgFence, Statements};
+use crate::error::{FenceError, Result};
+use crate::guards::Guards;
+use crate::schema::SchemaName;
+use crate::store::default_max_claims;
+
+/// What every connection of a fence pool runs once, when it opens (see [`PgFence::pool_options`]):
+/// the planner may use only index scans and nested loops on that connection, so that a plan the
+/// server keeps for a fence statement looks rows up by key whatever the jobs table looked like
+/// when it was made, and it keeps that one plan from the first call on. Bitmap scans are off
+/// too: on a jobs table that was never analyzed the planner guesses a row or two per queue, and
+/// for `claim_next` it then picked a bitmap scan over every due row plus a sort (62–67 ms per
+/// claim of ten with 76,000 jobs pending, the sort spilling to disk) over the index-order scan
+/// that stops after ten rows. For a pool built some other way, run it on each new connection
+/// (five `SET`s, sent as one simple query):
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .after_connect(|conn, _| Box::pin(async move {
+///         sqlx::Executor::execute(&mut *conn, brokerfence::PG_SESSION_SETUP).await.map(drop)
+///     }))
+///     .connect("postgres://127.0.0.1/jobs")
+///     .await?;
+/// let fence = brokerfence::PgFence::new(pool);
+/// # let _ = fence; Ok(()) }
+/// ```
+pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
+                                     SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
+
+/// The schemes [`PgFence::connect`] accepts, as its [`FenceError::UnsupportedScheme`] names them.
+const PG_SCHEMES: &str = "postgres:// or postgresql:// (PostgreSQL; for SQLite use SqliteFence::open with sqlite:PATH)";
+
+/// How long the one direct connection attempt [`PgFence::connect`] and
+/// [`PgFence::connect_with`] make before building their pool may take (10 s, the pool's acquire
+/// timeout): past it the connect fails with [`FenceError::Unreachable`].
+pub const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One direct connection to `options`, closed at once: the real cause when the server cannot be
+/// reached or refuses the connection (a pool only says that it timed out).
+async fn probe(options: &sqlx::postgres::PgConnectOptions) -> Result<()> {
+    let unreachable = |cause: String| FenceError::Unreachable {
+        host: options.get_host().to_owned(),
+        port: options.get_port(),
+        cause,
+    };
+    match tokio::time::timeout(CONNECT_PROBE_TIMEOUT, PgConnection::connect_with(options)).await {
+        Err(_) => Err(unreachable(format!("no answer within {} s", CONNECT_PROBE_TIMEOUT.as_secs()))),
+        Ok(Ok(conn)) => {
+            // Terminate politely, but never wait long for it.
+            let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
+            Ok(())
+        }
+        // A certificate that does not verify is an I/O error of kind InvalidData: keep it as it
+        // is (`FenceError::Database`), like every TLS failure.
+        Ok(Err(sqlx::Error::Io(io))) if io.kind() != std::io::ErrorKind::InvalidData => {
+            Err(unreachable(lowercase_first(&io.to_string())))
+        }
+        // 28xxx: authentication; 3D000: no such database; 53300: too many connections.
+        Ok(Err(sqlx::Error::Database(db)))
+            if db.code().is_some_and(|c| c.starts_with("28") || c == "3D000" || c == "53300") =>
+        {
+            Err(FenceError::ConnectRejected {
+                host: options.get_host().to_owned(),
+                port: options.get_port(),
+                user: options.get_username().to_owned(),
+                database: options.get_database().unwrap_or(options.get_username()).to_owned(),
+                cause: db.message().to_owned(),
+            })
+        }
+        Ok(Err(e)) => Err(e.into()),
+    }
+}
+
+/// `s` with its first letter in lower case ("Connection refused" reads as a cause in a sentence).
+fn lowercase_first(s: &str) -> String {
+    let mut chars = s.chars();
+    match chars.next() {
+        Some(c) => c.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+/// Server-side time limits of a fence's connections, sent as startup options of each connection
+/// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra
+/// round trip for them.
+///
+/// Fence statements touch a few rows by key and take milliseconds; one that waits longer for a
+/// lock (a row held by a stalled transaction, a table lock queued by a migration) or runs longer
+/// gives up with [`FenceError::LockTimeout`] or [`FenceError::StatementTimeout`] instead of
+/// hanging past the lease it serves. Nothing the statement wrote is kept; the caller retries.
+///
+/// The defaults fit the shortest lease ([`MIN_LEASE`](crate::MIN_LEASE), 3 s, renewed every
+/// second): a heartbeat gives up after 1 s waiting for a lock (by then the next one is due) or
+/// 2 s in all (a renewal that ends later than that renews a lease that may have ended already);
+/// claims and commits wait at most 3 s for a lock and run at most 10 s. Longer leases can afford
+/// longer limits; shorter limits than the defaults make spurious failures likelier on a loaded
+/// server. (A [`Supervisor`](crate::Supervisor) also stops waiting for a heartbeat after one
+/// heartbeat interval; these limits free the server's side of it.)
+///
+/// The main pool's limits also apply to what a caller runs on [`PgFence::pool`] connections (for
+/// example the business statements of a [`complete_in`](PgFence::complete_in) transaction).
+/// Migrations override both per transaction (see [`PgFence::with_migration_lock_timeout`]).
+/// Connection poolers that drop startup options (PgBouncer in transaction mode) need the limits set
+/// on the database role instead (`ALTER ROLE … SET lock_timeout = …`).
+///
+/// ```no_run
+/// # async fn demo() -> brokerfence::Result<()> {
+/// use std::time::Duration;
+/// use brokerfence::{PgFence, PgTimeouts};
+/// let timeouts = PgTimeouts { lock: Duration::from_secs(10), statement: Duration::from_secs(30), ..PgTimeouts::default() };
+/// let options: sqlx::postgres::PgConnectOptions = "postgres://127.0.0.1/jobs".parse()?;
+/// let fence = PgFence::connect_with_timeouts(options, timeouts).await?;
+/// # let _ = fence; Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PgTimeouts {
+    /// `statement_timeout` of the main pool (claims, commits, fail, release, the ledger). Default 10 s.
+    pub statement: Duration,
+    /// `lock_timeout` of the main pool. Default 3 s.
+    pub lock: Duration,
+    /// `statement_timeout` of the heartbeat connections. Default 2 s.
+    pub heartbeat_statement: Duration,
+    /// `lock_timeout` of the heartbeat connections. Default 1 s (below the statement limit, so
+    /// that a renewal stuck on a lock says so).
+    pub heartbeat_lock: Duration,
+    /// Connections reserved for heartbeats, apart from the main pool. Default 2 (a renewal in
+    /// flight and the next one).
+    pub heartbeat_connections: u32,
+}
+
+impl Default for PgTimeouts {
+    fn default() -> Self {
+        Self {
+            statement: Duration::from_secs(10),
+            lock: Duration::from_secs(3),
+            heartbeat_statement: Duration::from_secs(2),
+            heartbeat_lock: Duration::from_secs(1),
+            heartbeat_connections: 2,
+        }
+    }
+}
+
+/// A duration as a PostgreSQL time setting in whole milliseconds, at least 1 (0 would mean "no limit").
+pub(super) fn pg_ms(d: Duration) -> u128 {
+    d.as_millis().max(1)
+}
+
+impl PgTimeouts {
+    /// `options` with the main pool's limits added as startup options (later ones win, so these
+    /// override a `statement_timeout` or `lock_timeout` already in `options`).
+    pub fn apply(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+        options.options([("statement_timeout", pg_ms(self.statement)), ("lock_timeout", pg_ms(self.lock))])
+    }
+
+    /// `options` with the heartbeat connections' limits added as startup options.
+    pub fn apply_heartbeat(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+        options.options([
+            ("statement_timeout", pg_ms(self.heartbeat_statement)),
+            ("lock_timeout", pg_ms(self.heartbeat_lock)),
+        ])
+    }
+
+    /// The pool of reserved heartbeat connections: opened on first use (then kept while in use, like any pool's), each with
+    /// [`PG_SESSION_SETUP`] and the heartbeat limits.
+    fn heartbeat_pool(&self, options: sqlx::postgres::PgConnectOptions) -> PgPool {
+        PgFence::pool_options()
+            .max_connections(self.heartbeat_connections.max(1))
+            .connect_lazy_with(self.apply_heartbeat(options))
+    }
+}
+
+impl PgFence {
+    /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
+    /// up to 16 connections, 10 s to acquire one, and [`PG_SESSION_SETUP`] on each new connection.
+    /// Build your own pool from them (then [`PgFence::new`]) to change the limits and keep the rest.
+    ///
+    /// Planning is the larger part of a fence statement's cost (a batch claim of ten keys: 0.27 ms
+    /// to plan, 0.18 ms to run), so the setup has each connection plan each statement once and
+    /// keep that generic plan. A generic plan is only as good as the table it was made for, though:
+    /// made while the jobs table was small and freshly analyzed, it is a sequential scan (or a hash
+    /// join over the whole table), and every later call reads the whole table until the next
+    /// `ANALYZE` (up to a minute of autovacuum's nap, while a burst grows the table). Measured: one
+    /// round of every fence statement read 1,006,059 rows of a 20,000-row table. The setup's other
+    /// three settings leave the planner index lookups in nested loops only, which is what each
+    /// fence statement wants (each looks rows up by key or reads an index in order): the same
+    /// round reads about 40 rows. The settings only price the other plans out; a query with no
+    /// index to use still runs. Queries of another kind (reports, large joins) belong on a pool of
+    /// their own.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), sqlx::Error> {
+    /// let pool = brokerfence::PgFence::pool_options().max_connections(4).connect("postgres://127.0.0.1/jobs").await?;
+    /// let fence = brokerfence::PgFence::new(pool);
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub fn pool_options() -> PgPoolOptions {
+        PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(10)).after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(&mut *conn, PG_SESSION_SETUP).await?;
+                Ok(())
+            })
+        })
+    }
+
+    /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)),
+    /// with the default [`PgTimeouts`] and their reserved heartbeat connections.
+    ///
+    /// `url` must be a PostgreSQL URL (`postgres://` or `postgresql://`): any other scheme fails
+    /// at once with [`FenceError::UnsupportedScheme`]. A server that cannot be reached fails
+    /// with [`FenceError::Unreachable`] (host, port and cause), one that refuses the user or
+    /// database with [`FenceError::ConnectRejected`]; see [`connect_with`](Self::connect_with).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let err = brokerfence::PgFence::connect("mysql://root@127.0.0.1/jobs").await.unwrap_err();
+    /// assert!(matches!(err, brokerfence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
+    /// # }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self> {
+        crate::error::require_scheme(url, &["postgres", "postgresql"], PG_SCHEMES)?;
+        let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+        Self::connect_with_timeouts(options, PgTimeouts::default()).await
+    }
+
+    /// [`connect_with`](Self::connect_with) with other time limits (see [`PgTimeouts`]).
+    pub async fn connect_with_timeouts(
+        options: sqlx::postgres::PgConnectOptions,
+        timeouts: PgTimeouts,
+    ) -> Result<Self> {
+        probe(&timeouts.apply(options.clone())).await?;
+        let pool = Self::pool_options().connect_with(timeouts.apply(options.clone())).await?;
+        Ok(Self::new(pool).with_heartbeat_pool(timeouts.heartbeat_pool(options)))
+    }
+
+    /// Connects a pool of up to 16 connections ([`pool_options`](Self::pool_options)) with options
+    /// you built: TLS (`ssl_mode`, root and client certificates), credentials kept out of URLs, an
+    /// `application_name` that shows in `pg_stat_activity`.
+    ///
+    /// TLS needs the `tls` feature (rustls on *ring*, the system's root certificates). A mode that
+    /// insists on TLS (`Require`, `VerifyCa`, `VerifyFull`) fails with
+    /// [`FenceError::Database`]`(sqlx::Error::Tls(..))` when the server offers no TLS, or when the
+    /// crate was built without the feature; a certificate that does not verify (`VerifyCa`,
+    /// `VerifyFull`) fails with `FenceError::Database(sqlx::Error::Io(..))` of kind `InvalidData`
+    /// naming the certificate problem. `Prefer` falls back to plain TCP.
+    ///
+    /// Before the pool is built, one direct connection is opened (and closed) with a bound of
+    /// [`CONNECT_PROBE_TIMEOUT`]: a server that cannot be reached fails at once with
+    /// [`FenceError::Unreachable`] naming the host, port and cause (connection refused, a name
+    /// that does not resolve, no answer in time), and one that answers but refuses the user or
+    /// database fails with [`FenceError::ConnectRejected`] and the server's message, rather
+    /// than the pool's "timed out while waiting for an open connection" after its acquire timeout.
+    ///
+    /// Note: sqlx's `PgConnectOptions` prints its password in `Debug`; never log the options.
+    /// [`PgFence`]'s own `Debug` shows neither the options nor the credentials.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use sqlx::postgres::{PgConnectOptions, PgSslMode};
+    /// let password = std::env::var("PGPASSWORD").unwrap_or_default();
+    /// let options = PgConnectOptions::new()
+    ///     .host("db.internal")
+    ///     .username("billing")
+    ///     .password(&password)
+    ///     .database("jobs")
+    ///     .ssl_mode(PgSslMode::VerifyFull)
+    ///     .ssl_root_cert("/etc/ssl/certs/db-ca.pem")
+    ///     .application_name("billing-worker");
+    /// let fence = brokerfence::PgFence::connect_with(options).await?;
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub async fn connect_with(options: sqlx::postgres::PgConnectOptions) -> Result<Self> {
+        Self::connect_with_timeouts(options, PgTimeouts::default()).await
+    }
+
+    /// Uses an existing pool, with the default schema. Build it from
+    /// [`pool_options`](Self::pool_options), or run [`PG_SESSION_SETUP`] on its connections; add
+    /// [`PgTimeouts::apply`] to its connect options for the fence's time limits (a pool built
+    /// without them keeps whatever limits its connections have).
+    ///
+    /// Heartbeats get their own connections (up to two, opened on first use with the pool's
+    /// connect options, [`PG_SESSION_SETUP`] and the default heartbeat limits of [`PgTimeouts`]),
+    /// so a pool kept busy by claims and commits never delays a renewal. Outside a tokio runtime
+    /// there is no such pool to open: heartbeats then share `pool`.
+    /// [`with_heartbeat_pool`](Self::with_heartbeat_pool) supplies another.
+    pub fn new(pool: PgPool) -> Self {
+        let schema = SchemaName::default();
+        let guards = Guards::default();
+        let stmts = Arc::new(Statements::new(&schema, guards));
+        let heartbeat_pool = if tokio::runtime::Handle::try_current().is_ok() {
+            PgTimeouts::default().heartbeat_pool((*pool.connect_options()).clone())
+        } else {
+            pool.clone()
+        };
+        Self {
+            pool,
+            heartbeat_pool,
+            schema,
+            guards,
+            stmts,
+            max_claims: default_max_claims(),
+            migration: MigrationLimits::default(),
+        }
+    }
+
+    /// Caps the claims of one job at `n` (at least 1; default 20,
+    /// [`RetryPolicy::max_claims`](crate::RetryPolicy::max_claims) of the default policy): a claim that would exceed it makes
+    /// the job dead, with the last error "claimed N times without finishing (max_claims = M)",
+    /// and answers [`Claim::Dead`](crate::Claim::Dead). Claims count takeovers of stalled or killed holders, which
+    /// are not the job's fault and do not count against [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts): this is
+    /// the cap against a job that kills every worker that runs it. Keep it well above
+    /// `max_attempts` (`policy.max_claims()` suggests a value).
+    pub fn with_max_claims(mut self, n: i64) -> Self {
+        self.max_claims = n.max(1);
+        self
+    }
+
+    /// The cap on claims of one job (see [`with_max_claims`](Self::with_max_claims)).
+    pub fn max_claims(&self) -> i64 {
+        self.max_claims
+    }
+
+    /// How long each migration step waits for its table locks before it lets go and retries
+    /// (default 200 ms). A schema change needs an exclusive lock on the table it changes; while
+    /// it waits for one, every statement on that table queues behind it, heartbeats included.
+    /// So [`migrate`](crate::FenceStore::migrate) waits at most this long, gives the lock up (the queue
+    /// moves on), backs off (200 ms doubling to 5 s, with jitter) and tries again, for at most
+    /// `give_up_after` (default 10 min) before it fails with the lock timeout.
+    pub fn with_migration_lock_timeout(mut self, lock_timeout: Duration, give_up_after: Duration) -> Self {
+        self.migration = MigrationLimits { lock_timeout: lock_timeout.max(Duration::from_millis(1)), give_up_after };
+        self
+    }
+
+    /// Renews leases on `pool` (reserved capacity: give it connections the main pool cannot use
+    /// up, with [`PG_SESSION_SETUP`] and time limits that fit the lease, see
+    /// [`PgTimeouts::apply_heartbeat`]).
+    pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
+        self.heartbeat_pool = pool;
+        self
+    }
+
+    /// Uses another schema (created by [`migrate`](crate::FenceStore::migrate)).
+    pub fn with_schema(mut self, schema: SchemaName) -> Self {
+        self.stmts = Arc::new(Statements::new(&schema, self.guards));
+        self.schema = schema;
+        self
+    }
+
+    /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
+    #[cfg(feature = "guard-switches")]
+    #[doc(hidden)]
+    pub fn with_guards(mut self, guards: Guards) -> Self {
+        self.stmts = Arc::new(Statements::new(&self.schema, guards));
+        self.guards = guards;
+        self
+    }
+
+    /// The guards in force.
+    pub fn guards(&self) -> Guards {
+        self.guards
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The connections reserved for heartbeats.
+    pub fn heartbeat_pool(&self) -> &PgPool {
+        &self.heartbeat_pool
+    }
+
+    /// The schema.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+}

@@ -1,0 +1,237 @@
+//! The embedded PostgreSQL migrations and the online, lock-bounded way `migrate` applies them.
+
+use std::time::Duration;
+
+use sqlx::postgres::PgConnection;
+use sqlx::{AssertSqlSafe, Connection};
+
+use super::PgFence;
+use super::connect::pg_ms;
+use super::prune::is_lock_timeout;
+use crate::error::{FenceError, Result};
+use crate::schema::{Migration, render};
+
+pub(super) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "jobs and ledger",
+        statements: &[
+            "CREATE TABLE {s}.jobs (
+            queue       text        NOT NULL,
+            key         text        NOT NULL,
+            state       text        NOT NULL DEFAULT 'pending'
+                        CHECK (state IN ('pending', 'running', 'completed', 'failed', 'dead')),
+            epoch       bigint      NOT NULL DEFAULT 0 CHECK (epoch >= 0),
+            owner       text,
+            lease_until timestamptz,
+            attempts    bigint      NOT NULL DEFAULT 0,
+            run_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+            payload     bytea,
+            progress    bytea,
+            result      bytea,
+            last_error  text,
+            created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+            updated_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (queue, key)
+        )",
+            "CREATE INDEX jobs_due ON {s}.jobs (queue, run_at) WHERE state IN ('pending', 'failed')",
+            "CREATE INDEX jobs_leased ON {s}.jobs (queue, lease_until) WHERE state = 'running'",
+            // Defence in depth: the epoch is a fencing token, so no statement may ever lower it.
+            "CREATE FUNCTION {s}.epoch_never_decreases() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.epoch < OLD.epoch THEN
+             RAISE EXCEPTION 'brokerfence: epoch of %/% would go from % to %', OLD.queue, OLD.key, OLD.epoch, NEW.epoch
+               USING ERRCODE = 'check_violation';
+           END IF;
+           RETURN NEW;
+         END $$",
+            "CREATE TRIGGER jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}.jobs
+         FOR EACH ROW EXECUTE FUNCTION {s}.epoch_never_decreases()",
+            "CREATE TABLE {s}.ledger (
+            scope      text        NOT NULL,
+            job        text        NOT NULL,
+            epoch      bigint      NOT NULL,
+            updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (scope, job)
+        )",
+        ],
+    },
+    Migration {
+        version: 2,
+        name: "byte-order keys",
+        // Queue names, job keys and ledger scopes are opaque identifiers: compared byte by byte, every
+        // primary-key probe and index insert skips the locale's string collation (`strcoll`). Under
+        // C.UTF-8 that took 5-6 % off a statement of ten keys (claim 0.301 -> 0.285 ms, commit
+        // 0.318 -> 0.299 ms, the two forms interleaved in one pgbench run); en_US.UTF-8 collates
+        // at a higher cost still. A collation change rebuilds the indexes on these columns, not
+        // the table.
+        statements: &[
+            "ALTER TABLE {s}.jobs ALTER COLUMN queue TYPE text COLLATE \"C\", ALTER COLUMN key TYPE text COLLATE \"C\"",
+            "ALTER TABLE {s}.ledger ALTER COLUMN scope TYPE text COLLATE \"C\", ALTER COLUMN job TYPE text COLLATE \"C\"",
+        ],
+    },
+    Migration {
+        version: 3,
+        name: "failures apart from claims",
+        // A constant default: a catalog change only (no table rewrite), under a lock held for
+        // milliseconds.
+        statements: &["ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS failures bigint NOT NULL DEFAULT 0"],
+    },
+    Migration {
+        version: 4,
+        name: "outbox",
+        // A new table and its index: nothing existing is locked beyond the schema's catalog (see
+        // `crate::outbox`). The partial index serves the relay's "unsent, in id order" claim and
+        // stays as small as the backlog.
+        statements: crate::outbox::MIGRATION,
+    },
+    Migration {
+        version: 5,
+        name: "retention and epoch floors",
+        // A new table, a function and two indexes. The indexes are built under a SHARE lock on
+        // their table (writes wait while it is built: milliseconds for thousands of rows, seconds
+        // for millions; the lock is asked for with the migration lock timeout, see `migrate`).
+        // `jobs_finished` holds only completed and dead rows, the pruner's read; `ledger_age`
+        // the ledger's, per receiver scope.
+        //
+        // `epoch_floor(queue)` is what every statement that creates a job row starts its epoch
+        // from: the highest epoch pruning ever deleted from the queue (0 without a floor row).
+        // It takes the queue's floor lock SHARED (an advisory lock, held to the end of the
+        // transaction; the pruner takes it EXCLUSIVE around each batch), then reads the floor in
+        // a snapshot of its own (a volatile function does, under READ COMMITTED). So a claim
+        // either reads the floor after a batch committed, or the batch waits for the claim: a
+        // claim that re-creates a key whose row the batch deleted cannot start it at an epoch
+        // read before that delete. It runs as the schema's owner (SECURITY DEFINER, with a fixed
+        // search_path): roles that only claim and enqueue need no grant on `epoch_floors`, so
+        // the grants of a deployment made before this migration keep working.
+        statements: &[
+            "CREATE TABLE IF NOT EXISTS {s}.epoch_floors (
+            queue      text        COLLATE \"C\" PRIMARY KEY,
+            floor      bigint      NOT NULL CHECK (floor >= 0),
+            updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        )",
+            "CREATE OR REPLACE FUNCTION {s}.epoch_floor(q text) RETURNS bigint LANGUAGE plpgsql VOLATILE \
+             SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+         BEGIN
+           PERFORM pg_advisory_xact_lock_shared(hashtextextended('brokerfence.floor.{s}.' || q, 0));
+           RETURN coalesce((SELECT f.floor FROM {s}.epoch_floors f WHERE f.queue = q), 0);
+         END $$",
+            "CREATE INDEX IF NOT EXISTS jobs_finished ON {s}.jobs (queue, state, updated_at) \
+             WHERE state IN ('completed', 'dead')",
+            "CREATE INDEX IF NOT EXISTS ledger_age ON {s}.ledger (scope, updated_at)",
+        ],
+    },
+    Migration {
+        version: 6,
+        name: "room on the page for claims and commits",
+        // Issue #18, the fence's WAL per job. Every claim and every commit writes a new version of
+        // the job row. With the pages packed full by `enqueue_many` (the default fillfactor, 100)
+        // the claims of a page put most new versions on another page: PostgreSQL then logs an
+        // extra lock record for the old version and the whole new row (two pages referenced, no
+        // prefix/suffix compression). With 30 % of each page kept free the new version stays on
+        // its page, and the record holds only the bytes that changed: 25-35 bytes of WAL less per
+        // claim (`tests/throughput_cost.rs`, 2,000 jobs in claims of 10: 412.7 -> 387.6 bytes per
+        // job, or 389.0 -> 353.7 with claims that leave `updated_at`); commits measured the same
+        // either way (the claim's dead version is pruned first). See docs/performance.md.
+        //
+        // A storage parameter: a catalog change under a SHARE UPDATE EXCLUSIVE lock (reads and
+        // writes go on; only other schema changes and VACUUM wait), no table rewrite. It applies
+        // to pages filled from then on; pages filled before keep their rows until they are
+        // updated or vacuumed. The cost is disk: a backlog of pending jobs takes about 1/0.7 =
+        // 1.4 times the pages it took.
+        statements: &["ALTER TABLE {s}.jobs SET (fillfactor = 70)"],
+    },
+];
+
+/// The migration version this build needs: the newest embedded migration.
+pub(super) const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
+
+impl PgFence {
+    /// One migration (or, with `None`, only the schema and its record) with retries: a lock
+    /// timeout rolls the step back, waits (200 ms doubling to 5 s, with jitter) and tries again
+    /// until `give_up_after` has passed.
+    pub(super) async fn migration_step(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
+        let started = std::time::Instant::now();
+        // 200 ms doubling, at most 5 s, with jitter so that migrators retrying together do not
+        // keep colliding (each pause between the step, capped at 2.5 s, and twice it).
+        let mut pauses = {
+            use backon::BackoffBuilder as _;
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_millis(2_500))
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .build()
+        };
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            match self.migration_try(conn, m).await {
+                Ok(()) => return Ok(()),
+                Err(e) if is_lock_timeout(&e) && started.elapsed() < self.migration.give_up_after => {
+                    let pause = pauses.next().unwrap_or(Duration::from_secs(5)).min(Duration::from_secs(5));
+                    tracing::warn!(
+                        schema = self.schema.as_str(),
+                        version = m.map(|m| m.version),
+                        tries,
+                        retry_in = ?pause,
+                        "migration step let go of its locks after the lock timeout (the table is in use); retrying"
+                    );
+                    tokio::time::sleep(pause).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One try of a migration step, in one transaction.
+    pub(super) async fn migration_try(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut tx = conn.begin().await?;
+        // One migrator per schema at a time, across processes; released at commit. Waiting for
+        // the other migrator blocks no traffic, so that wait has no lock timeout.
+        sqlx::query("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
+            .bind(s.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        // Every lock on a fence table from here on: wait briefly, or let go and retry.
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(pg_ms(self.migration.lock_timeout).to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}"))).execute(&mut *tx).await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {s}._migrations (version bigint PRIMARY KEY, name text NOT NULL, \
+             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        if let Some(m) = m {
+            let applied: Option<i64> =
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
+                    .bind(m.version)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if applied.is_none() {
+                for stmt in m.statements {
+                    sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+                }
+                sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
+                    .bind(m.version)
+                    .bind(m.name)
+                    .execute(&mut *tx)
+                    .await?;
+                tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}

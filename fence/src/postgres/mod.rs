@@ -1,0 +1,200 @@
+//! The PostgreSQL backend: the epoch authority on the database clock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnection, PgPool};
+
+use crate::error::{FenceError, Result};
+use crate::guards::Guards;
+use crate::key::{JobKey, QueueName};
+use crate::model::Lease;
+use crate::schema::SchemaName;
+
+/// Milliseconds since the Unix epoch of a timestamptz expression.
+macro_rules! ms {
+    ($e:literal) => {
+        concat!("floor(extract(epoch from ", $e, ") * 1000)::bigint")
+    };
+}
+
+mod connect;
+mod migrations;
+mod prune;
+mod statements;
+mod store;
+
+pub use connect::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgTimeouts};
+pub(crate) use statements::Statements;
+use statements::{ABORT_FENCED_TX, sql};
+
+/// The fence on PostgreSQL.
+///
+/// ```no_run
+/// # async fn demo() -> brokerfence::Result<()> {
+/// use brokerfence::{FenceStore, PgFence, SchemaName};
+/// let fence = PgFence::connect("postgres://postgres@127.0.0.1/test").await?
+///     .with_schema(SchemaName::new("my_fence")?);
+/// fence.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgFence {
+    pool: PgPool,
+    /// Reserved capacity for [`heartbeat`](crate::FenceStore::heartbeat): claims and commits that fill
+    /// `pool` never make a renewal wait for a connection.
+    heartbeat_pool: PgPool,
+    schema: SchemaName,
+    guards: Guards,
+    pub(crate) stmts: Arc<Statements>,
+    max_claims: i64,
+    migration: MigrationLimits,
+}
+
+/// How [`PgFence::migrate`](crate::FenceStore::migrate) waits for its locks.
+#[derive(Debug, Clone, Copy)]
+struct MigrationLimits {
+    lock_timeout: Duration,
+    give_up_after: Duration,
+}
+
+impl Default for MigrationLimits {
+    fn default() -> Self {
+        Self { lock_timeout: Duration::from_millis(200), give_up_after: Duration::from_secs(600) }
+    }
+}
+
+impl std::fmt::Debug for PgFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgFence").field("schema", &self.schema).field("guards", &self.guards).finish_non_exhaustive()
+    }
+}
+
+impl PgFence {
+    /// [`complete`](crate::FenceStore::complete) inside the caller's transaction, so that the caller's own
+    /// rows (business data, outbox) commit together with the result or not at all. Inside a
+    /// supervised handler, call [`JobContext::complete_in`](crate::JobContext::complete_in)
+    /// instead: it tells the supervisor, which then acknowledges the delivery without a second
+    /// commit.
+    ///
+    /// A [`Fenced`](FenceError::Fenced) answer also **aborts the caller's transaction** (an error
+    /// raised on its connection): its rows can no longer commit, every later statement in it
+    /// fails, and `COMMIT` rolls it back, even if the caller ignores the answer. Call it last,
+    /// right before `COMMIT`: from here on the transaction holds the job's row lock (see
+    /// [`Heartbeat::held`](crate::Heartbeat::held)).
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::PgFence, lease: brokerfence::Lease) -> brokerfence::Result<()> {
+    /// let mut tx = fence.pool().begin().await?;
+    /// sqlx::query("INSERT INTO outbox (body) VALUES ($1)").bind("hello").execute(&mut *tx).await?;
+    /// fence.complete_in(&mut tx, &lease, b"done").await?; // Fenced => the transaction is aborted
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, result: &[u8]) -> Result<()> {
+        let answer = self.fenced_write(&mut *conn, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await;
+        if let Err(FenceError::Fenced { .. }) = &answer
+            && self.guards.fenced_tx_rollback()
+        {
+            // Raises on purpose: PostgreSQL then refuses every later statement of the transaction
+            // and turns its COMMIT into a ROLLBACK. The raise is the expected answer; any other
+            // error leaves the transaction aborted all the same.
+            let raised = sqlx::raw_sql(ABORT_FENCED_TX).execute(&mut *conn).await;
+            tracing::debug!(key = %lease.key, epoch = lease.epoch, ?raised, "fenced complete_in: caller's transaction aborted");
+        }
+        answer.map(drop)
+    }
+
+    /// [`enqueue`](crate::FenceStore::enqueue) inside the caller's transaction: the job exists if and only
+    /// if the caller's transaction commits (transactional enqueue). Says whether it inserted (a key
+    /// that exists is left as it is).
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, QueueName};
+    /// let mut tx = fence.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind("o-1").execute(&mut *tx).await?;
+    /// fence.enqueue_in(&mut tx, &QueueName::new("emails")?, &JobKey::new("o-1/confirm")?, b"o-1").await?;
+    /// tx.commit().await?; // the order and its job, or neither
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_in(
+        &self,
+        conn: &mut PgConnection,
+        queue: &QueueName,
+        key: &JobKey,
+        payload: &[u8],
+    ) -> Result<bool> {
+        Ok(self.enqueue_many_in(conn, queue, &[(key.clone(), payload.to_vec())]).await? == 1)
+    }
+
+    /// [`enqueue_many`](crate::FenceStore::enqueue_many) inside the caller's transaction (one statement);
+    /// returns how many were new.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
+    /// use brokerfence::{JobKey, QueueName};
+    /// let mut tx = fence.pool().begin().await?;
+    /// let jobs = vec![(JobKey::new("a")?, b"1".to_vec()), (JobKey::new("b")?, b"2".to_vec())];
+    /// assert_eq!(fence.enqueue_many_in(&mut tx, &QueueName::new("q")?, &jobs).await?, 2);
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_many_in(
+        &self,
+        conn: &mut PgConnection,
+        queue: &QueueName,
+        jobs: &[(JobKey, Vec<u8>)],
+    ) -> Result<u64> {
+        self.enqueue_on(&mut *conn, queue, jobs).await
+    }
+
+    pub(super) async fn enqueue_on<'c>(
+        &self,
+        exec: impl sqlx::PgExecutor<'c>,
+        queue: &QueueName,
+        jobs: &[(JobKey, Vec<u8>)],
+    ) -> Result<u64> {
+        let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
+        let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
+        let done = sqlx::query(sql(&self.stmts.enqueue))
+            .bind(queue.as_str().to_owned())
+            .bind(keys)
+            .bind(payloads)
+            .execute(exec)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    pub(super) async fn fenced_write<'c, E, F>(
+        &self,
+        exec: E,
+        stmt: &Arc<str>,
+        lease: &Lease,
+        extra: F,
+    ) -> Result<Option<String>>
+    where
+        E: sqlx::PgExecutor<'c>,
+        F: for<'q> FnOnce(
+            sqlx::query::QueryAs<'q, sqlx::Postgres, FencedRow, sqlx::postgres::PgArguments>,
+        ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, FencedRow, sqlx::postgres::PgArguments>,
+    {
+        let q = sqlx::query_as::<_, FencedRow>(sql(stmt))
+            .bind(lease.queue.as_str().to_owned())
+            .bind(lease.key.as_str().to_owned())
+            .bind(lease.owner.as_str().to_owned())
+            .bind(lease.epoch);
+        let (matched, r, current_epoch, current_owner) = extra(q).fetch_one(exec).await?;
+        if matched == 0 {
+            return Err(FenceError::Fenced {
+                key: lease.key.as_str().to_owned(),
+                epoch: lease.epoch,
+                current_epoch: current_epoch.unwrap_or(0),
+                current_owner,
+            });
+        }
+        Ok(r)
+    }
+}
+
+type FencedRow = (i64, Option<String>, Option<i64>, Option<String>);

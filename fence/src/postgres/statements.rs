@@ -1,0 +1,349 @@
+//! The fence statements, rendered once per schema and set of guards, and the helpers they share.
+
+use std::sync::Arc;
+
+use sqlx::AssertSqlSafe;
+
+use crate::error::{FenceError, Result};
+use crate::guards::Guards;
+use crate::model::Lease;
+use crate::schema::SchemaName;
+
+/// The statements, rendered once for a schema and a set of guards.
+///
+/// Every text column they return that comes from a key column carries `COLLATE "C"`: the result
+/// type of a prepared statement then stays the same whatever the collation of the column
+/// (migration 2 changed it). A prepared statement whose result type changes under it fails with
+/// "cached plan must not change result type" on every later run on that connection.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(super) claim: Arc<str>,
+    pub(super) enqueue: Arc<str>,
+    pub(super) claim_next: Arc<str>,
+    pub(super) heartbeat: Arc<str>,
+    pub(super) checkpoint: Arc<str>,
+    pub(super) complete: Arc<str>,
+    pub(super) fail: Arc<str>,
+    pub(super) release: Arc<str>,
+    pub(super) complete_batch: Arc<str>,
+    pub(super) job: Arc<str>,
+    pub(super) completed_under: Arc<str>,
+    pub(crate) ledger_accept: Arc<str>,
+    pub(crate) ledger_current: Arc<str>,
+    pub(super) prune_jobs: Arc<str>,
+    pub(crate) prune_ledger: Arc<str>,
+}
+
+/// Raised on the caller's connection after a fenced [`PgFence::complete_in`]: the transaction is
+/// aborted, so the caller's rows cannot commit (SQLSTATE BF409).
+pub(super) const ABORT_FENCED_TX: &str = "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'BF409', \
+    MESSAGE = 'brokerfence: complete_in was fenced (a newer epoch holds the job); this transaction cannot commit'; END $$";
+
+/// The compare-and-set every write on behalf of a lease carries ($1 queue, $2 key, $3 owner, $4 epoch).
+const CAS: &str = "t.queue = $1 AND t.key = $2 AND t.owner = $3 AND t.epoch = $4 AND t.state = 'running'";
+/// What is left of it when the commit guard is switched off (tests only).
+const NO_CAS: &str = "t.queue = $1 AND t.key = $2";
+
+/// Wraps a fenced UPDATE so that the same round trip reports the current epoch and owner.
+fn fenced(schema: &str, update: &str, returning: &str) -> String {
+    format!(
+        "WITH upd AS ({update} RETURNING {returning}) \
+         SELECT (SELECT count(*) FROM upd)::bigint, (SELECT r FROM upd LIMIT 1), j.epoch, j.owner \
+         FROM (SELECT 1) AS one LEFT JOIN {schema}.jobs j ON j.queue = $1 AND j.key = $2"
+    )
+}
+
+/// The `cur` CTE of the batched statements: for each row of `u` (with `queue` and `key`
+/// columns), in (queue, key) order, the job row looked up by primary key and locked, with its
+/// newest `cur_epoch`, `cur_owner` and `cur_state` (NULL when there is no such job).
+///
+/// The lateral lookup (kept apart by `OFFSET 0`) makes the plan one primary-key probe per input
+/// row, in key order, and yields the newest version of each row, locked. As a join, a plan made
+/// while the table was nearly empty was a hash join over a sequential scan (see
+/// [`PgFence::pool_options`] for how the plans are kept index lookups).
+fn locked_by_key(s: &str) -> String {
+    format!(
+        "cur AS MATERIALIZED (SELECT u.*, t.epoch AS cur_epoch, t.owner AS cur_owner, t.state AS cur_state \
+         FROM (SELECT * FROM u ORDER BY queue, key) u \
+         LEFT JOIN LATERAL (SELECT t.epoch, t.owner, t.state FROM {s}.jobs t \
+             WHERE t.queue = u.queue AND t.key = u.key OFFSET 0 FOR UPDATE) t ON true)"
+    )
+}
+
+/// The SET list of a claim of row `t` by `owner` until `lease_end`, with the cap on claims
+/// (`cap`, a parameter): a claim that would exceed it makes the job dead instead (epoch and
+/// owner kept, so the last holder stays fenced), naming the cap in `last_error`.
+///
+/// A claim that makes the job running leaves `updated_at` as it was (nothing reads it on a
+/// running row; the pruner ages finished rows by it, set when they finish), a claim that makes it
+/// dead sets it. That is WAL: a claimed row's new version is logged from its first changed
+/// byte to its last, and `updated_at` is the last column but one, so a claim that set it logged
+/// `run_at`, the payload and `created_at` as well (24-34 bytes per claim in
+/// `tests/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
+fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
+    let over = format!("t.attempts >= {cap}::bigint");
+    format!(
+        "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \
+         epoch = CASE WHEN {over} THEN t.epoch ELSE t.epoch + {inc} END, \
+         owner = CASE WHEN {over} THEN t.owner ELSE {owner} END, \
+         lease_until = CASE WHEN {over} THEN NULL ELSE {lease_end} END, \
+         attempts = CASE WHEN {over} THEN t.attempts ELSE t.attempts + 1 END, \
+         last_error = CASE WHEN {over} THEN 'claimed ' || t.attempts::text || \
+           ' times without finishing (max_claims = ' || {cap}::bigint::text || ')' ELSE t.last_error END, \
+         updated_at = CASE WHEN {over} THEN clock_timestamp() ELSE t.updated_at END"
+    )
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &SchemaName, guards: Guards) -> Self {
+        let s = schema.as_str();
+        let inc = if guards.epoch_increment { "1" } else { "0" };
+        let cas = if guards.commit_cas { CAS } else { NO_CAS };
+        let hb_cas = if guards.heartbeat_cas {
+            "c.cur_epoch = c.epoch AND c.cur_owner = c.owner AND c.cur_state = 'running'"
+        } else {
+            "true"
+        };
+        let (hb_epoch, hb_owner) = if guards.heartbeat_cas { ("t.epoch", "t.owner") } else { ("c.epoch", "c.owner") };
+        let ledger_where = if guards.ledger_check { "WHERE l.epoch <= EXCLUDED.epoch" } else { "" };
+        let lease_end = "clock_timestamp() + $LEASE::bigint * interval '1 millisecond'";
+        // The lease of a taken-over row is computed in the SET, i.e. after the row lock was
+        // granted and the WHERE passed: a claim that waited for a lock still gets its full lease,
+        // and its lease starts after the previous one ended. The second branch reads the
+        // statement's snapshot; a row that looks claimable there but was not claimed changed
+        // under us (a concurrent claim), so it is left out and asked again in the next round
+        // rather than reported with stale owner/epoch. A row that looked unclaimable there but
+        // was claimable once its lock was granted (a lease that ran out meanwhile) comes back
+        // from both branches, and the claimed row wins ([`claim_rounds`]): so the branches need
+        // no join of one to the other. It looks each key up by primary key through a lateral
+        // subquery, for the reason given at [`locked_by_key`].
+        let claim = format!(
+            "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
+             claimed AS ( \
+               INSERT INTO {s}.jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at) \
+               SELECT $1, i.key, 'running', (SELECT {s}.epoch_floor($1)) + 1, $3, {lease}, 1, clock_timestamp() \
+               FROM input i ORDER BY i.key \
+               ON CONFLICT (queue, key) DO UPDATE SET {capped} \
+               WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
+                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()) \
+               RETURNING t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, t.run_at) \
+             SELECT c.key COLLATE \"C\", CASE WHEN c.state = 'dead' THEN 'dead' ELSE 'claimed' END, c.epoch, c.owner, \
+               {lu}, {ttl}, c.attempts, {ra} FROM claimed c \
+             UNION ALL \
+             SELECT t.key COLLATE \"C\", t.state, t.epoch, t.owner, {tlu}, {tttl}, t.attempts, {tra} \
+             FROM input i CROSS JOIN LATERAL (SELECT t.key, t.state, t.epoch, t.owner, t.lease_until, t.attempts, \
+                 t.run_at FROM {s}.jobs t WHERE t.queue = $1 AND t.key = i.key OFFSET 0) t \
+             WHERE NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
+                 OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
+            lease = lease_end.replace("$LEASE", "$4"),
+            capped = capped_claim("EXCLUDED.owner", &lease_end.replace("$LEASE", "$4"), "$5", inc),
+            lu = ms!("c.lease_until"),
+            ttl = ms!("(c.lease_until - clock_timestamp())"),
+            ra = ms!("(c.run_at - clock_timestamp())"),
+            tlu = ms!("t.lease_until"),
+            tttl = ms!("(t.lease_until - clock_timestamp())"),
+            tra = ms!("(t.run_at - clock_timestamp())"),
+        );
+        let enqueue = format!(
+            "INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
+             SELECT $1, u.k, 'pending', (SELECT {s}.epoch_floor($1)), u.p, clock_timestamp() \
+             FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
+             ON CONFLICT (queue, key) DO NOTHING"
+        );
+        // `(SELECT clock_timestamp())` is read once per statement (an init plan), so the time
+        // bound is an index condition that ends each scan at the first row not yet due; compared
+        // with the volatile `clock_timestamp()` itself it was a filter, and `expired` read every
+        // running row of the queue on each claim.
+        let claim_next = format!(
+            "WITH expired AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
+                 AND lease_until < (SELECT clock_timestamp()) ORDER BY lease_until LIMIT $4 FOR UPDATE SKIP LOCKED), \
+             due AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state IN ('pending', 'failed') \
+                 AND run_at <= (SELECT clock_timestamp()) ORDER BY run_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
+             pick AS (SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) p LIMIT $4) \
+             UPDATE {s}.jobs t SET {capped} \
+             FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
+             RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
+            capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc),
+            tlu = ms!("t.lease_until"),
+            tttl = ms!("(t.lease_until - clock_timestamp())"),
+        );
+        // Rows are locked in (queue, key) order, the order batch claims lock them in, so a
+        // heartbeat, a batch commit and a batch claim over the same keys cannot deadlock.
+        let cur = locked_by_key(s);
+        // The renewal never waits on a row lock: a row another transaction holds locked (the
+        // handler's own transaction after `complete_in`, a commit in flight, a takeover's claim)
+        // is skipped, and reported `held` (not renewed, not lost) while its committed version
+        // still names this lease; see [`Heartbeat::held`]. One stuck transaction thus never holds
+        // up the renewal of the worker's other leases.
+        let heartbeat = format!(
+            "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) \
+                 AS u(queue, key, epoch, owner)), {cur}, \
+             upd AS (UPDATE {s}.jobs t SET lease_until = {lease}, updated_at = clock_timestamp() \
+                 FROM cur c WHERE t.queue = c.queue AND t.key = c.key AND {hb_cas} \
+                 RETURNING t.queue, t.key, {hb_epoch} AS epoch, {hb_owner} AS owner, {tlu} AS lu, {tttl} AS ttl) \
+             SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", upd.epoch, upd.owner, upd.lu, upd.ttl, true \
+             FROM upd \
+             UNION ALL \
+             SELECT c.queue COLLATE \"C\", c.key COLLATE \"C\", c.epoch, c.owner, NULL::bigint, NULL::bigint, false \
+             FROM cur c CROSS JOIN LATERAL (SELECT 1 FROM {s}.jobs j WHERE j.queue = c.queue AND j.key = c.key \
+                 AND j.epoch = c.epoch AND j.owner = c.owner AND j.state = 'running' OFFSET 0) j \
+             WHERE c.cur_epoch IS NULL",
+            cur = cur.replace(" OFFSET 0 FOR UPDATE) t ON true)", " OFFSET 0 FOR UPDATE SKIP LOCKED) t ON true)"),
+            lease = lease_end.replace("$LEASE", "$5"),
+            tlu = ms!("t.lease_until"),
+            tttl = ms!("(t.lease_until - clock_timestamp())"),
+        );
+        let batch_cas = if guards.commit_cas {
+            "c.cur_owner = c.owner AND c.cur_epoch = c.epoch AND c.cur_state = 'running'"
+        } else {
+            "true"
+        };
+        // One row per item with the epoch and owner of the row version this statement locked
+        // (false), and one more per item committed (true): the verdicts are put together in
+        // [`PgFence::complete_batch`] rather than by joining the two here.
+        let complete_batch = format!(
+            "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
+                 AS u(queue, key, owner, epoch, result)), {cur}, \
+             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = c.result, lease_until = NULL, \
+                 updated_at = clock_timestamp() FROM cur c \
+                 WHERE t.queue = c.queue AND t.key = c.key AND {batch_cas} RETURNING t.queue, t.key) \
+             SELECT c.queue COLLATE \"C\", c.key COLLATE \"C\", false, c.cur_epoch, c.cur_owner FROM cur c \
+             UNION ALL SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", true, NULL::bigint, NULL::text FROM upd"
+        );
+        let checkpoint = fenced(
+            s,
+            &format!("UPDATE {s}.jobs t SET progress = $5, updated_at = clock_timestamp() WHERE {cas}"),
+            "''::text AS r",
+        );
+        let complete = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = 'completed', result = $5, lease_until = NULL, \
+                 updated_at = clock_timestamp() WHERE {cas}"
+            ),
+            "''::text AS r",
+        );
+        let fail = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = CASE WHEN $5 AND t.failures + 1 < $6 THEN 'failed' ELSE 'dead' END, \
+                 failures = t.failures + 1, \
+                 run_at = clock_timestamp() + {delay} * interval '1 millisecond', \
+                 last_error = CASE WHEN $5 AND t.failures + 1 >= $6 \
+                   THEN 'failed ' || (t.failures + 1)::text || ' times (max_attempts = ' || $6::bigint::text || '): ' || $8 \
+                   ELSE $8 END, \
+                 lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}",
+                delay = "least($9::bigint, $7::bigint * (1::bigint << least(t.failures, 30)::int))",
+            ),
+            // The state and the backoff just applied (failures has grown by one here).
+            "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r",
+        );
+        let release = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = 'pending', attempts = greatest(t.attempts - 1, 0), \
+                 lease_until = NULL, run_at = clock_timestamp(), updated_at = clock_timestamp() WHERE {cas}"
+            ),
+            "''::text AS r",
+        );
+        let job = format!(
+            "SELECT t.state, t.epoch, t.owner, {tlu}, t.attempts, t.failures, {tra}, t.payload, t.progress, t.result, \
+             t.last_error \
+             FROM {s}.jobs t WHERE t.queue = $1 AND t.key = $2",
+            tlu = ms!("t.lease_until"),
+            tra = ms!("t.run_at"),
+        );
+        // One primary-key probe per lease (the lateral lookup, as in `locked_by_key`), no lock.
+        let completed_under = format!(
+            "SELECT u.i, coalesce(t.state = 'completed' AND t.epoch = u.epoch AND t.owner = u.owner, false) \
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS u(queue, key, epoch, owner, i) \
+             LEFT JOIN LATERAL (SELECT t.state, t.epoch, t.owner FROM {s}.jobs t \
+                 WHERE t.queue = u.queue AND t.key = u.key OFFSET 0) t ON true"
+        );
+        // No row back means refused. The newest epoch is then read by a second statement: the
+        // statement snapshot of this one may predate the row that refused it.
+        let ledger_accept = format!(
+            "INSERT INTO {s}.ledger AS l (scope, job, epoch) VALUES ($1, $2, $3) \
+             ON CONFLICT (scope, job) DO UPDATE SET epoch = EXCLUDED.epoch, updated_at = clock_timestamp() \
+             {ledger_where} RETURNING l.epoch"
+        );
+        let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
+        // One batch of pruning ($1 queue, $2 state, $3 age in ms, $4 rows): the oldest finished
+        // rows by the `jobs_finished` index, rows another transaction holds skipped, deleted by
+        // their row address (a tid scan: the rows are locked, so their addresses hold), and the
+        // queue's epoch floor raised to the highest epoch deleted, all in one statement. Answers
+        // the rows deleted and the floor (NULL when nothing was deleted). The cutoff is on the
+        // database clock at the start of the statement (`statement_timestamp()`, stable, so it is
+        // an index condition: the scan stops at the cutoff instead of filtering past it).
+        let prune_jobs = format!(
+            "WITH victims AS (SELECT t.ctid AS id FROM {s}.jobs t WHERE t.queue = $1 \
+                 AND t.state IN ('completed', 'dead') AND t.state = $2 \
+                 AND t.updated_at < statement_timestamp() - $3::bigint * interval '1 millisecond' \
+                 ORDER BY t.updated_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
+             del AS (DELETE FROM {s}.jobs t WHERE t.ctid = ANY (ARRAY(SELECT v.id FROM victims v)) RETURNING t.epoch), \
+             top AS (SELECT count(*)::bigint AS n, max(del.epoch) AS e FROM del), \
+             fl AS (INSERT INTO {s}.epoch_floors AS f (queue, floor) SELECT $1, top.e FROM top WHERE top.n > 0 \
+                 ON CONFLICT (queue) DO UPDATE SET floor = greatest(f.floor, EXCLUDED.floor), \
+                 updated_at = clock_timestamp() RETURNING f.floor) \
+             SELECT top.n, (SELECT fl.floor FROM fl) FROM top"
+        );
+        // One batch of ledger pruning ($1 scope, $2 age in ms, $3 rows), by the `ledger_age` index.
+        let prune_ledger = format!(
+            "WITH victims AS (SELECT l.ctid AS id FROM {s}.ledger l WHERE l.scope = $1 \
+                 AND l.updated_at < statement_timestamp() - $2::bigint * interval '1 millisecond' \
+                 ORDER BY l.updated_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             DELETE FROM {s}.ledger l WHERE l.ctid = ANY (ARRAY(SELECT v.id FROM victims v))"
+        );
+        Self {
+            claim: claim.into(),
+            enqueue: enqueue.into(),
+            claim_next: claim_next.into(),
+            heartbeat: heartbeat.into(),
+            checkpoint: checkpoint.into(),
+            complete: complete.into(),
+            fail: fail.into(),
+            release: release.into(),
+            complete_batch: complete_batch.into(),
+            job: job.into(),
+            completed_under: completed_under.into(),
+            ledger_accept: ledger_accept.into(),
+            ledger_current: ledger_current.into(),
+            prune_jobs: prune_jobs.into(),
+            prune_ledger: prune_ledger.into(),
+        }
+    }
+}
+
+/// Runs a statement's future in a task of its own, so that a caller who stops waiting (a
+/// timeout, a dropped future) never drops the statement mid-flight. sqlx hands a connection whose
+/// statement was dropped back to the pool only after pinging it; when the abandoned statement then
+/// ends in an error (a `lock_timeout`), the ping fails and the connection was seen to stay lost to
+/// its pool: two abandoned heartbeats left the two reserved heartbeat connections unusable, and
+/// every later renewal of the worker timed out. Detached, the statement ends on its own (bounded
+/// by the connection's `statement_timeout` and `lock_timeout`) and its connection goes back to the
+/// pool like any other.
+pub(super) async fn detached<T: Send + 'static>(
+    statement: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => runtime.spawn(statement).await.map_err(|e| FenceError::StatementAborted(e.to_string()))?,
+        Err(_) => statement.await,
+    }
+}
+
+/// The identity columns of `leases` (queue, key, epoch, owner), as arrays for `unnest`.
+pub(super) fn lease_columns(leases: &[Lease]) -> (Vec<String>, Vec<String>, Vec<i64>, Vec<String>) {
+    let mut columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for l in leases {
+        columns.0.push(l.queue.as_str().to_owned());
+        columns.1.push(l.key.as_str().to_owned());
+        columns.2.push(l.epoch);
+        columns.3.push(l.owner.as_str().to_owned());
+    }
+    columns
+}
+
+pub(super) fn sql(s: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    // Every statement is rendered from constant text plus the validated schema name.
+    AssertSqlSafe(Arc::clone(s))
+}

@@ -1,0 +1,384 @@
+//! The [`FenceStore`] implementation of [`PgFence`]: batched claims, heartbeats, commits.
+
+use async_trait::async_trait;
+use sqlx::AssertSqlSafe;
+use tracing::Instrument;
+
+use super::PgFence;
+use super::migrations::{MIGRATIONS, REQUIRED_VERSION};
+use super::statements::{detached, lease_columns, sql};
+use crate::error::{FenceError, Result};
+use crate::key::{JobKey, Owner, QueueName};
+use crate::model::{
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
+};
+use crate::store::{
+    FenceStore, JobRow, backoff_ms, claim_outcome, distinct_keys, fail_outcome, job_record, schema_verdict,
+    split_heartbeat,
+};
+
+impl PgFence {
+    /// One renewal statement for `leases` on the heartbeat connections, detached from the caller.
+    async fn renew(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        if leases.is_empty() {
+            return Ok(Heartbeat::default());
+        }
+        let (queues, keys, epochs, owners) = lease_columns(leases);
+        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
+        type Row = (String, String, i64, String, Option<i64>, Option<i64>, bool);
+        let rows: Vec<Row> = detached(async move {
+            Ok(sqlx::query_as(statement)
+                .bind(queues)
+                .bind(keys)
+                .bind(epochs)
+                .bind(owners)
+                .bind(ms)
+                .fetch_all(&pool)
+                .await?)
+        })
+        .await?;
+        let (mut renewed, mut held) = (Vec::with_capacity(rows.len()), Vec::new());
+        for (queue, key, epoch, owner, until, ttl, was_renewed) in rows {
+            match (was_renewed, until, ttl) {
+                (true, Some(until), Some(ttl)) => renewed.push((queue, key, epoch, owner, until, ttl)),
+                _ => held.push((queue, key, epoch, owner)),
+            }
+        }
+        Ok(split_heartbeat(leases, renewed, held))
+    }
+
+    async fn claim_round(
+        &self,
+        queue: &QueueName,
+        keys: &[String],
+        owner: &Owner,
+        lease: LeaseDuration,
+    ) -> Result<Vec<ClaimRow>> {
+        Ok(sqlx::query_as::<_, ClaimRow>(sql(&self.stmts.claim))
+            .bind(queue.as_str().to_owned())
+            .bind(keys.to_vec())
+            .bind(owner.as_str().to_owned())
+            .bind(lease.as_millis_i64())
+            .bind(self.max_claims)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+}
+
+/// key, outcome/state, epoch, owner, lease_until ms, ttl ms, attempts, ms until run_at
+type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
+
+/// Runs a batched claim: one statement per round; a key whose row another claimer inserted
+/// concurrently (invisible to this statement's snapshot) is asked again in the next round.
+pub(crate) async fn claim_rounds<F, Fut>(
+    queue: &QueueName,
+    keys: &[JobKey],
+    owner: &Owner,
+    mut round: F,
+) -> Result<Vec<Claim>>
+where
+    F: FnMut(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<ClaimRow>>>,
+{
+    let distinct = distinct_keys(keys);
+    let mut outcomes: std::collections::HashMap<&str, Claim> = std::collections::HashMap::with_capacity(distinct.len());
+    let mut todo: Vec<&JobKey> = distinct;
+    for _ in 0..5 {
+        if todo.is_empty() {
+            break;
+        }
+        let asked: std::collections::HashMap<&str, &JobKey> = todo.iter().map(|k| (k.as_str(), *k)).collect();
+        let rows = round(todo.iter().map(|k| k.as_str().to_owned()).collect()).await?;
+        for row in &rows {
+            if let Some(&k) = asked.get(row.0.as_str()) {
+                let outcome = claim_outcome(queue, k, owner, row)?;
+                // A key this statement claimed may also come back as it was in the statement's
+                // snapshot (see the claim statement): the claim is what happened.
+                match outcomes.get(k.as_str()) {
+                    Some(Claim::Claimed(_)) => {}
+                    _ => {
+                        outcomes.insert(k.as_str(), outcome);
+                    }
+                }
+            }
+        }
+        todo.retain(|k| !outcomes.contains_key(k.as_str()));
+    }
+    keys.iter()
+        .map(|k| {
+            outcomes
+                .get(k.as_str())
+                .cloned()
+                .ok_or_else(|| FenceError::Corrupt(format!("claim of {k} found no row after 5 rounds")))
+        })
+        .collect()
+}
+
+#[async_trait]
+impl FenceStore for PgFence {
+    /// Applies the pending migrations online: each in its own short transaction that waits at
+    /// most the migration lock timeout (200 ms by default) for its table locks, so that the
+    /// exclusive lock a schema change asks for never sits in the lock queue holding up live
+    /// claims, commits and heartbeats for longer than that; on a lock timeout it backs off and
+    /// tries again (see [`PgFence::with_migration_lock_timeout`]). Migrations add columns with
+    /// constant defaults (no table rewrite). The limit that remains: once granted, migration 2
+    /// (byte-order keys) holds its exclusive lock while it rebuilds the indexes on the key
+    /// columns, which takes time in proportion to the table (milliseconds for thousands of rows,
+    /// seconds for millions); statements on the table wait that long. Migration 2 also changes
+    /// the collation of the key columns, and workers of releases before this one return those
+    /// columns from prepared statements: on each of their open connections those statements then
+    /// fail with "cached plan must not change result type" until the connection is replaced, so
+    /// stop (or restart) such workers around a migration from version 1. This release's
+    /// statements return key columns as `COLLATE "C"` and are not affected.
+    async fn migrate(&self) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut conn = self.pool.acquire().await?;
+        // Fast path, and the one a role without CREATE on the database takes: when every
+        // migration is recorded already there is nothing to lock or create. A role that may not
+        // read the record falls through and gets the database's permission error below.
+        let recorded: std::result::Result<Vec<i64>, _> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations")))
+                .fetch_all(&mut *conn)
+                .await;
+        if let Ok(applied) = recorded
+            && MIGRATIONS.iter().all(|m| applied.contains(&m.version))
+        {
+            return Ok(());
+        }
+        // The schema and the record first (an empty step), then each migration.
+        self.migration_step(&mut conn, None).await?;
+        for m in MIGRATIONS {
+            self.migration_step(&mut conn, Some(m)).await?;
+        }
+        Ok(())
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let s = self.schema.as_str();
+        let found: std::result::Result<i64, sqlx::Error> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT coalesce(max(version), 0)::bigint FROM {s}._migrations")))
+                .fetch_one(&self.pool)
+                .await;
+        let found = match found {
+            Ok(v) => v,
+            // 42P01 undefined_table, 3F000 invalid_schema_name: no schema yet.
+            Err(sqlx::Error::Database(db)) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        schema_verdict(found, REQUIRED_VERSION)
+    }
+
+    async fn claim_batch(
+        &self,
+        queue: &QueueName,
+        keys: &[JobKey],
+        owner: &Owner,
+        lease: LeaseDuration,
+    ) -> Result<Vec<Claim>> {
+        claim_rounds(queue, keys, owner, |todo| async move { self.claim_round(queue, &todo, owner, lease).await }).await
+    }
+
+    async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
+        self.enqueue_on(&self.pool, queue, jobs).await
+    }
+
+    async fn claim_next(
+        &self,
+        queue: &QueueName,
+        owner: &Owner,
+        lease: LeaseDuration,
+        n: u32,
+    ) -> Result<Vec<ClaimedJob>> {
+        type Row = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
+            .bind(queue.as_str().to_owned())
+            .bind(owner.as_str().to_owned())
+            .bind(lease.as_millis_i64())
+            .bind(i64::from(n))
+            .bind(self.max_claims)
+            .fetch_all(&self.pool)
+            .await?;
+        // Rows over the cap on claims were made dead, not claimed.
+        rows.into_iter()
+            .filter(|row| row.1 == "running")
+            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress)| {
+                Ok(ClaimedJob {
+                    lease: Lease {
+                        queue: queue.clone(),
+                        key: JobKey::new(key)?,
+                        epoch,
+                        owner: owner.clone(),
+                        lease_until: DbTime(lease_until.unwrap_or(0)),
+                        ttl: millis(ttl.unwrap_or(0)),
+                        attempts,
+                    },
+                    payload: payload.unwrap_or_default(),
+                    progress,
+                })
+            })
+            .collect()
+    }
+
+    /// Never waits on a row lock: see [`Heartbeat::held`].
+    async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
+        self.renew(leases, lease).await
+    }
+
+    async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
+        self.fenced_write(&self.pool, &self.stmts.checkpoint, lease, |q| q.bind(progress.to_vec())).await.map(drop)
+    }
+
+    async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()> {
+        self.fenced_write(&self.pool, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+    }
+
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> Result<Vec<Result<()>>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        // A key twice in one statement would make the UPDATE ambiguous: batch the first of each,
+        // send any repeat on its own.
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
+        let (first, repeats): (Vec<usize>, Vec<usize>) =
+            (0..items.len()).partition(|&i| seen.insert((items[i].0.queue.as_str(), items[i].0.key.as_str())));
+        let pick = |f: fn(&(Lease, Vec<u8>)) -> String| first.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
+        let rows: Vec<(String, String, bool, Option<i64>, Option<String>)> =
+            sqlx::query_as(sql(&self.stmts.complete_batch))
+                .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
+                .bind(pick(|(l, _)| l.key.as_str().to_owned()))
+                .bind(pick(|(l, _)| l.owner.as_str().to_owned()))
+                .bind(first.iter().map(|&i| items[i].0.epoch).collect::<Vec<i64>>())
+                .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
+                .fetch_all(&self.pool)
+                .await?;
+        // Per item: whether it was committed, and the epoch and owner of the row it locked.
+        let mut verdicts: std::collections::HashMap<(&str, &str), (bool, Option<(Option<i64>, &Option<String>)>)> =
+            std::collections::HashMap::with_capacity(first.len());
+        for (queue, key, committed, epoch, owner) in &rows {
+            let v = verdicts.entry((queue.as_str(), key.as_str())).or_default();
+            if *committed {
+                v.0 = true;
+            } else {
+                v.1 = Some((*epoch, owner));
+            }
+        }
+        let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
+        for &i in &first {
+            let lease = &items[i].0;
+            out[i] = Some(match verdicts.get(&(lease.queue.as_str(), lease.key.as_str())) {
+                Some((true, _)) => Ok(()),
+                Some((false, Some((epoch, owner)))) => Err(FenceError::Fenced {
+                    key: lease.key.as_str().to_owned(),
+                    epoch: lease.epoch,
+                    current_epoch: epoch.unwrap_or(0),
+                    current_owner: (*owner).clone(),
+                }),
+                _ => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
+            });
+        }
+        for &i in &repeats {
+            out[i] = Some(match self.complete(&items[i].0, &items[i].1).await {
+                Err(e) if !e.is_fenced() => return Err(e),
+                other => other,
+            });
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(FenceError::Corrupt("missing batch answer".into()))))
+            .collect())
+    }
+
+    async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
+        let (base_ms, max_ms) = backoff_ms(policy);
+        let error: String = error.replace('\0', "\u{FFFD}");
+        let answer = self
+            .fenced_write(&self.pool, &self.stmts.fail, lease, |q| {
+                q.bind(retry).bind(policy.max_attempts).bind(base_ms).bind(error).bind(max_ms)
+            })
+            .await?;
+        fail_outcome(answer.as_deref().unwrap_or_default())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.fenced_write(&self.pool, &self.stmts.release, lease, |q| q).await.map(drop)
+    }
+
+    async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {
+        let (pool, statement) = (self.pool.clone(), sql(&self.stmts.job));
+        let (q, k) = (queue.as_str().to_owned(), key.as_str().to_owned());
+        let row: Option<JobRow> =
+            detached(async move { Ok(sqlx::query_as(statement).bind(q).bind(k).fetch_optional(&pool).await?) }).await?;
+        row.map(|row| job_record(queue, key, row)).transpose()
+    }
+
+    /// One statement for every lease.
+    async fn completed_under(&self, leases: &[Lease]) -> Result<Vec<bool>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (queues, keys, epochs, owners) = lease_columns(leases);
+        let (pool, statement) = (self.pool.clone(), sql(&self.stmts.completed_under));
+        let rows: Vec<(i64, bool)> = detached(async move {
+            Ok(sqlx::query_as(statement).bind(queues).bind(keys).bind(epochs).bind(owners).fetch_all(&pool).await?)
+        })
+        .await?;
+        let mut out = vec![false; leases.len()];
+        for (i, completed) in rows {
+            let slot = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i));
+            match slot {
+                Some(slot) => *slot = completed,
+                None => return Err(FenceError::Corrupt(format!("completed_under answered for item {i}"))),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn prune(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
+        let span = tracing::info_span!("fence.prune", backend = "postgres", schema = self.schema.as_str());
+        let started = std::time::Instant::now();
+        let report = self.prune_all(retention).instrument(span.clone()).await?;
+        span.in_scope(|| tracing::info!(?report, elapsed = ?started.elapsed(), "prune run"));
+        Ok(report)
+    }
+
+    async fn db_now(&self) -> Result<DbTime> {
+        let ms: i64 = sqlx::query_scalar(concat!("SELECT ", ms!("clock_timestamp()"))).fetch_one(&self.pool).await?;
+        Ok(DbTime(ms))
+    }
+
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn concrete(&self) -> crate::Backend<'_> {
+        crate::Backend::Postgres(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(key: &str, outcome: &str, epoch: i64) -> ClaimRow {
+        (key.to_owned(), outcome.to_owned(), epoch, Some("other".to_owned()), Some(0), Some(1_000), 1, Some(0))
+    }
+
+    /// A key the statement claimed can also come back as its snapshot showed it (running under
+    /// another owner whose lease ran out meanwhile): whichever row comes first, the claim stands,
+    /// or this worker would hold a lease it does not know of.
+    #[tokio::test]
+    async fn a_claimed_row_wins_over_the_snapshot_row_of_the_same_key() {
+        let (q, k, me) = (QueueName::new("q").unwrap(), JobKey::new("k").unwrap(), Owner::new("me").unwrap());
+        for rows in
+            [vec![row("k", "claimed", 2), row("k", "running", 1)], vec![row("k", "running", 1), row("k", "claimed", 2)]]
+        {
+            let out = claim_rounds(&q, std::slice::from_ref(&k), &me, |_| {
+                let rows = rows.clone();
+                async move { Ok(rows) }
+            })
+            .await
+            .unwrap();
+            assert!(matches!(&out[..], [Claim::Claimed(l)] if l.epoch == 2), "{out:?}");
+        }
+    }
+}

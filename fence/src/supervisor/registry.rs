@@ -1,0 +1,210 @@
+//! The in-flight registry: one slot per attempt holding a lease, its cancellation and deadline.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::commit::{CommitRequest, VerifyRequest};
+use super::config::SupervisorConfig;
+use super::outcome::LossReason;
+use crate::Owner;
+use crate::hook_runner::HookRunner;
+use crate::metrics::Metrics;
+use crate::model::Lease;
+use crate::store::FenceStore;
+
+pub(super) struct SlotState {
+    pub(super) token: CancellationToken,
+    /// Monotonic deadline, in nanoseconds after the supervisor's base instant.
+    pub(super) deadline: AtomicU64,
+    pub(super) loss: Mutex<Option<LossReason>>,
+    /// The handler has returned; the attempt waits for the verdict on its commit, failure or
+    /// release. Its lease is still renewed, but there is nothing left to cancel.
+    pub(super) settling: AtomicBool,
+    /// The handler sent its own fenced completion ([`JobContext::complete_in`]): once it returns,
+    /// the job row, not the handler's answer, says whether the result committed.
+    pub(super) own_commit: AtomicBool,
+    /// When the loss was found (`brokerfence_lease_loss_to_cancel_seconds`).
+    #[cfg(feature = "metrics")]
+    pub(super) lost_at: std::sync::OnceLock<Instant>,
+}
+
+impl SlotState {
+    pub(super) fn lose(&self, reason: LossReason) {
+        #[cfg(feature = "metrics")]
+        self.lost_at.get_or_init(Instant::now);
+        if let Ok(mut loss) = self.loss.lock() {
+            loss.get_or_insert(reason);
+        }
+        self.token.cancel();
+    }
+
+    pub(super) fn reason(&self) -> LossReason {
+        self.loss.lock().ok().and_then(|l| *l).unwrap_or(LossReason::Superseded)
+    }
+}
+
+pub(super) struct Slot {
+    pub(super) lease: Lease,
+    pub(super) state: Arc<SlotState>,
+}
+
+pub(super) struct Inner {
+    pub(super) store: Arc<dyn FenceStore>,
+    pub(super) owner: Owner,
+    pub(super) config: SupervisorConfig,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) base: Instant,
+    pub(super) next_id: AtomicU64,
+    /// Every attempt holding a lease: running handlers and finished ones awaiting their verdict.
+    pub(super) inflight: Mutex<HashMap<u64, Slot>>,
+    /// Handlers running now (the registry minus the attempts awaiting their verdict).
+    pub(super) running: AtomicUsize,
+    pub(super) hooks: RwLock<Vec<HookRunner>>,
+    /// Where hook tasks run.
+    pub(super) runtime: tokio::runtime::Handle,
+    pub(super) stop: CancellationToken,
+    pub(super) draining: CancellationToken,
+    pub(super) idle: tokio::sync::Notify,
+    pub(super) committer: tokio::sync::mpsc::Sender<CommitRequest>,
+    /// Asks, in groups, whether handlers that committed in their own transaction did commit.
+    pub(super) verifier: tokio::sync::mpsc::Sender<VerifyRequest>,
+    /// A renewal of the attempts awaiting their verdict is under way (one at a time).
+    pub(super) renewing_settling: std::sync::atomic::AtomicBool,
+}
+
+/// Removes an attempt from the in-flight registry when dropped (or at [`leave`](Self::leave)),
+/// and keeps the count of running handlers.
+pub(super) struct Registered<'a> {
+    pub(super) inner: &'a Inner,
+    pub(super) id: Option<u64>,
+    pub(super) state: Arc<SlotState>,
+    pub(super) running: bool,
+}
+
+impl Registered<'_> {
+    /// The handler has returned: the attempt stays registered (its lease renewed) but no longer
+    /// counts as running, and nothing cancels it any more.
+    pub(super) fn settle(&mut self) {
+        self.state.settling.store(true, Ordering::Release);
+        self.stop_running();
+    }
+
+    fn stop_running(&mut self) {
+        if std::mem::take(&mut self.running) {
+            self.inner.running.fetch_sub(1, Ordering::AcqRel);
+            self.inner.metrics.in_flight(false);
+        }
+    }
+
+    pub(super) fn leave(&mut self) {
+        self.stop_running();
+        if let Some(id) = self.id.take() {
+            self.inner.remove(id);
+        }
+    }
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        if self.id.is_some() {
+            tracing::warn!("attempt abandoned (handler panicked or its future was dropped); lease no longer renewed");
+        }
+        self.leave();
+    }
+}
+
+impl Inner {
+    pub(super) fn in_flight(&self) -> usize {
+        self.running.load(Ordering::Acquire)
+    }
+
+    pub(super) fn leases_held(&self) -> usize {
+        self.inflight.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// For each lease, whether a broker may still be told to extend it: its attempt is
+    /// registered, not cancelled, and before its worker-side deadline.
+    pub(super) fn live(&self, leases: &[Lease]) -> Vec<bool> {
+        let now = self.nanos(Instant::now());
+        let Ok(map) = self.inflight.lock() else { return vec![false; leases.len()] };
+        let held: HashMap<(&str, &str, i64), bool> = map
+            .values()
+            .map(|s| {
+                let live = !s.state.token.is_cancelled() && s.state.deadline.load(Ordering::Acquire) > now;
+                ((s.lease.queue.as_str(), s.lease.key.as_str(), s.lease.epoch), live)
+            })
+            .collect();
+        leases
+            .iter()
+            .map(|l| held.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)).copied().unwrap_or(false))
+            .collect()
+    }
+
+    /// Logs a lost lease with both epochs: ours and, when the database answers quickly, the one
+    /// that superseded it.
+    pub(super) async fn log_loss(&self, lease: &Lease, reason: LossReason) {
+        let current = match reason {
+            LossReason::Superseded => {
+                tokio::time::timeout(Duration::from_millis(500), self.store.job(&lease.queue, &lease.key)).await.ok()
+            }
+            _ => None,
+        };
+        match current {
+            Some(Ok(Some(job))) => tracing::warn!(
+                ?reason,
+                key = %lease.key,
+                epoch = lease.epoch,
+                current_epoch = job.epoch,
+                current_owner = job.owner.as_deref().unwrap_or("none"),
+                current_state = %job.state,
+                "lease lost: handler cancelled, nothing committed"
+            ),
+            _ => tracing::warn!(
+                ?reason,
+                key = %lease.key,
+                epoch = lease.epoch,
+                "lease lost: handler cancelled, nothing committed"
+            ),
+        }
+    }
+
+    /// Cancels every attempt whose monotonic deadline has passed, so that work spawned with
+    /// [`JobContext::cancellation`] stops even when the attempt's own task is not being polled
+    /// (for example because the handler is stuck in blocking code).
+    pub(super) fn expire_overdue(&self) {
+        if !self.config.cancel_on_loss {
+            return;
+        }
+        let now = self.nanos(Instant::now());
+        if let Ok(map) = self.inflight.lock() {
+            for slot in map.values() {
+                // An attempt awaiting its verdict has no handler left to stop: its commit decides.
+                if !slot.state.token.is_cancelled()
+                    && !slot.state.settling.load(Ordering::Acquire)
+                    && slot.state.deadline.load(Ordering::Acquire) <= now
+                {
+                    tracing::warn!(key = %slot.lease.key, epoch = slot.lease.epoch, "lease unconfirmed past its deadline; cancelling");
+                    slot.state.lose(LossReason::Unconfirmed);
+                }
+            }
+        }
+    }
+
+    pub(super) fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn remove(&self, id: u64) {
+        if let Ok(mut map) = self.inflight.lock() {
+            map.remove(&id);
+            if map.is_empty() {
+                self.idle.notify_waiters();
+            }
+        }
+    }
+}
