@@ -33,9 +33,9 @@ pub struct ConsumerConfig {
 pub const DEFAULT_CLAIM_WINDOW: Duration = Duration::from_millis(5);
 
 impl ConsumerConfig {
-    /// 16 jobs at once, batches of the source's [`Source::default_batch`] (10 for a broker, 64
-    /// for the table queue), claims grouped by [`DEFAULT_CLAIM_WINDOW`], 30 s shutdown grace,
-    /// acks batched by 10 or 20 ms.
+    /// 16 jobs at once, batches of the source's [`Source::default_batch`](crate::Source::default_batch)
+    /// (10 for a broker, 64 for the table queue), claims grouped by [`DEFAULT_CLAIM_WINDOW`], 30 s
+    /// shutdown grace, acks batched by 10 or 20 ms.
     pub fn new(supervisor: SupervisorConfig) -> Self {
         Self {
             supervisor,
@@ -91,7 +91,7 @@ impl ConsumerConfig {
     /// Deliveries asked for per receive, at most: a receive asks for what is free then (and what
     /// frees up within a 2 ms linger), up to this many and never more than the receive places
     /// (`prefetch`, else `concurrency`). Without it, the source's
-    /// [`default_batch`](Source::default_batch) applies: 10 for the brokers (one SQS
+    /// [`default_batch`](crate::Source::default_batch) applies: 10 for the brokers (one SQS
     /// `ReceiveMessage` returns at most 10), 64 for the table queue, whose receive *is* the claim
     /// statement, so the batch is how many jobs one statement hands out: with 10, a consumer
     /// over the table queue could start at most ten jobs per claim round trip and stopped

@@ -2,7 +2,7 @@
 
 use tokio_util::sync::CancellationToken;
 
-/// A token that fires on SIGTERM or Ctrl-C: pass it to [`Consumer::run`].
+/// A token that fires on SIGTERM or Ctrl-C: pass it to [`Consumer::run`](super::Consumer::run).
 ///
 /// ```no_run
 /// # async fn demo() {

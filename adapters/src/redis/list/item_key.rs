@@ -4,14 +4,11 @@ use std::sync::Arc;
 
 use fence::JobKey;
 
-#[cfg(doc)]
-use super::{ListRetrofit, ReliableList};
-
 type DecodeFn = dyn Fn(&[u8]) -> Result<(JobKey, Vec<u8>), String> + Send + Sync;
 
 /// How a list item maps to a job key and a payload. Lists carry no message id, so the identity
-/// must come from the item itself, and there is no default: [`ReliableList::new`] and
-/// [`ListRetrofit::new`] ask for one, because each choice says something different about two
+/// must come from the item itself, and there is no default: [`ReliableList::new`](super::ReliableList::new) and
+/// [`ListRetrofit::new`](super::ListRetrofit::new) ask for one, because each choice says something different about two
 /// identical items.
 ///
 /// The job key is what deduplicates: a second item with the key of a completed job is acknowledged

@@ -49,7 +49,7 @@ impl ListProcessed {
 /// A destructive pop has one copy: [`requeue_popped`](Self::requeue_popped) puts the item back
 /// unless the database settled its job (committed, done, dead, or a newer epoch holds it). Every
 /// Redis call of the fence is bounded ([`command_timeout`](Self::command_timeout)); bound your own
-/// blocking read too, as below ([`RedisTimeouts::blocking`](super::RedisTimeouts::blocking)).
+/// blocking read too, as below ([`RedisTimeouts::blocking`](crate::redis::RedisTimeouts::blocking)).
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
@@ -91,7 +91,7 @@ impl ListRetrofit {
     /// The fence's own calls (lease keys, the push back and dead letter of
     /// [`requeue_popped`](Self::requeue_popped)) go over `redis`'s command connection
     /// ([`RedisConnections::commands`]), each bounded by its response timeout
-    /// ([`RedisTimeouts::response`](super::RedisTimeouts::response), default 2 s; change it with
+    /// ([`RedisTimeouts::response`](crate::redis::RedisTimeouts::response), default 2 s; change it with
     /// [`command_timeout`](Self::command_timeout)); your blocking pop belongs on
     /// [`RedisConnections::blocking`], which has no response timeout of its own.
     pub fn new(
@@ -265,7 +265,7 @@ impl ListRetrofit {
     /// [`process`](Self::process) answers only when the database said so).
     ///
     /// A retry or hold is pushed back after its delay by a task of this process (an item popped
-    /// destructively lives only in memory until then: use [`ReliableList`] where that matters).
+    /// destructively lives only in memory until then: use [`ReliableList`](super::ReliableList) where that matters).
     /// Everything else — a lease lost or unconfirmed, a commit fenced with no newer holder, a claim
     /// or commit whose fate is unknown, a release at shutdown — is pushed back at once, and the
     /// fence deduplicates it.

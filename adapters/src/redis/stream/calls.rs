@@ -214,12 +214,12 @@ impl StreamSource {
 
 impl StreamSource {
     /// The heartbeat's hint for entries whose leases the database just confirmed: one script
-    /// call ([`SCRIPTS.stream_extend`](super::scripts)) that, per job, takes or renews the lease
+    /// call ([`SCRIPTS.stream_extend`](crate::redis::scripts)) that, per job, takes or renews the lease
     /// key and `XCLAIM`s the entry (`JUSTID`, idle back to 0) only while the lease is still the
     /// newest Redis knows of: a lease key holding a newer epoch, or (for a key this worker did
     /// not hold) an entry another consumer has taken over since, means this renewal is stale and
     /// the entry is left alone. Only the newest lease per job is used (the highest epoch; the last
-    /// delivery given for it). Bounded by [`RedisTimeouts::hint`](super::RedisTimeouts::hint).
+    /// delivery given for it). Bounded by [`RedisTimeouts::hint`](crate::redis::RedisTimeouts::hint).
     pub(super) async fn extend_newest(&self, leases: &[(Lease, StreamDelivery)]) -> Result<(), RedisError> {
         // The newest (lease, delivery) per lease key.
         let mut newest: Vec<(&str, &Lease, &StreamDelivery)> = Vec::with_capacity(leases.len());
