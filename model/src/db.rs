@@ -1,5 +1,5 @@
 //! The job row and the store's statements, each as the WHERE and SET of its SQL in
-//! `fence/src/postgres.rs` (times relative to `clock_timestamp()`, in ticks).
+//! `fence/src/postgres/statements.rs` (times relative to `clock_timestamp()`, in ticks).
 
 use crate::{Bounds, Guards, W};
 

@@ -2,7 +2,7 @@
 //! dead".
 //!
 //! stateright's `eventually` only looks at paths that end (its own notes call it incomplete on
-//! cycles, and this model has cycles: [`Action::Tick`](crate::Action::Tick) is always enabled).
+//! cycles, and this model has cycles: [`Action::Tick`] is always enabled).
 //! So this module explores the same [`Model`] graph itself and checks the branching form: from
 //! every reachable state, a state where every job is completed or dead is reachable. On a finite
 //! graph that is exactly "every run that is strongly fair to every step reaches such a state":

@@ -9,6 +9,7 @@ use super::config::ReceiveCountCheck;
 use super::delivery::{Settled, SqsDelivery};
 use super::error::{SqsError, bounded, classify};
 use super::source::SqsSource;
+use super::state::Redrive;
 
 /// Message attribute carrying the reason on a message moved to the dead-letter queue.
 pub const REASON_ATTRIBUTE: &str = "Fence-Dead-Letter-Reason";
@@ -18,13 +19,6 @@ pub const SOURCE_MESSAGE_ID_ATTRIBUTE: &str = "Fence-Source-Message-Id";
 const MAX_REASON_BYTES: usize = 1024;
 /// SQS allows at most ten message attributes per message.
 const MAX_ATTRIBUTES: usize = 10;
-
-/// The queue's RedrivePolicy, as read once.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Redrive {
-    pub(crate) dead_letter_arn: Option<String>,
-    pub(crate) max_receive_count: Option<u32>,
-}
 
 /// Receives the retry policy needs: one per attempt, plus one more for each 12 h a backoff lasts
 /// beyond the first (a retry's visibility is clamped to 12 h, so SQS hands the message out again,

@@ -55,6 +55,7 @@ mod outbox;
 mod receive;
 mod retrofit;
 mod source;
+mod state;
 
 pub use config::{
     DEFAULT_CALL_TIMEOUT, DEFAULT_RECEIVE_HEADROOM, DeadLetterTarget, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT,

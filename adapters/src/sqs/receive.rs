@@ -1,7 +1,6 @@
 //! Receiving: long polls run in tasks of their own (so a receive the runtime abandons gives its
 //! messages back), FIFO group order, optional read-ahead, and giving back what never started.
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use super::config::{MAX_BATCH, visibility_secs};
 use super::delivery::SqsDelivery;
 use super::error::{SqsError, bounded, classify};
 use super::source::SqsSource;
+use super::state::ReceiveResult;
 use crate::runtime::ReceiveContext;
 use crate::source::Incoming;
 
@@ -20,20 +20,6 @@ const RECEIVE_SLACK: Duration = Duration::from_secs(1);
 
 /// While FIFO messages wait behind their group, how long one idle wait for more lasts.
 const PARKED_POLL: Duration = Duration::from_millis(500);
-
-type ReceiveResult = Result<Vec<SqsDelivery>, SqsError>;
-
-/// Messages received ahead of demand: while the runtime claims one batch, the next one is already
-/// on its way (only while the queue has a backlog, i.e. the last receive came back full).
-#[derive(Default)]
-pub(super) struct Ahead {
-    /// Receives sent ahead, oldest first, with when they were sent.
-    pending: VecDeque<(tokio::time::Instant, tokio::sync::oneshot::Receiver<ReceiveResult>)>,
-    /// Received and not yet handed out, with when they were received.
-    buffer: VecDeque<(tokio::time::Instant, SqsDelivery)>,
-    /// The last answer was a full batch: the queue has more.
-    backlog: bool,
-}
 
 impl SqsSource {
     /// One `ReceiveMessage` call, cancellation-safe: the call runs in a task of its own, so when the

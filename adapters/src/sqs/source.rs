@@ -15,6 +15,7 @@ use super::batch::{self, Entry};
 use super::config::{DeadLetterTarget, SqsConfig, visibility_secs};
 use super::delivery::{Registry, Settled, SqsDelivery};
 use super::error::{SqsError, bounded, classify, is_missing_queue_code, short_cause};
+use super::state::{Ahead, Redrive};
 use crate::disposition::Disposition;
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
@@ -75,13 +76,13 @@ pub(super) struct Inner {
     pub(super) config: SqsConfig,
     pub(super) registry: Arc<Registry>,
     pub(super) dead_letter_url: OnceCell<Option<String>>,
-    pub(super) redrive: OnceCell<super::dead_letter::Redrive>,
+    pub(super) redrive: OnceCell<Redrive>,
     pub(super) receive_checked: OnceCell<()>,
     /// `ReceiveMessage` calls still running (see [`SqsSource::release_unstarted`]).
     pub(super) receiving: AtomicUsize,
     pub(super) idle: Notify,
     /// Read-ahead state (standard queues).
-    pub(super) ahead: tokio::sync::Mutex<super::receive::Ahead>,
+    pub(super) ahead: tokio::sync::Mutex<Ahead>,
 }
 
 impl std::fmt::Debug for SqsSource {

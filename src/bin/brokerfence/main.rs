@@ -1,0 +1,197 @@
+//! `brokerfence`: the operator's command line (feature `cli`).
+//!
+//! ```text
+//! brokerfence migrate
+//! brokerfence status [--queue Q] [--expiring-within 10s] [--limit N]
+//! brokerfence job QUEUE KEY
+//! brokerfence dead list [--queue Q] [--limit N]
+//! brokerfence dead requeue QUEUE (KEY…|--all) [--batch N]
+//! brokerfence prune [--queue Q]… [--completed-age 15d] [--dead-age 30d] [--keep-completed] [--keep-dead]
+//!                   [--ledger SCOPE=AGE]… [--batch N]
+//! ```
+//!
+//! Global options: `--database-url URL` (else `DATABASE_URL`; `postgres://…` or `sqlite:PATH`),
+//! `--schema NAME`, `--json`, `--timeout 30s`. Everything it shows comes from
+//! [`brokerfence::admin`]; times are the database clock's.
+//!
+//! Exit codes: 0 done; 1 failed (database unreachable, schema missing or too old, a statement
+//! refused or timed out); 2 bad command line (including a missing or unsupported database URL);
+//! 3 not found (`job` of a key the queue does not have, `dead requeue` of keys that were not
+//! all dead).
+//!
+//! This file runs a command; `args` holds the command line (clap), `output` the text and JSON
+//! it prints.
+
+use std::process::ExitCode;
+
+use brokerfence::admin::{Admin, Requeue};
+use brokerfence::{FenceError, FenceStore, PgFence, QueueRetention, Retention, SqliteFence};
+use clap::Parser;
+use serde_json::json;
+
+mod args;
+mod output;
+
+use args::{Cli, Command, Dead};
+use output::{
+    dead_json, dead_text, job_json, job_text, print, prune_json, prune_text, requeue_json, requeue_text, status_json,
+    status_text,
+};
+
+/// What ended a command, and its exit code.
+enum Failure {
+    /// 1: the database or the store failed.
+    Failed(String),
+    /// 2: the command line (or the database URL) is wrong.
+    Usage(String),
+    /// 3: something named does not exist (or is not in the state asked for); the output is printed.
+    NotFound,
+}
+
+impl From<FenceError> for Failure {
+    fn from(e: FenceError) -> Self {
+        match e {
+            FenceError::SchemaTooOld { .. } => Failure::Failed(format!("{e}; with this tool: `brokerfence migrate`")),
+            e => Failure::Failed(e.to_string()),
+        }
+    }
+}
+
+impl From<brokerfence::AdminError> for Failure {
+    fn from(e: brokerfence::AdminError) -> Self {
+        Failure::Failed(e.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version print and end with 0; usage errors with 2.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("brokerfence: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::NotFound) => ExitCode::from(3),
+        Err(Failure::Usage(msg)) => {
+            eprintln!("brokerfence: {msg}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Failed(msg)) => {
+            eprintln!("brokerfence: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The store of `url`.
+enum Store {
+    Postgres(PgFence),
+    Sqlite(SqliteFence),
+}
+
+impl Store {
+    fn fence(&self) -> &dyn FenceStore {
+        match self {
+            Store::Postgres(pg) => pg,
+            Store::Sqlite(lite) => lite,
+        }
+    }
+}
+
+async fn connect(cli: &Cli) -> Result<Store, Failure> {
+    let Some(url) = cli.database_url.as_deref().filter(|u| !u.is_empty()) else {
+        return Err(Failure::Usage("no database: give --database-url URL or set DATABASE_URL".into()));
+    };
+    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase()).unwrap_or_default();
+    match scheme.as_str() {
+        "postgres" | "postgresql" => Ok(Store::Postgres(PgFence::connect(url).await?.with_schema(cli.schema.clone()))),
+        "sqlite" => {
+            // Opening creates a missing file: only `migrate` may do that (a mistyped path would
+            // otherwise show an empty, new database).
+            let options: sqlx::sqlite::SqliteConnectOptions =
+                url.parse().map_err(|e| Failure::Usage(format!("bad SQLite URL: {e}")))?;
+            let file = options.get_filename();
+            let memory = url.contains(":memory:") || url.contains("mode=memory");
+            if !memory && !matches!(cli.command, Command::Migrate) && !file.exists() {
+                return Err(Failure::Failed(format!(
+                    "no SQLite database at {}: check the path, or run `brokerfence migrate` to create it",
+                    file.display()
+                )));
+            }
+            Ok(Store::Sqlite(SqliteFence::open(url).await?.with_schema(cli.schema.clone())))
+        }
+        _ => Err(Failure::Usage(format!(
+            "database URL scheme {scheme:?} is not supported: use postgres://… or postgresql://… (PostgreSQL) \
+             or sqlite:PATH (SQLite)"
+        ))),
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let store = connect(&cli).await?;
+    let fence = store.fence();
+    if let Command::Migrate = cli.command {
+        fence.migrate().await?;
+        return print(
+            cli.json,
+            json!({"migrated": true, "backend": fence.backend(), "schema": cli.schema.as_str()}),
+            || format!("migrated: {} schema {} is up to date\n", fence.backend(), cli.schema.as_str()),
+        );
+    }
+    // Says "run migrations" on a missing or old schema, rather than a missing table.
+    fence.check_schema().await?;
+    let admin = Admin::new(fence)?.with_timeout(cli.timeout);
+    match &cli.command {
+        Command::Migrate => Ok(()),
+        Command::Status { queue, expiring_within, limit } => {
+            let admin = admin.with_expiring_within(*expiring_within).with_list_limit(*limit);
+            let status = admin.status(queue.as_ref()).await?;
+            print(cli.json, status_json(&status, admin.backend()), || status_text(&status, *expiring_within))
+        }
+        Command::Job { queue, key } => match admin.job(queue, key).await? {
+            Some(job) => print(cli.json, job_json(&job), || job_text(&job)),
+            None => {
+                print(cli.json, json!({"found": false, "queue": queue.as_str(), "key": key.as_str()}), || {
+                    format!("no job {key} in queue {queue}\n")
+                })?;
+                Err(Failure::NotFound)
+            }
+        },
+        Command::Dead(Dead::List { queue, limit }) => {
+            let dead = admin.dead(queue.as_ref(), *limit).await?;
+            print(cli.json, json!({"dead": dead.iter().map(dead_json).collect::<Vec<_>>()}), || dead_text(&dead))
+        }
+        Command::Dead(Dead::Requeue { queue, keys, all, batch }) => {
+            let which = if *all { Requeue::AllDead } else { Requeue::Keys(keys.clone()) };
+            let report = admin.with_batch_size(*batch).requeue_dead(queue, which).await?;
+            print(cli.json, requeue_json(queue, &report), || requeue_text(queue, &report))?;
+            if report.skipped.is_empty() { Ok(()) } else { Err(Failure::NotFound) }
+        }
+        Command::Prune { queues, completed_age, dead_age, keep_completed, keep_dead, ledger, batch } => {
+            let queues = if queues.is_empty() { admin.queues().await? } else { queues.clone() };
+            let policy = QueueRetention {
+                completed: (!keep_completed).then_some(*completed_age),
+                dead: (!keep_dead).then_some(*dead_age),
+            };
+            let mut retention = Retention::new().batch_size(*batch);
+            for q in &queues {
+                retention = retention.queue(q.clone(), policy);
+            }
+            for (scope, age) in ledger {
+                retention = retention.ledger(scope.clone(), *age);
+            }
+            let report = admin.prune(&retention).await?;
+            print(cli.json, prune_json(&queues, &report), || prune_text(&queues, &report))
+        }
+    }
+}
