@@ -19,17 +19,14 @@
 //! stderr); `examples/README.md` lists them all. SIGTERM or Ctrl-C stops it gracefully: no more
 //! claims, running jobs get `--grace` to finish, the rest are released.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{FenceStore, JobContext, LeaseDuration, QueueName, SupervisorConfig};
-use brokerfence::table::TableQueue;
+use brokerfence::fence::JobContext;
 
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{CallReceiver, Common, EventSource, EventStore, StartError};
+use common::{CallReceiver, Common, StartError};
 
 const PROG: &str = "table_worker";
 
@@ -54,23 +51,10 @@ fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
 }
 
 async fn serve(args: Args) -> Result<(), StartError> {
-    let c = &args.common;
-    let refuse = |e: brokerfence::fence::FenceError| StartError::Refused(e.to_string());
-    let owner = c.owner("table-worker").map_err(refuse)?;
-    let queue = QueueName::new(args.queue.clone().unwrap_or_default()).map_err(refuse)?;
-    let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
-    c.serve_metrics().await?;
-    let url = common::database_url(c.database_url.as_deref())?;
-    let pg = common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
-    let store: Arc<dyn FenceStore> = Arc::new(pg);
-
-    let source = EventSource(TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(args.idle_wait));
-    let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
-    let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
-    let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
-    consumer.supervisor().add_hook(Arc::new(common::LostHook));
+    let (owner, queue, consumer) =
+        common::table_consumer(&args.common, "table-worker", args.queue.as_deref(), args.idle_wait).await?;
     let reporter = common::spawn_metrics(consumer.metrics());
-    let call = CallReceiver::new(c);
+    let call = CallReceiver::new(&args.common);
     let handler = move |ctx: JobContext| call.clone().handle(ctx);
 
     let stop = common::shutdown_on_signals();

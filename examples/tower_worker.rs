@@ -16,19 +16,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::{FenceStore, JobContext, JobError, LeaseDuration, QueueName, SupervisorConfig};
-use brokerfence::{BoxError, Consumer, ConsumerConfig, TableQueue};
+use brokerfence::BoxError;
+use brokerfence::fence::{JobContext, JobError};
 use tower::{Layer, Service, ServiceBuilder};
 use tracing::Instrument;
 
 #[path = "support/cli.rs"]
 mod common;
 
-use common::{Common, EventSource, EventStore, StartError, lease_event};
+use common::{Common, StartError, lease_event};
 
 const PROG: &str = "tower_worker";
 
@@ -116,20 +115,8 @@ async fn work(ctx: JobContext) -> Result<String, JobError> {
 }
 
 async fn serve(args: Args) -> Result<(), StartError> {
-    let c = &args.common;
-    let refuse = |e: brokerfence::fence::FenceError| StartError::Refused(e.to_string());
-    let owner = c.owner("tower-worker").map_err(refuse)?;
-    let queue = QueueName::new(args.queue.clone().unwrap_or_default()).map_err(refuse)?;
-    let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
-    let url = common::database_url(c.database_url.as_deref())?;
-    let pg = common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
-    let store: Arc<dyn FenceStore> = Arc::new(pg);
-
-    let source = EventSource(TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(args.idle_wait));
-    let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
-    let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
-    let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
-    consumer.supervisor().add_hook(Arc::new(common::LostHook));
+    let (owner, queue, consumer) =
+        common::table_consumer(&args.common, "tower-worker", args.queue.as_deref(), args.idle_wait).await?;
     let reporter = common::spawn_metrics(consumer.metrics());
 
     // Outermost first: the span sees the timeout's error; the timeout bounds the work.

@@ -336,6 +336,35 @@ pub async fn prepare_schema(store: &dyn FenceStore, migrate: bool) -> Result<(),
     }
 }
 
+/// A table-queue worker as the example workers build it: the metrics endpoint (`--metrics-addr`),
+/// PostgreSQL (`--database-url`, `--schema`, `--migrate`), the source and store that print the
+/// `EVENT` lines, the shared flags (lease, retry, concurrency, grace) and the lost-lease hook.
+/// Returns the owner, the queue and the consumer.
+pub async fn table_consumer(
+    c: &Common,
+    owner_prefix: &str,
+    queue: Option<&str>,
+    idle_wait: Duration,
+) -> Result<(Owner, QueueName, brokerfence::adapters::Consumer<EventSource<brokerfence::table::TableQueue>>), StartError>
+{
+    let refuse = |e: FenceError| StartError::Refused(e.to_string());
+    let owner = c.owner(owner_prefix).map_err(refuse)?;
+    let queue = QueueName::new(queue.unwrap_or_default()).map_err(refuse)?;
+    let lease = LeaseDuration::from_secs(c.lease).map_err(refuse)?;
+    c.serve_metrics().await?;
+    let url = database_url(c.database_url.as_deref())?;
+    let pg = connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
+    let store: Arc<dyn FenceStore> = Arc::new(pg);
+    let source =
+        EventSource(brokerfence::table::TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
+    let supervisor = fence::SupervisorConfig::new(lease).retry(c.retry_policy());
+    let config = brokerfence::adapters::ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
+    let consumer =
+        brokerfence::adapters::Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    consumer.supervisor().add_hook(Arc::new(LostHook));
+    Ok((owner, queue, consumer))
+}
+
 /// The PostgreSQL URL: `--database-url`, else `DATABASE_URL` (or `localstack/.env`).
 pub fn database_url(given: Option<&str>) -> Result<String, StartError> {
     given.map(str::to_owned).or_else(|| brokerfence_testkit::services::var("DATABASE_URL")).ok_or_else(|| {

@@ -39,7 +39,7 @@ mod rows;
 mod types;
 
 pub(crate) use rows::{
-    DeadRow, JobInfoRow, RunningRow, assemble, dead_job, job_info, key_chunks, keyed_outcome, ms, stored_key,
+    DeadRow, JobInfoRow, RunningRow, absorb_requeued, assemble, dead_job, job_info, key_chunks, keyed_outcome, ms,
     stored_queue,
 };
 pub use types::{

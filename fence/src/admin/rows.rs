@@ -14,6 +14,23 @@ pub(crate) fn stored_key(k: String) -> Result<JobKey, AdminError> {
     JobKey::new(k).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored job key: {e}"))))
 }
 
+/// Adds one batch of a requeue-all (`(key, new epoch)` rows) to `report`; true when the batch was
+/// full, so another one may follow.
+pub(crate) fn absorb_requeued(
+    report: &mut RequeueReport,
+    rows: Vec<(String, i64)>,
+    batch: u32,
+) -> Result<bool, AdminError> {
+    let n = rows.len();
+    if n > 0 {
+        report.batches += 1;
+    }
+    for (key, epoch) in rows {
+        report.requeued.push(Requeued { key: stored_key(key)?, epoch });
+    }
+    Ok(n >= usize::try_from(batch).unwrap_or(usize::MAX))
+}
+
 /// A queue name read back from the database.
 pub(crate) fn stored_queue(q: String) -> Result<QueueName, AdminError> {
     QueueName::new(q).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored queue name: {e}"))))

@@ -6,8 +6,8 @@ use std::time::Duration;
 use sqlx::AssertSqlSafe;
 
 use super::{
-    AdminError, DeadRow, JobInfo, JobInfoRow, Requeue, RequeueReport, RunningRow, Status, assemble, dead_job, job_info,
-    key_chunks, keyed_outcome, ms, stored_key,
+    AdminError, DeadRow, JobInfo, JobInfoRow, Requeue, RequeueReport, RunningRow, Status, absorb_requeued, assemble,
+    dead_job, job_info, key_chunks, keyed_outcome, ms,
 };
 use crate::key::{JobKey, QueueName};
 use crate::sqlite::SqliteFence;
@@ -176,14 +176,7 @@ pub(super) async fn requeue(
                     .fetch_all(&mut *tx)
                     .await?;
                 tx.commit().await?;
-                let n = rows.len();
-                if n > 0 {
-                    report.batches += 1;
-                }
-                for (key, epoch) in rows {
-                    report.requeued.push(super::Requeued { key: stored_key(key)?, epoch });
-                }
-                if n < usize::try_from(batch).unwrap_or(usize::MAX) {
+                if !absorb_requeued(&mut report, rows, batch)? {
                     break;
                 }
             }
