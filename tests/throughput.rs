@@ -88,6 +88,8 @@ async fn throughput_claim_next_reads_in_index_order_on_a_never_analyzed_table() 
 struct Recording {
     inner: brokerfence::TableQueue,
     receives: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
+    /// Receives running now, and the most that ever ran at once.
+    running: Arc<(std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize)>,
 }
 
 #[async_trait::async_trait]
@@ -102,28 +104,42 @@ impl brokerfence::Source for Recording {
         self.inner.default_batch()
     }
 
+    fn receives_in_flight(&self) -> usize {
+        self.inner.receives_in_flight()
+    }
+
     async fn receive(
         &self,
         max: usize,
         ctx: &brokerfence::adapters::ReceiveContext,
     ) -> Result<Vec<brokerfence::adapters::Incoming<()>>, brokerfence::adapters::SourceError> {
-        let got = self.inner.receive(max, ctx).await?;
+        use std::sync::atomic::Ordering;
+        let now = self.running.0.fetch_add(1, Ordering::SeqCst) + 1;
+        self.running.1.fetch_max(now, Ordering::SeqCst);
+        let got = self.inner.receive(max, ctx).await;
+        self.running.0.fetch_sub(1, Ordering::SeqCst);
+        let got = got?;
         self.receives.lock().unwrap().push((max, got.len()));
         Ok(got)
     }
 }
 
 /// What receives a consumer built as the README shows (only its concurrency set) asks for while
-/// it drains `jobs` jobs of 20 ms each: (largest ask, jobs per receive that claimed any).
-async fn default_asks(concurrency: usize, jobs: usize) -> (usize, f64) {
+/// it drains `jobs` jobs of 20 ms each: (largest ask, jobs per receive that claimed any, most
+/// receives in flight at once).
+async fn default_asks(concurrency: usize, jobs: usize) -> (usize, f64, usize) {
     use brokerfence::{Consumer, ConsumerConfig, LeaseDuration, SupervisorConfig};
     let store: Arc<dyn FenceStore> = Arc::new(common::pg().await);
     let queue = QueueName::new("defaults").unwrap();
     let all: Vec<(JobKey, Vec<u8>)> = (0..jobs).map(|i| (common::key(&format!("job-{i:05}")), Vec::new())).collect();
     store.enqueue_many(&queue, &all).await.unwrap();
     let receives = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let source =
-        Recording { inner: brokerfence::TableQueue::new(Arc::clone(&store), queue), receives: Arc::clone(&receives) };
+    let running = Arc::new(Default::default());
+    let source = Recording {
+        inner: brokerfence::TableQueue::new(Arc::clone(&store), queue),
+        receives: Arc::clone(&receives),
+        running: Arc::clone(&running),
+    };
     let config =
         ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())).concurrency(concurrency);
     let consumer = Consumer::new(source, store, config);
@@ -149,7 +165,8 @@ async fn default_asks(concurrency: usize, jobs: usize) -> (usize, f64) {
     let receives = receives.lock().unwrap().clone();
     let largest = receives.iter().map(|(asked, _)| *asked).max().unwrap_or(0);
     let claimed: Vec<usize> = receives.iter().map(|(_, got)| *got).filter(|n| *n > 0).collect();
-    (largest, claimed.iter().sum::<usize>() as f64 / claimed.len().max(1) as f64)
+    let most = running.1.load(std::sync::atomic::Ordering::SeqCst);
+    (largest, claimed.iter().sum::<usize>() as f64 / claimed.len().max(1) as f64, most)
 }
 
 /// Guard (issue #18, defaults that did not scale): a consumer over the table queue at its
@@ -159,7 +176,7 @@ async fn default_asks(concurrency: usize, jobs: usize) -> (usize, f64) {
 /// trip (8,476 jobs/s at concurrency 128 against 22,859 for a plain loop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_table_queue_defaults_claim_what_is_free() {
-    let (largest, per_receive) = default_asks(128, 1_280).await;
+    let (largest, per_receive, _) = default_asks(128, 1_280).await;
     println!("concurrency 128: largest ask {largest}, {per_receive:.1} jobs per claiming receive");
     assert_eq!(largest, 64, "the table queue's default batch, with 128 places");
     assert!(per_receive > 20.0, "{per_receive:.1} jobs per claim statement at concurrency 128");
@@ -170,6 +187,20 @@ async fn throughput_table_queue_defaults_claim_what_is_free() {
 /// the fill linger to every receive).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_default_batch_is_cut_to_the_places() {
-    let (largest, _) = default_asks(4, 40).await;
+    let (largest, _, _) = default_asks(4, 40).await;
     assert_eq!(largest, 4);
+}
+
+/// Guard (issue #18, a serial claim step capped the table queue at concurrency 128: 0.66 of a
+/// plain loop): a consumer whose places hold more than one batch keeps more than one claim
+/// statement in flight (one per batch's worth of places, at most the table queue's 4), so the
+/// places freed while one claim waits on the database are claimed by the next. One whose places
+/// fit one batch keeps one (more would split its batch for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_table_queue_keeps_claims_in_flight_for_its_places() {
+    let (_, per_receive, most) = default_asks(128, 2_560).await;
+    println!("concurrency 128: at most {most} receives at once, {per_receive:.1} jobs per claiming receive");
+    assert_eq!(most, 2, "128 places, batches of 64: two claim statements at once");
+    let (_, _, most) = default_asks(16, 160).await;
+    assert_eq!(most, 1, "16 places fit one batch: one claim statement at a time");
 }

@@ -89,6 +89,28 @@ pub trait Source: Send + Sync + 'static {
         10
     }
 
+    /// How many [`receive`](Self::receive) calls the consumer may have in flight at once: 1
+    /// unless a source says otherwise. The consumer runs one receive per batch's worth of
+    /// places, up to this many (so a consumer whose places fit one batch keeps one receive), and
+    /// each asks only for the places free when it starts: while one receive waits on the
+    /// database, the places that free up meanwhile are not idle until it returns. A source says
+    /// more than 1 only if concurrent receives are safe and cheap for it: the table queue says 4
+    /// (each receive is one `claim_next` statement; `FOR UPDATE SKIP LOCKED` keeps them from
+    /// taking the same rows). The brokers keep 1 (a Redis `XREADGROUP … BLOCK` holds its
+    /// connection; an SQS FIFO queue's group order is kept by receiving one batch at a time).
+    /// A wrapper delegates it.
+    ///
+    /// ```
+    /// # fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) {
+    /// use brokerfence::{QueueName, Source, TableQueue};
+    /// let source = TableQueue::new(store, QueueName::new("emails").unwrap());
+    /// assert_eq!(source.receives_in_flight(), 4);
+    /// # }
+    /// ```
+    fn receives_in_flight(&self) -> usize {
+        1
+    }
+
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
     async fn receive(
         &self,

@@ -73,6 +73,15 @@ impl Source for TableQueue {
         64
     }
 
+    /// Up to 4 `claim_next` statements at once: with 128 places and batches of 64, one claim
+    /// statement waiting on the database would otherwise leave every place freed meanwhile idle
+    /// until it returns. `FOR UPDATE SKIP LOCKED` keeps concurrent claims off each other's rows.
+    /// An idle queue is polled by as many receives (each waits
+    /// [`idle_wait`](Self::idle_wait) after finding nothing).
+    fn receives_in_flight(&self) -> usize {
+        4
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
         let n = u32::try_from(max).unwrap_or(u32::MAX);
         let jobs = self

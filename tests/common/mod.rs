@@ -161,7 +161,7 @@ pub trait TestStore: FenceStore + Clone + Sized {
 }
 
 impl TestStore for PgFence {
-    const MIGRATIONS: i64 = 6;
+    const MIGRATIONS: i64 = 7;
     // The outbox (migration 4) is PostgreSQL only; epoch floors are migration 5; migration 6 sets
     // the jobs table's fillfactor.
     const TABLES: &'static [&'static str] = &["_migrations", "epoch_floors", "jobs", "ledger", "outbox"];

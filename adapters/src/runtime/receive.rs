@@ -18,17 +18,49 @@ use crate::handler::Handler;
 use crate::source::{Incoming, Source, SourceError};
 
 impl<S: Source> Consumer<S> {
+    /// Runs [`receives`](Self::receives) receive loops over the same places; the first
+    /// fatal source error stops them all and is returned.
     pub(super) async fn receive_loop<H: Handler>(
         &self,
         shared: &Arc<Shared<S, H>>,
         permits: &Budget,
         shutdown: &CancellationToken,
     ) -> Result<(), SourceError> {
-        let ctx = ReceiveContext { owner: self.supervisor.owner().clone(), lease: self.config.supervisor.lease() };
-        let mut backoff = Backoff::default();
+        let (batch, receives) = self.receives();
+        if receives == 1 {
+            return self.receive_one(shared, permits, shutdown, batch).await;
+        }
+        let stop = shutdown.child_token();
+        let loops = (0..receives).map(|_| async {
+            let r = self.receive_one(shared, permits, &stop, batch).await;
+            if r.is_err() {
+                stop.cancel();
+            }
+            r
+        });
+        futures::future::join_all(loops).await.into_iter().find(Result::is_err).unwrap_or(Ok(()))
+    }
+
+    /// The batch one receive asks for at most, and how many receives run at once: one per
+    /// batch's worth of places, up to the source's [`Source::receives_in_flight`].
+    pub(super) fn receives(&self) -> (usize, usize) {
+        let places = self.config.places();
         // More than the receive places can never be held: waiting for them would only add the
         // linger to every receive.
-        let batch = self.config.batch.unwrap_or_else(|| self.source.default_batch()).clamp(1, self.config.places());
+        let batch = self.config.batch.unwrap_or_else(|| self.source.default_batch()).clamp(1, places);
+        (batch, places.div_ceil(batch).clamp(1, self.source.receives_in_flight().max(1)))
+    }
+
+    /// One receive loop: waits for a place, fills a batch, receives, dispatches.
+    async fn receive_one<H: Handler>(
+        &self,
+        shared: &Arc<Shared<S, H>>,
+        permits: &Budget,
+        shutdown: &CancellationToken,
+        batch: usize,
+    ) -> Result<(), SourceError> {
+        let ctx = ReceiveContext { owner: self.supervisor.owner().clone(), lease: self.config.supervisor.lease() };
+        let mut backoff = Backoff::default();
         loop {
             // While claims fail (database unreachable), slow down instead of piling up deliveries.
             let failures = shared.claim_failures.load(Ordering::Relaxed);

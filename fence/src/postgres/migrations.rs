@@ -141,6 +141,23 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // 1.4 times the pages it took.
         statements: &["ALTER TABLE {s}.jobs SET (fillfactor = 70)"],
     },
+    Migration {
+        version: 7,
+        name: "the epoch trigger runs only when an epoch would go down",
+        // Issue #18, the fence's CPU per job. Every claim raises an epoch, so the row trigger of
+        // migration 1 ran a PL/pgSQL call per claimed row only to find the epoch had gone up. With
+        // the comparison as the trigger's WHEN condition the executor checks it without a
+        // function call, and the function runs (and raises) only for an update that would lower
+        // an epoch: the same guard, about 1 µs less per claimed row (200,000 rows raised in one
+        // statement, interleaved: 6.2-7.2 µs per row with the call, 5.8-6.3 µs with WHEN, 5.2-5.8
+        // µs with no trigger). Dropping and creating the trigger in one transaction: no update
+        // runs in between without it.
+        statements: &[
+            "DROP TRIGGER IF EXISTS jobs_epoch_never_decreases ON {s}.jobs",
+            "CREATE TRIGGER jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}.jobs
+         FOR EACH ROW WHEN (NEW.epoch < OLD.epoch) EXECUTE FUNCTION {s}.epoch_never_decreases()",
+        ],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
