@@ -249,7 +249,7 @@ impl<S: Source> Consumer<S> {
         let permits = Budget { places: Arc::new(Semaphore::new(places)), unsettled: Arc::clone(&self.unsettled) };
         shared.tasks.spawn(Arc::clone(&shared).claim_loop(
             claims_rx,
-            self.config.claim_window,
+            self.config.claim_window_length(),
             Arc::clone(&permits.places),
         ));
         let pruner = self.config.retention.clone().map(|retention| {
