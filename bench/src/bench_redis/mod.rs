@@ -11,12 +11,12 @@
 //! `localstack/.env`); it uses fresh stream keys and a fresh schema, and removes both at the end.
 
 #[cfg(feature = "redis")]
-fn main() {
+pub fn main() {
     std::process::exit(bench::run(std::env::args().skip(1).collect()));
 }
 
 #[cfg(not(feature = "redis"))]
-fn main() {
+pub fn main() {
     eprintln!("bench_redis needs the `redis` feature: cargo run --release --features redis --example bench_redis");
     std::process::exit(2);
 }

@@ -68,11 +68,11 @@ use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-#[path = "chaos/faults.rs"]
+
 pub mod faults;
-#[path = "chaos/pg_stall.rs"]
+
 mod pg_stall;
-#[path = "chaos/proxy.rs"]
+
 pub mod proxy;
 
 pub use faults::FaultKind;
@@ -112,7 +112,7 @@ enum WorkerMode {
     },
 }
 
-fn main() {
+pub fn main() {
     // A test binary re-executed as a worker gets its arguments in the environment.
     if let Ok(args) = std::env::var(WORKER_ENV) {
         std::process::exit(worker_main(args.split(SEP).map(str::to_owned).collect()));

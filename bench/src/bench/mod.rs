@@ -40,7 +40,7 @@ use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
-#[path = "bench/defaults.rs"]
+
 mod defaults;
 
 // ------------------------------------------------------------------------------------------------
@@ -428,7 +428,7 @@ async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool
     Ok(())
 }
 
-fn main() {
+pub fn main() {
     let opts = match parse_opts() {
         Ok(o) => o,
         Err(e) => {

@@ -71,7 +71,7 @@ fn secs(v: &str) -> Result<Duration, String> {
     v.parse::<u64>().map(Duration::from_secs).map_err(|e| format!("{v:?}: {e}"))
 }
 
-fn main() {
+pub fn main() {
     let o = match <Opts as clap::Parser>::try_parse() {
         Ok(o) => o,
         Err(e) => {

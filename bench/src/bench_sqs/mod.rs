@@ -714,7 +714,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     brokerfence_testkit::services::load_dotenv();
     let args = match parse_args() {
         Ok(a) => a,

@@ -1,0 +1,1 @@
+//! The shared argument parser (filled in below).
