@@ -1,0 +1,82 @@
+//! Figures and their printing: percentiles, rates, memory, the machine.
+
+use super::*;
+
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub(crate) fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// Resident memory of this process, from /proc/self/status (kB), and its peak.
+pub(crate) fn rss_kb() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+pub(crate) fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_kb: u64 = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    format!("{cores} cores ({model}), {:.0} GiB RAM", mem_kb as f64 / 1_048_576.0)
+}
+
+/// One throughput figure.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rate {
+    pub(crate) jobs: usize,
+    pub(crate) secs: f64,
+}
+
+impl Rate {
+    pub(crate) fn per_sec(self) -> f64 {
+        self.jobs as f64 / self.secs.max(1e-9)
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:>8.0} jobs/s ({} jobs in {:.2} s)", self.per_sec(), self.jobs, self.secs)
+    }
+}
+
+pub(crate) fn line(label: &str, value: impl std::fmt::Display) {
+    println!("  {label:<58} {value}");
+}
+
+pub(crate) async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) -> Result<(), String> {
+    let deadline = Instant::now() + within;
+    while !done() {
+        if Instant::now() > deadline {
+            return Err(format!("timed out waiting for {what}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
