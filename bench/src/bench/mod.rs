@@ -30,19 +30,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{
-    Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobError, JobKey, JobRecord, Lease,
-    LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName, Supervisor, SupervisorConfig,
+    FenceStore, JobContext, JobError, JobKey,
+    LeaseDuration, Owner, PgFence, QueueName, SchemaName, Supervisor, SupervisorConfig,
 };
 use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
-mod counting;
 mod defaults;
-mod figures;
 mod measure;
 #[cfg(any(feature = "sqs", feature = "redis"))]
 mod plain;
@@ -52,8 +49,7 @@ mod redis_bench;
 mod sqs_bench;
 mod table;
 
-use counting::*;
-use figures::*;
+use crate::counters::*;
 use measure::*;
 #[cfg(any(feature = "sqs", feature = "redis"))]
 use plain::*;
@@ -68,6 +64,7 @@ struct Opts {
     concurrency: usize,
     batch: usize,
     /// Concurrency of the SQS and Redis consumers (the fenced one and its plain baseline).
+    #[cfg_attr(not(any(feature = "sqs", feature = "redis")), allow(dead_code))]
     broker_concurrency: usize,
     /// Throughput runs per figure (the best counts).
     rounds: usize,
@@ -111,6 +108,7 @@ struct Cli {
     batch: usize,
     /// Concurrency of the SQS and Redis consumers (fenced and plain)
     #[arg(long, value_name = "C", default_value = "32", value_parser = at_least_one)]
+    #[cfg_attr(not(any(feature = "sqs", feature = "redis")), allow(dead_code))]
     broker_concurrency: usize,
     /// Throughput runs per figure (the best counts) [default: 2; 1 with --quick]
     #[arg(long, value_name = "N", value_parser = at_least_one)]
@@ -235,10 +233,4 @@ async fn bench(o: Opts) -> Result<(), String> {
     pg.cleanup().await;
     println!("\nload average at the end {} (other work on the machine skews the figures)", loadavg());
     result
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
 }

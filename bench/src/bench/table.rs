@@ -360,11 +360,7 @@ async fn own_commit(o: &Opts, pg: &Pg, counting: &Arc<Counting>) -> Result<(), S
             }
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    let (g, h) = (median(&mut grouped), median(&mut own));
+    let (g, h) = (median(grouped), median(own));
     line(&format!("commit path, median of {} paired rounds ({} jobs each)", o.rounds, o.jobs), "");
     line("  runtime's grouped commit (the handler returns its result)", format!("{g:.0} jobs/s"));
     line("  handler-owned commit (BEGIN, complete_in, COMMIT; a grouped read)", format!("{h:.0} jobs/s"));

@@ -31,13 +31,15 @@ mod bench {
     use brokerfence::adapters::redis::{KeyFrom, RedisConnections, StreamSource};
     use brokerfence::adapters::{Consumer, ConsumerConfig};
     use brokerfence::fence::{
-        self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobKey, JobRecord, Lease,
-        LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName, SupervisorConfig,
+        FenceStore, JobContext,
+        LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
     };
     use sqlx::AssertSqlSafe;
-    use std::future::Future;
-    use std::pin::Pin;
+    
+    
     use tokio::sync::Semaphore;
+
+    use crate::counters::Counting;
     use tokio_util::sync::CancellationToken;
 
     /// Benchmark: the fenced Redis Streams consumer against a plain XREADGROUP/XACK consumer,
@@ -69,184 +71,6 @@ mod bench {
 
     fn millis(v: &str) -> Result<Duration, String> {
         v.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("{v:?}: {e}"))
-    }
-
-    /// Counts the statements the fence sends (one per store call).
-    struct Counting {
-        inner: Arc<dyn FenceStore>,
-        claims: AtomicU64,
-        claim_nanos: Arc<AtomicU64>,
-        commit_nanos: Arc<AtomicU64>,
-        completes: AtomicU64,
-        heartbeats: AtomicU64,
-        other: AtomicU64,
-    }
-
-    impl Counting {
-        fn total(&self) -> u64 {
-            [&self.claims, &self.completes, &self.heartbeats, &self.other]
-                .iter()
-                .map(|c| c.load(Ordering::Relaxed))
-                .sum()
-        }
-    }
-
-    /// Adds the time `fut` takes to `sum`.
-    fn timed<'f, T: 'f>(fut: Fut<'f, T>, sum: Arc<AtomicU64>) -> Fut<'f, T> {
-        Box::pin(async move {
-            let t = Instant::now();
-            let r = fut.await;
-            sum.fetch_add(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-            r
-        })
-    }
-
-    fn bump(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
-    type Fut<'a, T> = Pin<Box<dyn Future<Output = fence::Result<T>> + Send + 'a>>;
-
-    // `FenceStore` is an `async_trait`; this example spells out its desugared signatures so that it
-    // needs no macro crate of its own.
-    impl FenceStore for Counting {
-        fn migrate<'s, 'f>(&'s self) -> Fut<'f, ()>
-        where
-            's: 'f,
-        {
-            self.inner.migrate()
-        }
-        fn claim_batch<'s, 'q, 'k, 'o, 'f>(
-            &'s self,
-            queue: &'q QueueName,
-            keys: &'k [JobKey],
-            owner: &'o Owner,
-            lease: LeaseDuration,
-        ) -> Fut<'f, Vec<Claim>>
-        where
-            's: 'f,
-            'q: 'f,
-            'k: 'f,
-            'o: 'f,
-        {
-            bump(&self.claims);
-            timed(self.inner.claim_batch(queue, keys, owner, lease), Arc::clone(&self.claim_nanos))
-        }
-        fn enqueue_many<'s, 'q, 'j, 'f>(&'s self, queue: &'q QueueName, jobs: &'j [(JobKey, Vec<u8>)]) -> Fut<'f, u64>
-        where
-            's: 'f,
-            'q: 'f,
-            'j: 'f,
-        {
-            bump(&self.other);
-            self.inner.enqueue_many(queue, jobs)
-        }
-        fn claim_next<'s, 'q, 'o, 'f>(
-            &'s self,
-            queue: &'q QueueName,
-            owner: &'o Owner,
-            lease: LeaseDuration,
-            n: u32,
-        ) -> Fut<'f, Vec<ClaimedJob>>
-        where
-            's: 'f,
-            'q: 'f,
-            'o: 'f,
-        {
-            bump(&self.claims);
-            self.inner.claim_next(queue, owner, lease, n)
-        }
-        fn heartbeat<'s, 'l, 'f>(&'s self, leases: &'l [Lease], lease: LeaseDuration) -> Fut<'f, Heartbeat>
-        where
-            's: 'f,
-            'l: 'f,
-        {
-            bump(&self.heartbeats);
-            self.inner.heartbeat(leases, lease)
-        }
-        fn heartbeat_unless_locked<'s, 'l, 'f>(
-            &'s self,
-            leases: &'l [Lease],
-            lease: LeaseDuration,
-        ) -> Fut<'f, Heartbeat>
-        where
-            's: 'f,
-            'l: 'f,
-        {
-            bump(&self.heartbeats);
-            self.inner.heartbeat_unless_locked(leases, lease)
-        }
-        fn checkpoint<'s, 'l, 'p, 'f>(&'s self, lease: &'l Lease, progress: &'p [u8]) -> Fut<'f, ()>
-        where
-            's: 'f,
-            'l: 'f,
-            'p: 'f,
-        {
-            bump(&self.other);
-            self.inner.checkpoint(lease, progress)
-        }
-        fn complete<'s, 'l, 'r, 'f>(&'s self, lease: &'l Lease, result: &'r [u8]) -> Fut<'f, ()>
-        where
-            's: 'f,
-            'l: 'f,
-            'r: 'f,
-        {
-            bump(&self.completes);
-            self.inner.complete(lease, result)
-        }
-        fn complete_batch<'s, 'i, 'f>(&'s self, items: &'i [(Lease, Vec<u8>)]) -> Fut<'f, Vec<fence::Result<()>>>
-        where
-            's: 'f,
-            'i: 'f,
-        {
-            bump(&self.completes);
-            timed(self.inner.complete_batch(items), Arc::clone(&self.commit_nanos))
-        }
-        fn fail<'s, 'l, 'e, 'p, 'f>(
-            &'s self,
-            lease: &'l Lease,
-            error: &'e str,
-            retry: bool,
-            policy: &'p RetryPolicy,
-        ) -> Fut<'f, FailOutcome>
-        where
-            's: 'f,
-            'l: 'f,
-            'e: 'f,
-            'p: 'f,
-        {
-            bump(&self.other);
-            self.inner.fail(lease, error, retry, policy)
-        }
-        fn release<'s, 'l, 'f>(&'s self, lease: &'l Lease) -> Fut<'f, ()>
-        where
-            's: 'f,
-            'l: 'f,
-        {
-            bump(&self.other);
-            self.inner.release(lease)
-        }
-        fn job<'s, 'q, 'k, 'f>(&'s self, queue: &'q QueueName, key: &'k JobKey) -> Fut<'f, Option<JobRecord>>
-        where
-            's: 'f,
-            'q: 'f,
-            'k: 'f,
-        {
-            self.inner.job(queue, key)
-        }
-        fn db_now<'s, 'f>(&'s self) -> Fut<'f, DbTime>
-        where
-            's: 'f,
-        {
-            self.inner.db_now()
-        }
-        fn backend(&self) -> &'static str {
-            self.inner.backend()
-        }
-
-        fn concrete(&self) -> brokerfence::fence::Backend<'_> {
-            self.inner.concrete()
-        }
     }
 
     async fn produce(
@@ -411,15 +235,7 @@ mod bench {
         produce(&mut conn, &plain_stream, a.messages).await?;
         let t_plain = plain(&redis, &plain_stream, &a).await?;
         produce(&mut conn, &fenced_stream, a.messages).await?;
-        let store = Arc::new(Counting {
-            inner: Arc::new(pg.clone()),
-            claims: AtomicU64::new(0),
-            claim_nanos: Arc::default(),
-            commit_nanos: Arc::default(),
-            completes: AtomicU64::new(0),
-            heartbeats: AtomicU64::new(0),
-            other: AtomicU64::new(0),
-        });
+        let store = Counting::new(Arc::new(pg.clone()));
         let t_fenced = fenced(&redis, Arc::clone(&store), &fenced_stream, &a).await?;
 
         let n = a.messages as f64;
@@ -427,23 +243,22 @@ mod bench {
         println!("  plain  XREADGROUP/XACK: {:>9.0} msg/s ({:.2} s)", plain_rate, t_plain.as_secs_f64());
         println!("  fenced (PostgreSQL):    {:>9.0} msg/s ({:.2} s)", fenced_rate, t_fenced.as_secs_f64());
         println!("  ratio fenced/plain:     {:>9.3}", fenced_rate / plain_rate);
+        let claims = store.get("claim") + store.get("claim_batch") + store.get("claim_next");
+        let completes = store.get("complete") + store.get("complete_batch");
         println!(
             "  DB statements/message:  {:>9.3} (claim batches {}, completes {}, heartbeats {}, other {})",
             store.total() as f64 / n,
-            store.claims.load(Ordering::Relaxed),
-            store.completes.load(Ordering::Relaxed),
-            store.heartbeats.load(Ordering::Relaxed),
-            store.other.load(Ordering::Relaxed)
+            claims,
+            completes,
+            store.get("heartbeat"),
+            ["enqueue", "checkpoint", "fail", "release"].iter().map(|m| store.get(m)).sum::<u64>()
         );
-        let avg = |sum: &AtomicU64, n: &AtomicU64| {
-            sum.load(Ordering::Relaxed) as f64 / 1e6 / n.load(Ordering::Relaxed).max(1) as f64
-        };
         println!(
             "  DB round trip:          claim batch {:.2} ms avg ({:.1} jobs), group commit {:.2} ms avg ({:.1} jobs)",
-            avg(&store.claim_nanos, &store.claims),
-            n / store.claims.load(Ordering::Relaxed).max(1) as f64,
-            avg(&store.commit_nanos, &store.completes),
-            n / store.completes.load(Ordering::Relaxed).max(1) as f64,
+            store.mean_ms("claim_batch"),
+            n / claims.max(1) as f64,
+            store.mean_ms("complete_batch"),
+            n / completes.max(1) as f64,
         );
 
         let _: Value = client::cmd("DEL").arg(&plain_stream).arg(&fenced_stream).query_async(&mut conn).await?;

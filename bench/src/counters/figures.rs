@@ -1,8 +1,9 @@
-//! Figures and their printing: percentiles, rates, memory, the machine.
+//! Figures and their printing: percentiles, medians (of paired rounds), rates, memory, the
+//! machine and its load.
 
-use super::*;
+use std::time::{Duration, Instant};
 
-pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
     }
@@ -10,12 +11,12 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
-pub(crate) fn ms(d: Duration) -> String {
+pub fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
 
 /// Resident memory of this process, from /proc/self/status (kB), and its peak.
-pub(crate) fn rss_kb() -> (u64, u64) {
+pub fn rss_kb() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
         status
@@ -28,7 +29,7 @@ pub(crate) fn rss_kb() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-pub(crate) fn machine() -> String {
+pub fn machine() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
@@ -49,13 +50,13 @@ pub(crate) fn machine() -> String {
 
 /// One throughput figure.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Rate {
-    pub(crate) jobs: usize,
-    pub(crate) secs: f64,
+pub struct Rate {
+    pub jobs: usize,
+    pub secs: f64,
 }
 
 impl Rate {
-    pub(crate) fn per_sec(self) -> f64 {
+    pub fn per_sec(self) -> f64 {
         self.jobs as f64 / self.secs.max(1e-9)
     }
 }
@@ -66,11 +67,11 @@ impl std::fmt::Display for Rate {
     }
 }
 
-pub(crate) fn line(label: &str, value: impl std::fmt::Display) {
+pub fn line(label: &str, value: impl std::fmt::Display) {
     println!("  {label:<58} {value}");
 }
 
-pub(crate) async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) -> Result<(), String> {
+pub async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) -> Result<(), String> {
     let deadline = Instant::now() + within;
     while !done() {
         if Instant::now() > deadline {
@@ -79,4 +80,23 @@ pub(crate) async fn wait_until(what: &str, within: Duration, mut done: impl FnMu
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     Ok(())
+}
+
+/// The median of `v` (the mean of the middle two for an even count; 0 for none). The harness
+/// programs run fenced and plain back to back in each round and print the median of the rounds'
+/// figures, so that drift on the machine falls on both.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The machine's load averages (1, 5, 15 minutes), from `/proc/loadavg`.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
