@@ -49,6 +49,7 @@ mod redis_bench;
 mod sqs_bench;
 mod table;
 
+use crate::args::{self, Common, HELP_TEMPLATE, Load, Redis as RedisArgs, Rounds, at_least_one};
 use crate::counters::*;
 use measure::*;
 #[cfg(any(feature = "sqs", feature = "redis"))]
@@ -77,13 +78,18 @@ struct Opts {
     /// Only the table queue at its defaults against a plain SKIP LOCKED loop, at these levels
     /// of concurrency.
     defaults: Option<Vec<usize>>,
+    /// `--database-url` or the environment's (an error to report when there is neither).
+    database_url: Result<String, String>,
+    /// `--redis-url` or the environment's, if any.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    redis_url: Option<String>,
 }
 
 /// Benchmark (by hand): throughput and overhead of the fence on the table queue (PostgreSQL),
 /// and with features sqs/redis against plain SQS and Redis consumers. Exit codes: 0 done,
 /// 1 failed, 2 bad command line.
 #[derive(clap::Parser)]
-#[command(name = "bench", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+#[command(name = "bench", help_template = HELP_TEMPLATE)]
 struct Cli {
     /// Sources to measure, comma separated: table, sqs, redis
     #[arg(long, value_name = "LIST", default_value = "table,sqs,redis")]
@@ -94,31 +100,20 @@ struct Cli {
     /// Jobs of the long (memory) run [default: 100000; 10000 with --quick]
     #[arg(long, value_name = "N")]
     memory_jobs: Option<usize>,
-    /// Milliseconds of work per job
-    #[arg(long = "work-ms", value_name = "W", default_value_t = 1)]
-    work: u64,
     /// Worker processes' worth of consumers
     #[arg(long, value_name = "N", default_value = "4", value_parser = at_least_one)]
     workers: usize,
-    /// Jobs at once per worker
-    #[arg(long, value_name = "C", default_value = "64", value_parser = at_least_one)]
-    concurrency: usize,
-    /// Claim batch
-    #[arg(long, value_name = "B", default_value = "64", value_parser = at_least_one)]
-    batch: usize,
     /// Concurrency of the SQS and Redis consumers (fenced and plain)
     #[arg(long, value_name = "C", default_value = "32", value_parser = at_least_one)]
-    #[cfg_attr(not(any(feature = "sqs", feature = "redis")), allow(dead_code))]
     broker_concurrency: usize,
-    /// Throughput runs per figure (the best counts) [default: 2; 1 with --quick]
-    #[arg(long, value_name = "N", value_parser = at_least_one)]
-    rounds: Option<usize>,
-    /// Milliseconds the consumers group claims for [default: 5]
-    #[arg(long = "claim-window-ms", value_name = "MS")]
-    claim_window: Option<u64>,
-    /// Milliseconds the supervisors group commits for [default: 5]
-    #[arg(long = "commit-window-ms", value_name = "MS")]
-    commit_window: Option<u64>,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    rounds: Rounds,
+    #[command(flatten)]
+    redis: RedisArgs,
     /// Smaller runs, for a smoke test
     #[arg(long)]
     quick: bool,
@@ -134,12 +129,9 @@ struct Cli {
     levels: Vec<usize>,
 }
 
-fn at_least_one(v: &str) -> Result<usize, String> {
-    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
-}
-
 fn parse_opts() -> Result<Opts, clap::Error> {
-    let c = <Cli as clap::Parser>::try_parse()?;
+    // The shared flags' defaults here; --rounds depends on --quick and --defaults (below).
+    let c: Cli = args::parse(&[("concurrency", "64"), ("batch", "64"), ("work_ms", "1")])?;
     Ok(Opts {
         sources: c.sources.split(',').map(str::to_owned).collect(),
         jobs: c.jobs.unwrap_or(if c.quick {
@@ -150,20 +142,22 @@ fn parse_opts() -> Result<Opts, clap::Error> {
             30_000
         }),
         memory_jobs: c.memory_jobs.unwrap_or(if c.quick { 10_000 } else { 100_000 }),
-        work: Duration::from_millis(c.work),
+        work: c.load.work(1),
         workers: c.workers,
-        concurrency: c.concurrency,
-        batch: c.batch,
+        concurrency: c.common.concurrency.unwrap_or(64),
+        batch: c.load.batch.unwrap_or(64),
         broker_concurrency: c.broker_concurrency,
-        rounds: c.rounds.unwrap_or(if c.quick {
+        rounds: c.rounds.rounds.unwrap_or(if c.quick {
             1
         } else if c.defaults {
             3
         } else {
             2
         }),
-        claim_window: c.claim_window.map_or(brokerfence::adapters::DEFAULT_CLAIM_WINDOW, Duration::from_millis),
-        commit_window: c.commit_window.map_or(brokerfence::fence::DEFAULT_COMMIT_WINDOW, Duration::from_millis),
+        claim_window: c.rounds.claim_window(),
+        commit_window: c.rounds.commit_window(),
+        database_url: c.common.database_url(),
+        redis_url: c.redis.redis_url_if_any(),
         quick: c.quick,
         own_commit_only: c.own_commit_only,
         defaults: c.defaults.then_some(c.levels),
@@ -192,8 +186,7 @@ pub fn main() {
 }
 
 async fn bench(o: Opts) -> Result<(), String> {
-    let url = brokerfence_testkit::services::var("DATABASE_URL")
-        .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
+    let url = o.database_url.clone()?;
     if let Some(levels) = &o.defaults {
         println!("brokerfence bench — {}; load average at start {}", machine(), loadavg());
         let result = defaults::run(&o, &url, levels).await;

@@ -62,7 +62,7 @@ async fn stream(conn: &mut MultiplexedConnection, n: usize) -> Result<String, St
 
 pub async fn run(o: &Opts, pg: &table::Pg) -> Result<(), String> {
     println!("\n[redis streams] (reads of up to {0}, concurrency {0})", o.broker_concurrency);
-    let Some(url) = brokerfence_testkit::services::var("REDIS_URL") else {
+    let Some(url) = o.redis_url.clone() else {
         println!("  skipped: REDIS_URL is not set; run `bash localstack/up`");
         return Ok(());
     };

@@ -39,6 +39,7 @@ mod bench {
     
     use tokio::sync::Semaphore;
 
+    use crate::args::{self, Common, HELP_TEMPLATE, Load, Redis as RedisArgs, at_least_one};
     use crate::counters::Counting;
     use tokio_util::sync::CancellationToken;
 
@@ -46,31 +47,49 @@ mod bench {
     /// same stream size, concurrency and batch. Redis from REDIS_URL, PostgreSQL from
     /// DATABASE_URL (fallback localstack/.env). Exit codes: 0 done, 1 failed, 2 bad command line.
     #[derive(Debug, clap::Parser)]
-    #[command(name = "bench_redis", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
-    struct Args {
+    #[command(name = "bench_redis", help_template = HELP_TEMPLATE)]
+    struct Cli {
         /// Messages per run
         #[arg(long, value_name = "N", default_value = "20000", value_parser = at_least_one)]
         messages: usize,
-        /// Jobs at once
-        #[arg(long, value_name = "C", default_value = "32", value_parser = at_least_one)]
-        concurrency: usize,
-        /// Entries per read
-        #[arg(long, value_name = "B", default_value = "10", value_parser = at_least_one)]
-        batch: usize,
-        /// Milliseconds of work per message
-        #[arg(long = "work-ms", value_name = "W", default_value = "0", value_parser = millis)]
-        work: Duration,
         /// Lease in seconds
         #[arg(long, value_name = "S", default_value_t = 30)]
         lease: u64,
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        load: Load,
+        #[command(flatten)]
+        redis: RedisArgs,
     }
 
-    fn at_least_one(v: &str) -> Result<usize, String> {
-        v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+    /// The options, the shared flags' defaults applied.
+    #[derive(Debug)]
+    struct Args {
+        messages: usize,
+        concurrency: usize,
+        batch: usize,
+        work: Duration,
+        lease: u64,
+        database_url: Result<String, String>,
+        redis_url: Result<String, String>,
     }
 
-    fn millis(v: &str) -> Result<Duration, String> {
-        v.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("{v:?}: {e}"))
+    /// The shared flags' defaults of this program.
+    const DEFAULTS: &[(&str, &str)] = &[("concurrency", "32"), ("batch", "10"), ("work_ms", "0")];
+
+    impl From<Cli> for Args {
+        fn from(c: Cli) -> Self {
+            Args {
+                messages: c.messages,
+                concurrency: c.common.concurrency.unwrap_or(32),
+                batch: c.load.batch.unwrap_or(10),
+                work: c.load.work(0),
+                lease: c.lease,
+                database_url: c.common.database_url(),
+                redis_url: c.redis.redis_url(),
+            }
+        }
     }
 
     async fn produce(
@@ -212,10 +231,8 @@ mod bench {
     }
 
     async fn go(a: Args) -> Result<(), Box<dyn std::error::Error>> {
-        let redis_url =
-            brokerfence_testkit::services::var("REDIS_URL").ok_or("REDIS_URL is not set (run localstack/up)")?;
-        let db_url =
-            brokerfence_testkit::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+        let redis_url = a.redis_url.clone()?;
+        let db_url = a.database_url.clone()?;
         let tag = format!("{:08x}", rand::random::<u32>());
         let schema = SchemaName::new(format!("bench_redis_{tag}"))?;
         let pg = PgFence::connect(&db_url).await?.with_schema(schema.clone());
@@ -267,8 +284,8 @@ mod bench {
     }
 
     pub fn run(raw: Vec<String>) -> i32 {
-        let a = match <Args as clap::Parser>::try_parse_from(std::iter::once("bench_redis".to_owned()).chain(raw)) {
-            Ok(a) => a,
+        let a: Args = match args::parse_from::<Cli>(std::iter::once("bench_redis".to_owned()).chain(raw), DEFAULTS) {
+            Ok(c) => c.into(),
             Err(e) => {
                 let _ = e.print();
                 return e.exit_code();

@@ -44,7 +44,7 @@ use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEn
 use brokerfence::adapters::sqs::{SqsConfig, SqsSource, client_from_env};
 use brokerfence::adapters::{Consumer, ConsumerConfig};
 use brokerfence::fence::{
-    self, FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig,
+    FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig,
 };
 use futures::StreamExt;
 use sqlx::AssertSqlSafe;
@@ -52,13 +52,14 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::args::{self, Common, HELP_TEMPLATE, Load, Rounds, at_least_one};
 use crate::counters::*;
 
 /// Benchmark (by hand): the fenced SQS consumer against a plain receive/delete consumer on the
 /// same queue, rounds alternating which goes first. AWS and PostgreSQL settings from the standard
 /// environment, falling back to localstack/.env. Exit codes: 0 done, 1 failed, 2 bad command line.
 #[derive(clap::Parser)]
-#[command(name = "bench_sqs", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+#[command(name = "bench_sqs", help_template = HELP_TEMPLATE)]
 struct Cli {
     /// Let the SQS source receive the next batch while the last one is claimed
     #[arg(long)]
@@ -66,38 +67,25 @@ struct Cli {
     /// Also print where a fenced message's time goes (costs the fenced side CPU)
     #[arg(long)]
     stages: bool,
-    /// Milliseconds the consumer groups claims for [default: 5]
-    #[arg(long = "claim-window-ms", value_name = "MS")]
-    claim_window: Option<u64>,
-    /// Milliseconds the supervisor groups commits for [default: 5]
-    #[arg(long = "commit-window-ms", value_name = "MS")]
-    commit_window: Option<u64>,
     /// Messages received ahead of free places [default: 2 × concurrency]
     #[arg(long, value_name = "P", value_parser = at_least_one)]
     prefetch: Option<usize>,
-    /// Messages per receive
-    #[arg(long, value_name = "B", default_value = "10", value_parser = at_least_one)]
-    batch: usize,
-    /// Measured rounds
-    #[arg(long, value_name = "R", default_value = "9", value_parser = at_least_one)]
-    rounds: usize,
     /// Messages per run
     #[arg(long, value_name = "N", default_value = "3000", value_parser = at_least_one)]
     messages: usize,
-    /// Jobs at once
-    #[arg(long, value_name = "C", default_value = "32", value_parser = at_least_one)]
-    concurrency: usize,
-    /// Milliseconds of work per message
-    #[arg(long = "work-ms", value_name = "W", default_value_t = 5)]
-    work: u64,
     /// Lease in seconds
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     lease: u64,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    rounds: Rounds,
 }
 
-fn at_least_one(v: &str) -> Result<usize, String> {
-    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
-}
+/// The shared flags' defaults of this program.
+const DEFAULTS: &[(&str, &str)] = &[("concurrency", "32"), ("batch", "10"), ("work_ms", "5"), ("rounds", "9")];
 
 struct Args {
     read_ahead: bool,
@@ -111,22 +99,24 @@ struct Args {
     concurrency: usize,
     work: Duration,
     lease: u64,
+    database_url: Result<String, String>,
 }
 
 fn parse_args() -> Result<Args, clap::Error> {
-    let c = <Cli as clap::Parser>::try_parse()?;
+    let c: Cli = args::parse(DEFAULTS)?;
     Ok(Args {
         read_ahead: c.read_ahead,
         stages: c.stages,
-        claim_window: c.claim_window.map_or(brokerfence::adapters::DEFAULT_CLAIM_WINDOW, Duration::from_millis),
-        commit_window: c.commit_window.map_or(fence::DEFAULT_COMMIT_WINDOW, Duration::from_millis),
+        claim_window: c.rounds.claim_window(),
+        commit_window: c.rounds.commit_window(),
         prefetch: c.prefetch,
-        batch: c.batch,
-        rounds: c.rounds,
+        batch: c.load.batch.unwrap_or(10),
+        rounds: c.rounds.rounds.unwrap_or(9),
         messages: c.messages,
-        concurrency: c.concurrency,
-        work: Duration::from_millis(c.work),
+        concurrency: c.common.concurrency.unwrap_or(32),
+        work: c.load.work(5),
         lease: c.lease,
+        database_url: c.common.database_url(),
     })
 }
 
@@ -317,8 +307,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let client = client_from_env().await;
     let name = format!("bench-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
     let url = client.create_queue().queue_name(&name).send().await?.queue_url().unwrap_or_default().to_owned();
-    let database_url =
-        brokerfence_testkit::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+    let database_url = args.database_url.clone()?;
     let schema = SchemaName::new(format!("bench_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff))?;
     let pg = PgFence::connect(&database_url).await?.with_schema(schema.clone());
     pg.migrate().await?;

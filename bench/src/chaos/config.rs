@@ -211,7 +211,7 @@ impl ChaosConfig {
 /// with its newest epoch's effect. Exit codes: 0 no violation, 1 violations, 2 could not run.
 /// (`chaos --worker …` is the worker process the runner starts.)
 #[derive(clap::Parser)]
-#[command(name = "chaos", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+#[command(name = "chaos", help_template = HELP_TEMPLATE)]
 pub(crate) struct RunnerCli {
     /// table, sqs or redis
     #[arg(long, value_name = "SOURCE", value_parser = SourceKind::parse)]
@@ -222,15 +222,6 @@ pub(crate) struct RunnerCli {
     /// Jobs
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     pub(crate) jobs: Option<usize>,
-    /// Jobs at once per worker
-    #[arg(long, value_name = "N", value_parser = at_least_one)]
-    pub(crate) concurrency: Option<usize>,
-    /// Claim batch per worker
-    #[arg(long, value_name = "N", value_parser = at_least_one)]
-    pub(crate) batch: Option<usize>,
-    /// Milliseconds of work per job
-    #[arg(long = "work-ms", value_name = "MS")]
-    pub(crate) work_ms: Option<u64>,
     /// Lease in seconds
     #[arg(long, value_name = "SECS")]
     pub(crate) lease_secs: Option<u64>,
@@ -264,9 +255,6 @@ pub(crate) struct RunnerCli {
     /// Random seed
     #[arg(long, value_name = "N")]
     pub(crate) seed: Option<u64>,
-    /// PostgreSQL URL (else DATABASE_URL, else localstack/.env)
-    #[arg(long, value_name = "URL")]
-    pub(crate) database_url: Option<String>,
     /// Test only (the members' guard-switches, on in example builds): guards the workers turn off
     #[arg(long, value_name = "LIST")]
     pub(crate) guards: Option<String>,
@@ -276,10 +264,12 @@ pub(crate) struct RunnerCli {
     /// Less output
     #[arg(long)]
     pub(crate) quiet: bool,
-}
-
-pub(crate) fn at_least_one(v: &str) -> Result<usize, String> {
-    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+    /// `--database-url`, `--concurrency` (per worker).
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// `--batch` (per worker), `--work-ms`.
+    #[command(flatten)]
+    pub(crate) load: Load,
 }
 
 /// Why the runner's command line was not run: clap's answer (help or a usage error), or a
@@ -296,15 +286,9 @@ impl From<String> for RunnerArgsError {
 }
 
 pub(crate) fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerArgsError> {
-    let cli =
-        <RunnerCli as clap::Parser>::try_parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()))
-            .map_err(RunnerArgsError::Cli)?;
-    let database_url = match cli.database_url {
-        Some(url) => url,
-        None => brokerfence_testkit::services::var("DATABASE_URL").ok_or_else(|| {
-            "DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first".to_owned()
-        })?,
-    };
+    let cli: RunnerCli = crate::args::parse_from(std::iter::once("chaos".to_owned()).chain(args.iter().cloned()), &[])
+        .map_err(RunnerArgsError::Cli)?;
+    let database_url = cli.common.database_url()?;
     let mut c = ChaosConfig::new(SourceKind::Table, database_url, Launcher::this_example()?);
     c.keep_logs = cli.keep_logs;
     if cli.quiet {
@@ -319,13 +303,13 @@ pub(crate) fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerAr
     if let Some(v) = cli.jobs {
         c.jobs = v;
     }
-    if let Some(v) = cli.concurrency {
+    if let Some(v) = cli.common.concurrency {
         c.concurrency = v;
     }
-    if let Some(v) = cli.batch {
+    if let Some(v) = cli.load.batch {
         c.batch = v;
     }
-    if let Some(v) = cli.work_ms {
+    if let Some(v) = cli.load.work_ms {
         c.work = Duration::from_millis(v);
     }
     if let Some(v) = cli.lease_secs {

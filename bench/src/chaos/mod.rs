@@ -68,6 +68,8 @@ use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
+use crate::args::{Common, HELP_TEMPLATE, Load, at_least_one};
+
 pub mod faults;
 mod pg_stall;
 pub mod proxy;

@@ -25,7 +25,7 @@ pub(crate) struct WorkerOpts {
 
 /// A chaos worker process (started by the chaos runner): runs one consumer until SIGTERM.
 #[derive(clap::Parser)]
-#[command(name = "chaos --worker", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+#[command(name = "chaos --worker", help_template = HELP_TEMPLATE)]
 pub(crate) struct WorkerCli {
     /// table, sqs or redis
     #[arg(long, value_name = "SOURCE", default_value = "table", value_parser = SourceKind::parse)]
