@@ -9,9 +9,9 @@
 //! - resident memory at the start, middle and end of a 100,000-job run.
 //!
 //! ```text
-//! cargo run --release --example bench                      # table queue on PostgreSQL
-//! cargo run --release --features sqs,redis --example bench  # + SQS (LocalStack) and Redis streams
-//! cargo run --release --example bench -- --quick            # smaller runs, for a smoke test
+//! cargo run --release -p brokerfence-bench --bin bench                      # table queue on PostgreSQL
+//! cargo run --release -p brokerfence-bench --features sqs,redis --bin bench  # + SQS (LocalStack) and Redis streams
+//! cargo run --release -p brokerfence-bench --bin bench -- --quick            # smaller runs, for a smoke test
 //! ```
 //!
 //! Options: `--sources table,sqs,redis`, `--jobs N` (throughput runs), `--memory-jobs N` (the

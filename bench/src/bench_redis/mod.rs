@@ -2,7 +2,7 @@
 //! `XREADGROUP`/`XACK` consumer, same stream size, same concurrency, same batch, one run each.
 //!
 //! ```text
-//! cargo run --release --features redis --example bench_redis -- --messages 20000 --concurrency 32 --work-ms 0
+//! cargo run --release -p brokerfence-bench --features redis --bin bench_redis -- --messages 20000 --concurrency 32 --work-ms 0
 //! ```
 //!
 //! Prints messages per second of both, their ratio, and the database statements per message of
@@ -17,7 +17,7 @@ pub fn main() {
 
 #[cfg(not(feature = "redis"))]
 pub fn main() {
-    eprintln!("bench_redis needs the `redis` feature: cargo run --release --features redis --example bench_redis");
+    eprintln!("bench_redis needs the `redis` feature: cargo run --release -p brokerfence-bench --features redis --bin bench_redis");
     std::process::exit(2);
 }
 

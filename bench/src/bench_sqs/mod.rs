@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! bash localstack/up
-//! cargo run --release --features sqs --example bench_sqs -- --messages 3000 --rounds 9 --concurrency 32 --work-ms 5
+//! cargo run --release -p brokerfence-bench --features sqs --bin bench_sqs -- --messages 3000 --rounds 9 --concurrency 32 --work-ms 5
 //! ```
 //!
 //! Both consumers receive with one long-poll loop (batches of `--batch`, ten per ReceiveMessage

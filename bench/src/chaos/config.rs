@@ -47,7 +47,7 @@ pub struct Launcher {
 }
 
 impl Launcher {
-    /// This very executable, with `--worker ARGS` (the example binary).
+    /// This very executable, with `--worker ARGS` (the `chaos` binary).
     pub fn this_example() -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
         Ok(Self { exe, args: Vec::new(), via_env: false })
@@ -255,7 +255,7 @@ pub(crate) struct RunnerCli {
     /// Random seed
     #[arg(long, value_name = "N")]
     pub(crate) seed: Option<u64>,
-    /// Test only (the members' guard-switches, on in example builds): guards the workers turn off
+    /// Test only (the members' guard-switches, on in the harness build): guards the workers turn off
     #[arg(long, value_name = "LIST")]
     pub(crate) guards: Option<String>,
     /// Keep the workers' logs

@@ -29,10 +29,10 @@
 //! are shared); the Redis restart uses a private redis-server.
 //!
 //! ```text
-//! cargo test --workspace --all-features --no-run   # builds target/debug/examples/chaos
-//! target/debug/examples/chaos --source table --workers 8 --jobs 5000
-//! target/debug/examples/chaos --source sqs --workers 4 --jobs 600 --faults all --slow-every 5
-//! target/debug/examples/chaos --source redis --workers 4 --jobs 1000 --faults all --slow-every 5
+//! cargo build -p brokerfence-bench --all-features   # builds target/debug/chaos
+//! target/debug/chaos --source table --workers 8 --jobs 5000
+//! target/debug/chaos --source sqs --workers 4 --jobs 600 --faults all --slow-every 5
+//! target/debug/chaos --source redis --workers 4 --jobs 1000 --faults all --slow-every 5
 //! ```
 //!
 //! Options: `--source table|sqs|redis`, `--workers N`, `--jobs M`, `--concurrency C` (per worker),
@@ -48,7 +48,7 @@
 //! Exit code 0 when every invariant holds, 1 when one is violated, 2 on a setup error.
 //!
 //! `tests/chaos.rs` runs small instances in CI; the worker processes are that test binary
-//! re-executed in worker mode (see [`Launcher`]), so no example binary must be built.
+//! re-executed in worker mode (see [`Launcher`]), so no harness binary must be built.
 #![allow(dead_code)] // shared with tests/chaos.rs, which uses a subset
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -72,7 +72,7 @@ pub(crate) struct WorkerCli {
     /// Redis stream (source redis)
     #[arg(long, value_name = "KEY")]
     pub(crate) stream: Option<String>,
-    /// Test only (the members' guard-switches, on in example builds): guards to turn off
+    /// Test only (the members' guard-switches, on in the harness build): guards to turn off
     #[arg(long, value_name = "LIST", default_value = "")]
     pub(crate) guards: String,
 }

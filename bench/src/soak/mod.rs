@@ -2,8 +2,8 @@
 //! bounded and throughput holds (issue 14). A benchmark: it prints figures and asserts nothing.
 //!
 //! ```text
-//! cargo run --release --example soak                                   # 1,000,000 table-queue jobs
-//! cargo run --release --features redis --example soak -- --stream 200000  # + 200,000 Redis stream messages
+//! cargo run --release -p brokerfence-bench --bin soak                                   # 1,000,000 table-queue jobs
+//! cargo run --release -p brokerfence-bench --features redis --bin soak -- --stream 200000  # + 200,000 Redis stream messages
 //! ```
 //!
 //! Every `--every` jobs (default 100,000) it prints the size of the `jobs` and `ledger` tables with
