@@ -129,8 +129,7 @@ impl Redis {
 fn service_url(given: Option<&str>, var: &str) -> Result<String, String> {
     match given {
         Some(url) => Ok(url.to_owned()),
-        None => brokerfence_testkit::services::var(var).ok_or_else(|| {
-            format!("{var} is not set and localstack/.env has none: run `bash localstack/up` first")
-        }),
+        None => brokerfence_testkit::services::var(var)
+            .ok_or_else(|| format!("{var} is not set and localstack/.env has none: run `bash localstack/up` first")),
     }
 }

@@ -57,7 +57,11 @@ pub(crate) async fn heartbeat_cost(pg: &PgFence, sizes: &[usize]) -> Result<Vec<
 /// given to another owner (a newer epoch) one at a time, spread over about 3 s; the heartbeat of
 /// a 3 s lease ticks every second. Each latency is from the takeover statement's return to the
 /// handler's cancellation token firing.
-pub(crate) async fn consumer_cancellation<S: Source>(source: S, pg: &PgFence, samples: usize) -> Result<Vec<Duration>, String> {
+pub(crate) async fn consumer_cancellation<S: Source>(
+    source: S,
+    pg: &PgFence,
+    samples: usize,
+) -> Result<Vec<Duration>, String> {
     let queue = source.queue().clone();
     let store: Arc<dyn FenceStore> = Arc::new(pg.clone());
     let lease = LeaseDuration::from_secs(3).map_err(|e| e.to_string())?;

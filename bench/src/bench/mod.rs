@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
 use brokerfence::fence::{
-    FenceStore, JobContext, JobError, JobKey,
-    LeaseDuration, Owner, PgFence, QueueName, SchemaName, Supervisor, SupervisorConfig,
+    FenceStore, JobContext, JobError, JobKey, LeaseDuration, Owner, PgFence, QueueName, SchemaName, Supervisor,
+    SupervisorConfig,
 };
 use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;

@@ -130,7 +130,13 @@ pub(crate) async fn fenced_run<S: Source>(
     Ok((Rate { jobs: total, secs }, counting.total() as f64 / total as f64, counting.describe()))
 }
 
-pub(crate) fn print_broker_figures(plain: Rate, fenced: Rate, per_msg: f64, breakdown: &str, lat: (&[Duration], &[Duration])) {
+pub(crate) fn print_broker_figures(
+    plain: Rate,
+    fenced: Rate,
+    per_msg: f64,
+    breakdown: &str,
+    lat: (&[Duration], &[Duration]),
+) {
     line("plain consumer (receive, handle, acknowledge)", plain);
     line("fenced consumer runtime", fenced);
     line("  ratio fenced / plain", format!("{:.2}", fenced.per_sec() / plain.per_sec()));

@@ -67,17 +67,16 @@ pub async fn run(o: &Opts, pg: &table::Pg) -> Result<(), String> {
         return Ok(());
     };
     let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
-    let mut conn =
-        match tokio::time::timeout(Duration::from_secs(5), client.get_multiplexed_async_connection()).await {
-            Ok(Ok(c)) => c,
-            _ => {
-                println!(
-                    "  skipped: Redis does not answer at {}; run `bash localstack/up`",
-                    url.split('@').next_back().unwrap_or("")
-                );
-                return Ok(());
-            }
-        };
+    let mut conn = match tokio::time::timeout(Duration::from_secs(5), client.get_multiplexed_async_connection()).await {
+        Ok(Ok(c)) => c,
+        _ => {
+            println!(
+                "  skipped: Redis does not answer at {}; run `bash localstack/up`",
+                url.split('@').next_back().unwrap_or("")
+            );
+            return Ok(());
+        }
+    };
     let n = if o.quick { 3000 } else { 20_000 };
     let counting = Counting::new(Arc::new(pg.fence.clone()));
     let mut streams = Vec::new();
@@ -98,9 +97,7 @@ pub async fn run(o: &Opts, pg: &table::Pg) -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?;
         let plain_broker = Arc::new(PlainStream {
-            read: tokio::sync::Mutex::new(
-                client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?,
-            ),
+            read: tokio::sync::Mutex::new(client.get_multiplexed_async_connection().await.map_err(|e| e.to_string())?),
             write: conn.clone(),
             stream: s,
         });

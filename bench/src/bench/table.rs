@@ -284,8 +284,7 @@ async fn plain_consumer(o: &Opts, pg: &Pg, jobs: usize, group: bool) -> Result<R
             Ok::<(), String>(())
         }));
     }
-    wait_until("the plain consumers", Duration::from_secs(600), || done.load(Ordering::Relaxed) >= jobs as u64)
-        .await?;
+    wait_until("the plain consumers", Duration::from_secs(600), || done.load(Ordering::Relaxed) >= jobs as u64).await?;
     let secs = started.elapsed().as_secs_f64();
     for w in workers {
         w.await.map_err(|e| e.to_string())??;
@@ -415,8 +414,7 @@ pub async fn run(o: &Opts, pg: &Pg) -> Result<(), String> {
     // Added latency, one job at a time.
     let n = if o.quick { 300 } else { 2000 };
     let (f, p) = latency(pg, n).await?;
-    let (f50, f99, p50, p99) =
-        (percentile(&f, 0.5), percentile(&f, 0.99), percentile(&p, 0.5), percentile(&p, 0.99));
+    let (f50, f99, p50, p99) = (percentile(&f, 0.5), percentile(&f, 0.99), percentile(&p, 0.5), percentile(&p, 0.99));
     line(&format!("latency per job, sequential ({n} jobs): plain p50 / p99"), format!("{} / {}", ms(p50), ms(p99)));
     line("  fenced (claim_next + supervisor + fenced commit) p50 / p99", format!("{} / {}", ms(f50), ms(f99)));
     line(

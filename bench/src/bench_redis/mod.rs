@@ -17,7 +17,9 @@ pub fn main() {
 
 #[cfg(not(feature = "redis"))]
 pub fn main() {
-    eprintln!("bench_redis needs the `redis` feature: cargo run --release -p brokerfence-bench --features redis --bin bench_redis");
+    eprintln!(
+        "bench_redis needs the `redis` feature: cargo run --release -p brokerfence-bench --features redis --bin bench_redis"
+    );
     std::process::exit(2);
 }
 
@@ -31,12 +33,10 @@ mod bench {
     use brokerfence::adapters::redis::{KeyFrom, RedisConnections, StreamSource};
     use brokerfence::adapters::{Consumer, ConsumerConfig};
     use brokerfence::fence::{
-        FenceStore, JobContext,
-        LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
+        FenceStore, JobContext, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
     };
     use sqlx::AssertSqlSafe;
-    
-    
+
     use tokio::sync::Semaphore;
 
     use crate::args::{self, Common, HELP_TEMPLATE, Load, Redis as RedisArgs, at_least_one};

@@ -43,9 +43,7 @@ use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
 use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
 use brokerfence::adapters::sqs::{SqsConfig, SqsSource, client_from_env};
 use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig,
-};
+use brokerfence::fence::{FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig};
 use futures::StreamExt;
 use sqlx::AssertSqlSafe;
 use tokio::sync::mpsc;

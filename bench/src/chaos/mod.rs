@@ -128,13 +128,13 @@ mod config;
 mod fleet;
 mod inject;
 mod receiver;
-mod report;
-mod run;
-mod worker;
 #[cfg(feature = "redis")]
 mod redis_chaos;
+mod report;
+mod run;
 #[cfg(feature = "sqs")]
 mod sqs_chaos;
+mod worker;
 
 use broker::*;
 pub use config::*;

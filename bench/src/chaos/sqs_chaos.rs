@@ -39,8 +39,7 @@ async fn client() -> Client {
         loader = loader.region(aws_config::Region::new(region.clone()));
     }
     if let (Some(id), Some(secret)) = (env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")) {
-        let creds =
-            brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "chaos");
+        let creds = brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "chaos");
         loader = loader.credentials_provider(creds);
     }
     Client::new(&loader.load().await)

@@ -10,9 +10,8 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use brokerfence::fence::{
-    self,
-    Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobKey, JobRecord, Lease, LeaseDuration, Owner,
-    QueueName, RetryPolicy,
+    self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobKey, JobRecord, Lease, LeaseDuration,
+    Owner, QueueName, RetryPolicy,
 };
 
 /// The store methods counted, in the order [`Counting::describe`] prints them.
@@ -239,11 +238,7 @@ impl FenceStore for Counting {
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> fence::Result<Heartbeat> {
         self.timed("heartbeat", self.inner.heartbeat(leases, lease)).await
     }
-    async fn heartbeat_unless_locked(
-        &self,
-        leases: &[Lease],
-        lease: LeaseDuration,
-    ) -> fence::Result<Heartbeat> {
+    async fn heartbeat_unless_locked(&self, leases: &[Lease], lease: LeaseDuration) -> fence::Result<Heartbeat> {
         self.timed("heartbeat", self.inner.heartbeat_unless_locked(leases, lease)).await
     }
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> fence::Result<()> {
@@ -252,21 +247,12 @@ impl FenceStore for Counting {
     async fn complete(&self, lease: &Lease, result: &[u8]) -> fence::Result<()> {
         self.timed("complete", self.inner.complete(lease, result)).await
     }
-    async fn complete_batch(
-        &self,
-        items: &[(Lease, Vec<u8>)],
-    ) -> fence::Result<Vec<fence::Result<()>>> {
+    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> fence::Result<Vec<fence::Result<()>>> {
         let out = self.timed("complete_batch", self.inner.complete_batch(items)).await;
         self.committed(items);
         out
     }
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        retry: bool,
-        policy: &RetryPolicy,
-    ) -> fence::Result<FailOutcome> {
+    async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> fence::Result<FailOutcome> {
         self.timed("fail", self.inner.fail(lease, error, retry, policy)).await
     }
     async fn release(&self, lease: &Lease) -> fence::Result<()> {
@@ -289,10 +275,7 @@ impl FenceStore for Counting {
         self.inner.concrete()
     }
 
-    async fn prune(
-        &self,
-        retention: &fence::Retention,
-    ) -> fence::Result<fence::PruneReport> {
+    async fn prune(&self, retention: &fence::Retention) -> fence::Result<fence::PruneReport> {
         self.inner.prune(retention).await
     }
 }
