@@ -133,3 +133,40 @@ fn service_url(given: Option<&str>, var: &str) -> Result<String, String> {
             .ok_or_else(|| format!("{var} is not set and localstack/.env has none: run `bash localstack/up` first")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    #[command(name = "probe", help_template = HELP_TEMPLATE)]
+    struct Probe {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        load: Load,
+    }
+
+    fn parse(args: &[&str]) -> Result<Probe, clap::Error> {
+        parse_from(std::iter::once("probe").chain(args.iter().copied()).map(str::to_owned), &[("concurrency", "32")])
+    }
+
+    /// Issue #19: one parser for the harness programs; a program's default for a shared flag is
+    /// applied, shown in `--help`, and given way to by the flag.
+    #[test]
+    fn layout_shared_flags_take_the_program_defaults() {
+        let p = parse(&[]).expect("no flags");
+        assert_eq!(p.common.concurrency, Some(32));
+        assert_eq!(p.load.batch, None);
+        assert_eq!(p.load.work(5), Duration::from_millis(5));
+        let p = parse(&["--concurrency", "0", "--work-ms", "7", "--database-url", "postgres://x"]).expect("flags");
+        assert_eq!(p.common.concurrency, Some(1), "at least one");
+        assert_eq!(p.load.work(5), Duration::from_millis(7));
+        assert_eq!(p.common.database_url().as_deref(), Ok("postgres://x"));
+        let help = parse(&["--help"]).expect_err("help").to_string();
+        assert!(help.starts_with("usage: probe"), "{help}");
+        assert!(help.contains("--concurrency <C>") && help.contains("[default: 32]"), "{help}");
+        let e = parse(&["--no-such-flag"]).expect_err("unknown flag");
+        assert_eq!(e.exit_code(), 2);
+    }
+}

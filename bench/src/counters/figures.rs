@@ -100,3 +100,19 @@ pub fn loadavg() -> String {
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue #19: the one median of the harness programs (odd and even counts, none).
+    #[test]
+    fn layout_median_of_paired_rounds() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(Vec::new()), 0.0);
+        let sorted: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&sorted, 0.5), Duration::from_millis(51));
+        assert_eq!(percentile(&sorted, 0.99), Duration::from_millis(99));
+    }
+}
