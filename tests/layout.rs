@@ -20,8 +20,8 @@ const MAX_EXAMPLE_LINES: usize = 300;
 const HARNESS_PROGRAMS: &[&str] = &["chaos", "bench", "bench_sqs", "bench_redis", "soak"];
 
 /// The library source trees the rule covers, relative to the workspace root (each walked with
-/// its subdirectories, so `src` includes `src/bin`).
-const SOURCE_DIRS: &[&str] = &["fence/src", "adapters/src", "src", "testkit/src", "model/src"];
+/// its subdirectories, so `src` includes `src/bin`; `bench/src` holds the harness programs).
+const SOURCE_DIRS: &[&str] = &["fence/src", "adapters/src", "src", "testkit/src", "model/src", "bench/src"];
 
 /// Every `.rs` file under `dir`, in a stable order.
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
