@@ -74,16 +74,16 @@ enum Command {
     #[command(help_template = common::HELP_TEMPLATE)]
     Relay {
         /// Publish destination DEST to this SQS queue (repeat for several)
-        #[arg(long, value_name = "DEST=QUEUE_URL", value_parser = pair)]
+        #[arg(long, value_name = "DEST=QUEUE_URL", value_parser = common::pair)]
         sqs: Vec<(String, String)>,
         /// Publish destination DEST to this Redis stream (repeat for several)
-        #[arg(long, value_name = "DEST=STREAM", value_parser = pair)]
+        #[arg(long, value_name = "DEST=STREAM", value_parser = common::pair)]
         redis: Vec<(String, String)>,
         /// Redis URL (else REDIS_URL, else localstack/.env)
         #[arg(long, value_name = "URL")]
         redis_url: Option<String>,
         /// Rows per relay round
-        #[arg(long, value_name = "N", default_value_t = 100, value_parser = batch_size)]
+        #[arg(long, value_name = "N", default_value_t = 100, value_parser = common::batch_size)]
         batch: u32,
         /// Milliseconds to wait when the outbox is empty
         #[arg(long, value_name = "MS", default_value = "200", value_parser = common::millis)]
@@ -109,17 +109,6 @@ enum Args {
         batch: u32,
         idle_wait: Duration,
     },
-}
-
-fn pair(v: &str) -> Result<(String, String), String> {
-    match v.split_once('=') {
-        Some((d, t)) if !d.is_empty() && !t.is_empty() => Ok((d.to_owned(), t.to_owned())),
-        _ => Err(format!("{v:?}: expected DEST=TARGET")),
-    }
-}
-
-fn batch_size(v: &str) -> Result<u32, String> {
-    v.parse::<u32>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
 }
 
 fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {

@@ -19,18 +19,18 @@
 //! so that the demo needs no features and no ports. The proof that all of this also holds across
 //! real processes frozen with SIGSTOP is `tests/zombie_proof.rs`.
 
-use std::collections::HashMap;
-use std::error::Error;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::wire::{self, FenceStamp};
+use brokerfence::fence::wire::FenceStamp;
 use brokerfence::fence::{
-    Claim, FenceStore, JobKey, LeaseDuration, Ledger, MetricsSnapshot, Outcome, Owner, PgFence, PgLedger, QueueName,
-    SchemaName, SqliteFence, SqliteLedger, Supervisor, SupervisorConfig, Verdict,
+    Claim, JobKey, LeaseDuration, MetricsSnapshot, Outcome, Owner, QueueName, Supervisor, SupervisorConfig,
 };
 
-type BoxError = Box<dyn Error + Send + Sync>;
+#[path = "support/zombie_demo.rs"]
+mod demo;
+
+use demo::{BoxError, Clock, Db, Network, Payments, describe, init_logging, print_final_state};
 
 const LEASE: Duration = Duration::from_secs(3);
 const QUEUE: &str = "payments";
@@ -50,125 +50,11 @@ impl Order {
     }
 }
 
-/// Where the demo keeps its state.
-#[derive(Debug, Clone)]
-enum Db {
-    Postgres { url: String, schema: SchemaName },
-    Sqlite { path: std::path::PathBuf },
-}
-
-impl Db {
-    async fn open(&self) -> Result<(Arc<dyn FenceStore>, Ledger), BoxError> {
-        Ok(match self {
-            Db::Postgres { url, schema } => {
-                let fence = PgFence::connect(url).await?.with_schema(schema.clone());
-                fence.migrate().await?;
-                let ledger = Ledger::Pg(PgLedger::new(&fence, "payments-service"));
-                (Arc::new(fence), ledger)
-            }
-            Db::Sqlite { path } => {
-                let fence = SqliteFence::open(&format!("sqlite:{}", path.display())).await?;
-                fence.migrate().await?;
-                let ledger = Ledger::Sqlite(SqliteLedger::new(&fence, "payments-service"));
-                (Arc::new(fence), ledger)
-            }
-        })
-    }
-}
-
-/// Prints one timeline line.
-#[derive(Clone, Copy)]
-struct Clock(Instant);
-
-impl Clock {
-    fn say(&self, who: &str, what: impl std::fmt::Display) {
-        println!("  [{:>5.2}s] {who:<9} {what}", self.0.elapsed().as_secs_f64());
-    }
-}
-
-/// The downstream receiver: charges a customer once per job, newest epoch wins.
-struct Payments {
-    ledger: Ledger,
-    clock: Mutex<Clock>,
-    /// The charge on record per job: (epoch, description).
-    charges: Mutex<HashMap<String, (i64, String)>>,
-}
-
-impl Payments {
-    async fn handle(&self, headers: &[(&'static str, String)], body: &str) -> (u16, String) {
-        let clock = *self.clock.lock().expect("clock");
-        let stamp = match FenceStamp::from_headers(headers.iter().map(|(k, v)| (*k, v.as_str()))) {
-            Ok(s) => s,
-            Err(e) => return (400, e.to_json()),
-        };
-        match stamp.accept(&self.ledger).await {
-            Ok(Verdict::Accepted { .. }) => {
-                let mut charges = self.charges.lock().expect("charges");
-                let before = charges.insert(stamp.ledger_job(), (stamp.epoch, body.to_owned()));
-                match before {
-                    Some((e, _)) if e < stamp.epoch => clock.say(
-                        "payments",
-                        format!("epoch {} accepted: replaces the charge of epoch {e} with {body:?}", stamp.epoch),
-                    ),
-                    _ => clock.say("payments", format!("epoch {} accepted: {body:?} on record", stamp.epoch)),
-                }
-                (200, "charged".into())
-            }
-            Ok(Verdict::Stale { newest }) => {
-                clock.say(
-                    "payments",
-                    format!("epoch {} REFUSED (409): epoch {newest} was already accepted", stamp.epoch),
-                );
-                (409, wire::stale_epoch_json(&stamp, newest))
-            }
-            Err(e) => (503, e.to_string()),
-        }
-    }
-}
-
-/// One request on the in-process "network" to the payments service.
-struct Request {
-    headers: Vec<(&'static str, String)>,
-    body: String,
-    reply: std::sync::mpsc::Sender<(u16, String)>,
-}
-
-#[derive(Clone)]
-struct Network(tokio::sync::mpsc::UnboundedSender<Request>);
-
-impl Network {
-    /// A blocking call, as a handler doing synchronous I/O makes it: nothing can interrupt it.
-    fn call_blocking(&self, stamp: &FenceStamp, body: &str) -> (u16, String) {
-        let (reply, answer) = std::sync::mpsc::channel();
-        let sent = self.0.send(Request { headers: stamp.to_headers(), body: body.to_owned(), reply });
-        match sent {
-            Ok(()) => answer.recv().unwrap_or((503, "payments service gone".into())),
-            Err(_) => (503, "payments service gone".into()),
-        }
-    }
-
-    /// The same call from async code.
-    async fn call(&self, stamp: &FenceStamp, body: &str) -> (u16, String) {
-        let net = self.clone();
-        let (stamp, body) = (stamp.clone(), body.to_owned());
-        tokio::task::spawn_blocking(move || net.call_blocking(&stamp, &body)).await.unwrap_or((503, "join".into()))
-    }
-}
-
 /// What one case observed.
 struct CaseResult {
     zombie_call: String,
     zombie_commit: String,
     final_state: String,
-}
-
-fn describe(outcome: &Outcome) -> String {
-    match outcome {
-        Outcome::Completed => "accepted: the job is completed with this result".into(),
-        Outcome::Fenced(e) => format!("REFUSED (Fenced): {e}"),
-        Outcome::LeaseLost { reason } => format!("cancelled before committing ({reason:?})"),
-        other => format!("{other:?}"),
-    }
 }
 
 /// What worker A reports: its outcome, the status of its receiver call, its counters.
@@ -308,24 +194,7 @@ async fn run_case(
     let ledger_job = FenceStamp::new(QUEUE, key.as_str(), 1).ledger_job();
     let newest = payments.ledger.newest(&ledger_job).await?;
     let charge = payments.charges.lock().expect("charges").get(&ledger_job).cloned();
-    println!("  final state of {key}:");
-    println!(
-        "    job row    {}, epoch {}, owner {}, result {result:?}",
-        job.state,
-        job.epoch,
-        job.owner.as_deref().unwrap_or("-")
-    );
-    println!(
-        "    payments   newest epoch {}, charge on record: {}",
-        newest.map_or("-".into(), |e| e.to_string()),
-        charge.as_ref().map_or("none".into(), |(e, d)| format!("{d:?} (epoch {e})"))
-    );
-    for (who, m) in [("worker-A", a_metrics), ("worker-B", b_metrics)] {
-        println!(
-            "    {who}   heartbeats={} lease_losses={} fenced_rejections={} completions={}",
-            m.heartbeats, m.lease_losses, m.fenced_rejections, m.completions
-        );
-    }
+    print_final_state(&key, &job, newest, charge.as_ref(), [("worker-A", a_metrics), ("worker-B", b_metrics)]);
 
     let zombie_call = match (order, a_status) {
         (Order::NewOwnerFirst, Some(409)) => "rejected (409)".to_owned(),
@@ -359,46 +228,13 @@ async fn main() -> Result<(), BoxError> {
         let _ = e.print();
         std::process::exit(e.exit_code());
     }
-    if std::env::var_os("RUST_LOG").is_some() {
-        // No colour codes unless stderr is a terminal, and never with NO_COLOR set.
-        let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
-            && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-        tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .with_ansi(colour)
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .init();
-    }
-    // Only the environment decides: a fresh machine with nothing installed runs on SQLite.
-    let db = match std::env::var("DATABASE_URL") {
-        Ok(url) if url.starts_with("postgres") => {
-            let schema = SchemaName::new(format!("zombie_demo_{:08x}", rand::random::<u32>()))?;
-            println!("brokerfence zombie demo on PostgreSQL ({url}, schema {})", schema.as_str());
-            Db::Postgres { url, schema }
-        }
-        _ => {
-            let path = std::env::temp_dir().join(format!("brokerfence-zombie-demo-{}.db", std::process::id()));
-            println!(
-                "brokerfence zombie demo on SQLite ({}); set DATABASE_URL=postgres://… to use PostgreSQL",
-                path.display()
-            );
-            Db::Sqlite { path }
-        }
-    };
+    init_logging();
+    let db = Db::from_env()?;
     println!("lease 3 s, renewed every 1 s; every claim increments the job's epoch (its fencing token)");
 
     let (_, ledger) = db.open().await?;
-    let payments =
-        Arc::new(Payments { ledger, clock: Mutex::new(Clock(Instant::now())), charges: Mutex::new(HashMap::new()) });
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Request>();
-    let service = Arc::clone(&payments);
-    let server = tokio::spawn(async move {
-        while let Some(req) = rx.recv().await {
-            let answer = service.handle(&req.headers, &req.body).await;
-            let _ = req.reply.send(answer);
-        }
-    });
-    let net = Network(tx);
+    let payments = Arc::new(Payments::new(ledger));
+    let (net, server) = Network::serve(Arc::clone(&payments));
 
     let mut rows = Vec::new();
     for (order, key) in [(Order::NewOwnerFirst, "order-1"), (Order::ZombieFirst, "order-2")] {
@@ -418,18 +254,6 @@ async fn main() -> Result<(), BoxError> {
 
     drop(net);
     let _ = server.await;
-    match &db {
-        Db::Postgres { schema, url } => {
-            let fence = PgFence::connect(url).await?;
-            sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.as_str())))
-                .execute(fence.pool())
-                .await?;
-        }
-        Db::Sqlite { path } => {
-            for ext in ["", "-wal", "-shm"] {
-                let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
-            }
-        }
-    }
+    db.remove().await?;
     Ok(())
 }

@@ -4,9 +4,10 @@
 //! every call. Asserted: jobs lost = 0, results committed twice = 0, receiver accepts of a lower
 //! epoch = 0, zombie commits rejected ≥ 1, every job completed or dead-lettered.
 //!
-//! The runner is `examples/chaos.rs` (run a larger instance by hand, after
-//! `cargo test --workspace --all-features --no-run`, with
-//! `target/debug/examples/chaos --source table --workers 8 --jobs 5000`). The worker
+//! The runner is `bench/src/chaos/` (the `chaos` program of the `brokerfence-bench` member; run
+//! a larger instance by hand with `cargo run --release -p brokerfence-bench --bin chaos --
+//! --source table --workers 8 --jobs 5000`). It is compiled into this test with the harness's
+//! argument parser (`bench/src/args.rs`, which it reaches as `crate::args`). The worker
 //! processes are this test binary, re-executed in worker mode by [`worker_entry`].
 //!
 //! The `edges` module adds the faults of issue #12 ("Done when"): a broker that stalls for
@@ -14,7 +15,10 @@
 //! byte) and a PostgreSQL stall of one worker (its running rows locked, or its backends
 //! paused), and asserts zero healthy cancellations besides zero lost and zero committed twice.
 
-#[path = "../examples/chaos.rs"]
+#[path = "../bench/src/args.rs"]
+#[allow(dead_code)] // the chaos runner uses part of the harness's parser
+mod args;
+#[path = "../bench/src/chaos/mod.rs"]
 mod chaos;
 
 use chaos::{ChaosConfig, Launcher, SourceKind};

@@ -493,7 +493,7 @@ fn newest_source() -> Option<std::time::SystemTime> {
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut newest = None;
-    for dir in ["src", "fence/src", "adapters/src"] {
+    for dir in ["src", "fence/src", "adapters/src", "examples/support"] {
         walk(&root.join(dir), &mut newest);
     }
     for file in ["examples/sqs_worker.rs", "examples/sqs_produce.rs", "examples/support/cli.rs"] {

@@ -21,51 +21,6 @@ struct Drain {
     wal: f64,
 }
 
-/// CPU time of every `postgres` process on this machine so far, in clock ticks.
-fn postgres_cpu_ticks() -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-    let mut total = 0;
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        // `pid (comm) state …`: comm may hold spaces, so split after its closing parenthesis.
-        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
-        if !head.contains("(postgres") {
-            continue;
-        }
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of the line, 12 and 13 after `state`.
-        let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        total += ticks(11) + ticks(12);
-    }
-    total
-}
-
-fn ticks_per_sec() -> f64 {
-    // SAFETY: sysconf reads a constant of the system; no memory is touched.
-    let n = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if n > 0 { n as f64 } else { 100.0 }
-}
-
-async fn wal_lsn(pool: &sqlx::PgPool) -> Result<String, String> {
-    sqlx::query_scalar::<_, String>("SELECT pg_current_wal_lsn()::text")
-        .fetch_one(pool)
-        .await
-        .map_err(|e| e.to_string())
-}
-
-async fn wal_bytes(pool: &sqlx::PgPool, from: &str, to: &str) -> Result<f64, String> {
-    sqlx::query_scalar::<_, f64>("SELECT pg_wal_lsn_diff($2::pg_lsn, $1::pg_lsn)::float8")
-        .bind(from)
-        .bind(to)
-        .fetch_one(pool)
-        .await
-        .map_err(|e| e.to_string())
-}
-
 /// Measures `drain` (which runs until `jobs` are done): its rate, PostgreSQL CPU and WAL per job.
 async fn measured<F: std::future::Future<Output = Result<(), String>>>(
     pool: &sqlx::PgPool,
@@ -182,15 +137,6 @@ async fn plain(
         r.map_err(|e| e.to_string())??;
     }
     Ok(())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 /// The comparison, printed as a table.

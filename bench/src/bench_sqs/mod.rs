@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! bash localstack/up
-//! cargo run --release --features sqs --example bench_sqs -- --messages 3000 --rounds 9 --concurrency 32 --work-ms 5
+//! cargo run --release -p brokerfence-bench --features sqs --bin bench_sqs -- --messages 3000 --rounds 9 --concurrency 32 --work-ms 5
 //! ```
 //!
 //! Both consumers receive with one long-poll loop (batches of `--batch`, ten per ReceiveMessage
@@ -37,29 +37,27 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
 use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
 use brokerfence::adapters::sqs::{SqsConfig, SqsSource, client_from_env};
 use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobError, JobKey, JobRecord,
-    Lease, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName, SupervisorConfig,
-};
+use brokerfence::fence::{FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig};
 use futures::StreamExt;
 use sqlx::AssertSqlSafe;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::args::{self, Common, HELP_TEMPLATE, Load, Rounds, at_least_one};
+use crate::counters::*;
+
 /// Benchmark (by hand): the fenced SQS consumer against a plain receive/delete consumer on the
 /// same queue, rounds alternating which goes first. AWS and PostgreSQL settings from the standard
 /// environment, falling back to localstack/.env. Exit codes: 0 done, 1 failed, 2 bad command line.
 #[derive(clap::Parser)]
-#[command(name = "bench_sqs", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+#[command(name = "bench_sqs", help_template = HELP_TEMPLATE)]
 struct Cli {
     /// Let the SQS source receive the next batch while the last one is claimed
     #[arg(long)]
@@ -67,38 +65,25 @@ struct Cli {
     /// Also print where a fenced message's time goes (costs the fenced side CPU)
     #[arg(long)]
     stages: bool,
-    /// Milliseconds the consumer groups claims for [default: 5]
-    #[arg(long = "claim-window-ms", value_name = "MS")]
-    claim_window: Option<u64>,
-    /// Milliseconds the supervisor groups commits for [default: 5]
-    #[arg(long = "commit-window-ms", value_name = "MS")]
-    commit_window: Option<u64>,
     /// Messages received ahead of free places [default: 2 × concurrency]
     #[arg(long, value_name = "P", value_parser = at_least_one)]
     prefetch: Option<usize>,
-    /// Messages per receive
-    #[arg(long, value_name = "B", default_value = "10", value_parser = at_least_one)]
-    batch: usize,
-    /// Measured rounds
-    #[arg(long, value_name = "R", default_value = "9", value_parser = at_least_one)]
-    rounds: usize,
     /// Messages per run
     #[arg(long, value_name = "N", default_value = "3000", value_parser = at_least_one)]
     messages: usize,
-    /// Jobs at once
-    #[arg(long, value_name = "C", default_value = "32", value_parser = at_least_one)]
-    concurrency: usize,
-    /// Milliseconds of work per message
-    #[arg(long = "work-ms", value_name = "W", default_value_t = 5)]
-    work: u64,
     /// Lease in seconds
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     lease: u64,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    load: Load,
+    #[command(flatten)]
+    rounds: Rounds,
 }
 
-fn at_least_one(v: &str) -> Result<usize, String> {
-    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
-}
+/// The shared flags' defaults of this program.
+const DEFAULTS: &[(&str, &str)] = &[("concurrency", "32"), ("batch", "10"), ("work_ms", "5"), ("rounds", "9")];
 
 struct Args {
     read_ahead: bool,
@@ -112,218 +97,25 @@ struct Args {
     concurrency: usize,
     work: Duration,
     lease: u64,
+    database_url: Result<String, String>,
 }
 
 fn parse_args() -> Result<Args, clap::Error> {
-    let c = <Cli as clap::Parser>::try_parse()?;
+    let c: Cli = args::parse(DEFAULTS)?;
     Ok(Args {
         read_ahead: c.read_ahead,
         stages: c.stages,
-        claim_window: c.claim_window.map_or(brokerfence::adapters::DEFAULT_CLAIM_WINDOW, Duration::from_millis),
-        commit_window: c.commit_window.map_or(fence::DEFAULT_COMMIT_WINDOW, Duration::from_millis),
+        claim_window: c.rounds.claim_window(),
+        commit_window: c.rounds.commit_window(),
         prefetch: c.prefetch,
-        batch: c.batch,
-        rounds: c.rounds,
+        batch: c.load.batch.unwrap_or(10),
+        rounds: c.rounds.rounds.unwrap_or(9),
         messages: c.messages,
-        concurrency: c.concurrency,
-        work: Duration::from_millis(c.work),
+        concurrency: c.common.concurrency.unwrap_or(32),
+        work: c.load.work(5),
         lease: c.lease,
+        database_url: c.common.database_url(),
     })
-}
-
-// ---------------------------------------------------------------- counting the statements
-
-/// Counts the statements the fence sends (each store call is one statement).
-#[derive(Default)]
-struct Counts {
-    claim_batch: AtomicU64,
-    complete: AtomicU64,
-    complete_batch: AtomicU64,
-    heartbeat: AtomicU64,
-    other: AtomicU64,
-    /// Microseconds spent waiting for claim and commit statements.
-    claim_us: AtomicU64,
-    commit_us: AtomicU64,
-    /// Whether to follow each message through the stages below (`--stages`). Off by default:
-    /// it takes a lock and two map updates per message on the fenced side only, which is CPU
-    /// the measurement would then charge to the fence.
-    track_stages: bool,
-    /// Where a fenced message's time goes: claim answered → handler started, and handler
-    /// finished → commit answered (microseconds, summed), by job key.
-    stages: std::sync::Mutex<Stages>,
-}
-
-#[derive(Default)]
-struct Stages {
-    claimed: std::collections::HashMap<String, Instant>,
-    finished: std::collections::HashMap<String, Instant>,
-    claim_to_start_us: u64,
-    starts: u64,
-    finish_to_commit_us: u64,
-    commits: u64,
-}
-
-impl Counts {
-    fn claimed(&self, keys: &[JobKey]) {
-        if !self.track_stages {
-            return;
-        }
-        let now = Instant::now();
-        if let Ok(mut s) = self.stages.lock() {
-            for k in keys {
-                s.claimed.insert(k.as_str().to_owned(), now);
-            }
-        }
-    }
-    fn started(&self, key: &str) {
-        if !self.track_stages {
-            return;
-        }
-        if let Ok(mut s) = self.stages.lock()
-            && let Some(at) = s.claimed.remove(key)
-        {
-            s.claim_to_start_us += micros(at);
-            s.starts += 1;
-        }
-    }
-    fn finished(&self, key: &str) {
-        if !self.track_stages {
-            return;
-        }
-        if let Ok(mut s) = self.stages.lock() {
-            s.finished.insert(key.to_owned(), Instant::now());
-        }
-    }
-    fn committed(&self, items: &[(Lease, Vec<u8>)]) {
-        if !self.track_stages {
-            return;
-        }
-        if let Ok(mut s) = self.stages.lock() {
-            for (l, _) in items {
-                if let Some(at) = s.finished.remove(l.key.as_str()) {
-                    s.finish_to_commit_us += micros(at);
-                    s.commits += 1;
-                }
-            }
-        }
-    }
-}
-
-impl Counts {
-    fn total(&self) -> u64 {
-        [&self.claim_batch, &self.complete, &self.complete_batch, &self.heartbeat, &self.other]
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .sum()
-    }
-    fn reset(&self) {
-        for c in [
-            &self.claim_batch,
-            &self.complete,
-            &self.complete_batch,
-            &self.heartbeat,
-            &self.other,
-            &self.claim_us,
-            &self.commit_us,
-        ] {
-            c.store(0, Ordering::Relaxed);
-        }
-        if let Ok(mut s) = self.stages.lock() {
-            *s = Stages::default();
-        }
-    }
-}
-
-struct Counting {
-    inner: PgFence,
-    counts: Arc<Counts>,
-}
-
-fn micros(since: Instant) -> u64 {
-    u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
-}
-
-#[async_trait]
-impl FenceStore for Counting {
-    async fn migrate(&self) -> fence::Result<()> {
-        self.inner.migrate().await
-    }
-    async fn claim(&self, q: &QueueName, k: &JobKey, o: &Owner, l: LeaseDuration) -> fence::Result<Claim> {
-        bump(&self.counts.claim_batch);
-        self.inner.claim(q, k, o, l).await
-    }
-    async fn claim_batch(&self, q: &QueueName, k: &[JobKey], o: &Owner, l: LeaseDuration) -> fence::Result<Vec<Claim>> {
-        bump(&self.counts.claim_batch);
-        let t = Instant::now();
-        let out = self.inner.claim_batch(q, k, o, l).await;
-        self.counts.claim_us.fetch_add(micros(t), Ordering::Relaxed);
-        self.counts.claimed(k);
-        out
-    }
-    async fn enqueue_many(&self, q: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> fence::Result<u64> {
-        bump(&self.counts.other);
-        self.inner.enqueue_many(q, jobs).await
-    }
-    async fn claim_next(&self, q: &QueueName, o: &Owner, l: LeaseDuration, n: u32) -> fence::Result<Vec<ClaimedJob>> {
-        bump(&self.counts.other);
-        self.inner.claim_next(q, o, l, n).await
-    }
-    async fn heartbeat(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
-        bump(&self.counts.heartbeat);
-        self.inner.heartbeat(leases, l).await
-    }
-    async fn heartbeat_unless_locked(&self, leases: &[Lease], l: LeaseDuration) -> fence::Result<Heartbeat> {
-        bump(&self.counts.heartbeat);
-        self.inner.heartbeat_unless_locked(leases, l).await
-    }
-    async fn checkpoint(&self, lease: &Lease, p: &[u8]) -> fence::Result<()> {
-        bump(&self.counts.other);
-        self.inner.checkpoint(lease, p).await
-    }
-    async fn complete(&self, lease: &Lease, r: &[u8]) -> fence::Result<()> {
-        bump(&self.counts.complete);
-        self.inner.complete(lease, r).await
-    }
-    async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> fence::Result<Vec<fence::Result<()>>> {
-        bump(&self.counts.complete_batch);
-        let t = Instant::now();
-        let out = self.inner.complete_batch(items).await;
-        self.counts.commit_us.fetch_add(micros(t), Ordering::Relaxed);
-        self.counts.committed(items);
-        out
-    }
-    async fn fail(&self, lease: &Lease, e: &str, retry: bool, p: &RetryPolicy) -> fence::Result<FailOutcome> {
-        bump(&self.counts.other);
-        self.inner.fail(lease, e, retry, p).await
-    }
-    async fn release(&self, lease: &Lease) -> fence::Result<()> {
-        bump(&self.counts.other);
-        self.inner.release(lease).await
-    }
-    async fn job(&self, q: &QueueName, k: &JobKey) -> fence::Result<Option<JobRecord>> {
-        self.inner.job(q, k).await
-    }
-    async fn db_now(&self) -> fence::Result<DbTime> {
-        self.inner.db_now().await
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn concrete(&self) -> brokerfence::fence::Backend<'_> {
-        self.inner.concrete()
-    }
-
-    async fn prune(
-        &self,
-        retention: &brokerfence::fence::Retention,
-    ) -> brokerfence::fence::Result<brokerfence::fence::PruneReport> {
-        self.inner.prune(retention).await
-    }
 }
 
 // ---------------------------------------------------------------- the queue
@@ -449,7 +241,7 @@ async fn fenced(
     client: &Client,
     url: &str,
     store: Arc<dyn FenceStore>,
-    counts: Arc<Counts>,
+    counts: Arc<Counting>,
     n: usize,
     args: &Args,
 ) -> Result<(Duration, CpuSample), Box<dyn std::error::Error>> {
@@ -507,106 +299,19 @@ async fn fenced(
     Ok((elapsed, cpu))
 }
 
-// ---------------------------------------------------------------- CPU
-
-/// CPU time (clock ticks) spent so far, by the processes that share this machine's cores in the
-/// benchmark: LocalStack (the broker), PostgreSQL (every backend, the WAL writer, ...) and this
-/// benchmark (both consumers), plus the machine's busy and total ticks (Linux `/proc`). The
-/// difference of two samples says where one phase's CPU went.
-#[derive(Debug, Clone, Copy, Default)]
-struct CpuSample {
-    localstack: u64,
-    postgres: u64,
-    consumer: u64,
-    busy: u64,
-    total: u64,
-}
-
-/// utime + stime of one `/proc/<pid>/stat` (fields 14 and 15, after the parenthesised name).
-fn process_ticks(stat: &str) -> Option<u64> {
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
-impl CpuSample {
-    fn now() -> Self {
-        let mut s = CpuSample::default();
-        if let Ok(stat) = std::fs::read_to_string("/proc/stat")
-            && let Some(line) = stat.lines().next()
-        {
-            let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
-            s.total = v.iter().sum();
-            s.busy = s.total - v.get(3).copied().unwrap_or(0) - v.get(4).copied().unwrap_or(0);
-        }
-        s.consumer = std::fs::read_to_string("/proc/self/stat").ok().and_then(|t| process_ticks(&t)).unwrap_or(0);
-        let Ok(dir) = std::fs::read_dir("/proc") else { return s };
-        for entry in dir.flatten() {
-            if !entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
-                continue;
-            }
-            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-            let slot = if comm.trim() == "postgres" {
-                &mut s.postgres
-            } else if is_localstack(&entry.path()) {
-                &mut s.localstack
-            } else {
-                continue;
-            };
-            *slot +=
-                std::fs::read_to_string(entry.path().join("stat")).ok().and_then(|t| process_ticks(&t)).unwrap_or(0);
-        }
-        s
-    }
-
-    /// Where the CPU went from `start` to `end`, per message: microseconds of LocalStack,
-    /// PostgreSQL and this process, and how busy the machine was (percent of all cores).
-    fn per_message(start: CpuSample, end: CpuSample, messages: usize) -> String {
-        // SAFETY: sysconf has no preconditions.
-        let hz = match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
-            n if n > 0 => n as f64,
-            _ => 100.0,
-        };
-        let us = |a: u64, b: u64| b.saturating_sub(a) as f64 * 1e6 / hz / messages.max(1) as f64;
-        let busy = (end.busy.saturating_sub(start.busy)) as f64 * 100.0
-            / (end.total.saturating_sub(start.total)).max(1) as f64;
-        format!(
-            "CPU µs/msg: LocalStack {:.0}, PostgreSQL {:.0}, consumer {:.0}; machine {busy:.0}% busy",
-            us(start.localstack, end.localstack),
-            us(start.postgres, end.postgres),
-            us(start.consumer, end.consumer),
-        )
-    }
-}
-
-/// Whether `/proc/<pid>` is the LocalStack process (`python -m localstack.runtime.main`, as
-/// `localstack/up` starts it): not merely a command line that names the `localstack/` folder.
-fn is_localstack(proc_dir: &std::path::Path) -> bool {
-    const MAIN: &[u8] = b"localstack.runtime.main";
-    std::fs::read(proc_dir.join("cmdline")).is_ok_and(|c| c.windows(MAIN.len()).any(|w| w == MAIN))
-}
-
-/// The CPUs the local LocalStack process may run on (its `Cpus_allowed_list`), if there is one.
-fn localstack_cpus() -> Option<String> {
-    std::fs::read_dir("/proc").ok()?.flatten().find(|entry| is_localstack(&entry.path())).and_then(|entry| {
-        let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
-        status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_owned())
-    })
-}
-
 // ---------------------------------------------------------------- main
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let client = client_from_env().await;
     let name = format!("bench-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
     let url = client.create_queue().queue_name(&name).send().await?.queue_url().unwrap_or_default().to_owned();
-    let database_url =
-        brokerfence_testkit::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+    let database_url = args.database_url.clone()?;
     let schema = SchemaName::new(format!("bench_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff))?;
     let pg = PgFence::connect(&database_url).await?.with_schema(schema.clone());
     pg.migrate().await?;
-    let counts = Arc::new(Counts { track_stages: args.stages, ..Counts::default() });
-    let store: Arc<dyn FenceStore> = Arc::new(Counting { inner: pg.clone(), counts: Arc::clone(&counts) });
+    let pg_store: Arc<dyn FenceStore> = Arc::new(pg.clone());
+    let counts = if args.stages { Counting::with_stages(pg_store) } else { Counting::new(pg_store) };
+    let store: Arc<dyn FenceStore> = counts.clone();
     let lease_secs = i32::try_from(args.lease).unwrap_or(30);
     println!(
         "bench_sqs: {} rounds of {} messages each way, concurrency {}, handler {:?}, lease {} s, fenced batch {}, \
@@ -666,11 +371,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             f / p.max(1e-9),
         );
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
-    let (p, f, paired) = (median(&mut plain_rates), median(&mut fenced_rates), median(&mut ratios));
+    ratios.sort_by(f64::total_cmp);
+    let (p, f, paired) = (median(plain_rates), median(fenced_rates), median(ratios.clone()));
     println!("plain : {p:>8.0} msg/s (median of {})", args.rounds);
     println!("fenced: {f:>8.0} msg/s (median of {})", args.rounds);
     println!(
@@ -681,24 +383,21 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     );
     let fenced_messages = (args.messages * args.rounds) as f64;
     let statements = counts.total() as f64 / fenced_messages;
+    let other: u64 = ["enqueue", "claim_next", "checkpoint", "fail", "release"].iter().map(|m| counts.get(m)).sum();
     println!(
-        "database statements per message: {statements:.3} (claim batches {}, completes {}, complete batches {}, heartbeats {}, other {})",
-        counts.claim_batch.load(Ordering::Relaxed),
-        counts.complete.load(Ordering::Relaxed),
-        counts.complete_batch.load(Ordering::Relaxed),
-        counts.heartbeat.load(Ordering::Relaxed),
-        counts.other.load(Ordering::Relaxed),
+        "database statements per message: {statements:.3} (claim batches {}, completes {}, complete batches {}, heartbeats {}, other {other})",
+        counts.get("claim") + counts.get("claim_batch"),
+        counts.get("complete"),
+        counts.get("complete_batch"),
+        counts.get("heartbeat"),
     );
-    let mean_ms = |us: &AtomicU64, n: &AtomicU64| {
-        us.load(Ordering::Relaxed) as f64 / 1000.0 / n.load(Ordering::Relaxed).max(1) as f64
-    };
     println!(
         "mean statement latency: claim batch {:.2} ms, commit batch {:.2} ms",
-        mean_ms(&counts.claim_us, &counts.claim_batch),
-        mean_ms(&counts.commit_us, &counts.complete_batch),
+        counts.mean_ms("claim_batch"),
+        counts.mean_ms("complete_batch"),
     );
     if args.stages
-        && let Ok(s) = counts.stages.lock()
+        && let Some(s) = counts.stages()
     {
         println!(
             "mean per fenced message: claim answered -> handler started {:.2} ms, handler done -> commit answered {:.2} ms",
@@ -714,7 +413,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     brokerfence_testkit::services::load_dotenv();
     let args = match parse_args() {
         Ok(a) => a,

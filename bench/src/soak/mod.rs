@@ -2,8 +2,8 @@
 //! bounded and throughput holds (issue 14). A benchmark: it prints figures and asserts nothing.
 //!
 //! ```text
-//! cargo run --release --example soak                                   # 1,000,000 table-queue jobs
-//! cargo run --release --features redis --example soak -- --stream 200000  # + 200,000 Redis stream messages
+//! cargo run --release -p brokerfence-bench --bin soak                                   # 1,000,000 table-queue jobs
+//! cargo run --release -p brokerfence-bench --features redis --bin soak -- --stream 200000  # + 200,000 Redis stream messages
 //! ```
 //!
 //! Every `--every` jobs (default 100,000) it prints the size of the `jobs` and `ledger` tables with
@@ -32,12 +32,14 @@ use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
+use crate::args::{self, Common, HELP_TEMPLATE, Redis as RedisArgs};
+
 /// Soak: jobs through the fence for a long time with retention on, to see that storage stays
 /// bounded and throughput holds. A benchmark: it prints figures and asserts nothing. PostgreSQL
 /// from DATABASE_URL, Redis from REDIS_URL (both fall back to localstack/.env). Exit codes: 0 done,
 /// 1 failed, 2 bad command line.
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "soak", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
+#[command(name = "soak", help_template = HELP_TEMPLATE)]
 struct Opts {
     /// Table-queue jobs (0 to skip)
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
@@ -51,33 +53,34 @@ struct Opts {
     /// Seconds completed jobs and ledger rows are kept
     #[arg(long = "keep-secs", value_name = "S", default_value = "5", value_parser = secs)]
     keep: Duration,
-    /// Jobs run at once
-    #[arg(long, value_name = "C", default_value = "64", value_parser = usize_at_least_one)]
-    concurrency: usize,
     /// Most jobs waiting
     #[arg(long, value_name = "N", default_value = "50000", value_parser = at_least_one)]
     backlog: u64,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+impl Opts {
+    /// Jobs run at once.
+    fn concurrency(&self) -> usize {
+        self.common.concurrency.unwrap_or(64)
+    }
 }
 
 fn at_least_one(v: &str) -> Result<u64, String> {
     v.parse::<u64>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
 }
 
-fn usize_at_least_one(v: &str) -> Result<usize, String> {
-    v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
-}
-
 fn secs(v: &str) -> Result<Duration, String> {
     v.parse::<u64>().map(Duration::from_secs).map_err(|e| format!("{v:?}: {e}"))
 }
 
-fn main() {
-    let o = match <Opts as clap::Parser>::try_parse() {
+pub fn main() {
+    let o: Opts = match args::parse(&[("concurrency", "64")]) {
         Ok(o) => o,
-        Err(e) => {
-            let _ = e.print();
-            std::process::exit(e.exit_code());
-        }
+        Err(e) => std::process::exit(args::report(&e)),
     };
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -91,8 +94,7 @@ fn main() {
 }
 
 async fn soak(o: Opts) -> Result<(), String> {
-    let url = brokerfence_testkit::services::var("DATABASE_URL")
-        .ok_or("DATABASE_URL is not set and localstack/.env has none: run `bash localstack/up` first")?;
+    let url = o.common.database_url()?;
     let schema = SchemaName::new(format!("soak_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
     let fence = PgFence::connect(&url).await.map_err(|e| e.to_string())?.with_schema(schema);
     fence.migrate().await.map_err(|e| e.to_string())?;
@@ -104,7 +106,7 @@ async fn soak(o: Opts) -> Result<(), String> {
         "brokerfence soak — {} cores, autovacuum={autovacuum}, keep {:?}, concurrency {}, backlog ≤ {}{}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         o.keep,
-        o.concurrency,
+        o.concurrency(),
         o.backlog,
         if cfg!(debug_assertions) { "  [DEBUG BUILD: use --release for figures]" } else { "" }
     );
@@ -169,7 +171,7 @@ async fn run<S: Source, P: Producer>(
         .ledger("soak", o.keep)
         .every(Duration::from_secs(1));
     let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
-    let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(o.concurrency).retention(retention);
+    let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(o.concurrency()).retention(retention);
     let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
     let consumer = Arc::new(Consumer::new(source, store, config));
     let metrics: Arc<Metrics> = consumer.metrics();
@@ -290,7 +292,7 @@ mod redis_soak {
     }
 
     pub async fn run(o: &Opts, fence: &PgFence) -> Result<(), String> {
-        let url = brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+        let url = o.redis.redis_url_if_any().unwrap_or_else(|| "redis://127.0.0.1:6379".into());
         let redis = RedisConnections::connect(&url).await.map_err(|e| e.to_string())?;
         let stream = format!("soak-{:08x}", rand::random::<u32>());
         let queue = QueueName::new(stream.as_str()).map_err(|e| e.to_string())?;

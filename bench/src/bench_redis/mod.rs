@@ -2,7 +2,7 @@
 //! `XREADGROUP`/`XACK` consumer, same stream size, same concurrency, same batch, one run each.
 //!
 //! ```text
-//! cargo run --release --features redis --example bench_redis -- --messages 20000 --concurrency 32 --work-ms 0
+//! cargo run --release -p brokerfence-bench --features redis --bin bench_redis -- --messages 20000 --concurrency 32 --work-ms 0
 //! ```
 //!
 //! Prints messages per second of both, their ratio, and the database statements per message of
@@ -11,13 +11,15 @@
 //! `localstack/.env`); it uses fresh stream keys and a fresh schema, and removes both at the end.
 
 #[cfg(feature = "redis")]
-fn main() {
+pub fn main() {
     std::process::exit(bench::run(std::env::args().skip(1).collect()));
 }
 
 #[cfg(not(feature = "redis"))]
-fn main() {
-    eprintln!("bench_redis needs the `redis` feature: cargo run --release --features redis --example bench_redis");
+pub fn main() {
+    eprintln!(
+        "bench_redis needs the `redis` feature: cargo run --release -p brokerfence-bench --features redis --bin bench_redis"
+    );
     std::process::exit(2);
 }
 
@@ -31,221 +33,62 @@ mod bench {
     use brokerfence::adapters::redis::{KeyFrom, RedisConnections, StreamSource};
     use brokerfence::adapters::{Consumer, ConsumerConfig};
     use brokerfence::fence::{
-        self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobKey, JobRecord, Lease,
-        LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName, SupervisorConfig,
+        FenceStore, JobContext, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
     };
     use sqlx::AssertSqlSafe;
-    use std::future::Future;
-    use std::pin::Pin;
+
     use tokio::sync::Semaphore;
+
+    use crate::args::{self, Common, HELP_TEMPLATE, Load, Redis as RedisArgs, at_least_one};
+    use crate::counters::Counting;
     use tokio_util::sync::CancellationToken;
 
     /// Benchmark: the fenced Redis Streams consumer against a plain XREADGROUP/XACK consumer,
     /// same stream size, concurrency and batch. Redis from REDIS_URL, PostgreSQL from
     /// DATABASE_URL (fallback localstack/.env). Exit codes: 0 done, 1 failed, 2 bad command line.
     #[derive(Debug, clap::Parser)]
-    #[command(name = "bench_redis", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
-    struct Args {
+    #[command(name = "bench_redis", help_template = HELP_TEMPLATE)]
+    struct Cli {
         /// Messages per run
         #[arg(long, value_name = "N", default_value = "20000", value_parser = at_least_one)]
         messages: usize,
-        /// Jobs at once
-        #[arg(long, value_name = "C", default_value = "32", value_parser = at_least_one)]
-        concurrency: usize,
-        /// Entries per read
-        #[arg(long, value_name = "B", default_value = "10", value_parser = at_least_one)]
-        batch: usize,
-        /// Milliseconds of work per message
-        #[arg(long = "work-ms", value_name = "W", default_value = "0", value_parser = millis)]
-        work: Duration,
         /// Lease in seconds
         #[arg(long, value_name = "S", default_value_t = 30)]
         lease: u64,
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        load: Load,
+        #[command(flatten)]
+        redis: RedisArgs,
     }
 
-    fn at_least_one(v: &str) -> Result<usize, String> {
-        v.parse::<usize>().map(|n| n.max(1)).map_err(|e| format!("{v:?}: {e}"))
+    /// The options, the shared flags' defaults applied.
+    #[derive(Debug)]
+    struct Args {
+        messages: usize,
+        concurrency: usize,
+        batch: usize,
+        work: Duration,
+        lease: u64,
+        database_url: Result<String, String>,
+        redis_url: Result<String, String>,
     }
 
-    fn millis(v: &str) -> Result<Duration, String> {
-        v.parse::<u64>().map(Duration::from_millis).map_err(|e| format!("{v:?}: {e}"))
-    }
+    /// The shared flags' defaults of this program.
+    const DEFAULTS: &[(&str, &str)] = &[("concurrency", "32"), ("batch", "10"), ("work_ms", "0")];
 
-    /// Counts the statements the fence sends (one per store call).
-    struct Counting {
-        inner: Arc<dyn FenceStore>,
-        claims: AtomicU64,
-        claim_nanos: Arc<AtomicU64>,
-        commit_nanos: Arc<AtomicU64>,
-        completes: AtomicU64,
-        heartbeats: AtomicU64,
-        other: AtomicU64,
-    }
-
-    impl Counting {
-        fn total(&self) -> u64 {
-            [&self.claims, &self.completes, &self.heartbeats, &self.other]
-                .iter()
-                .map(|c| c.load(Ordering::Relaxed))
-                .sum()
-        }
-    }
-
-    /// Adds the time `fut` takes to `sum`.
-    fn timed<'f, T: 'f>(fut: Fut<'f, T>, sum: Arc<AtomicU64>) -> Fut<'f, T> {
-        Box::pin(async move {
-            let t = Instant::now();
-            let r = fut.await;
-            sum.fetch_add(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-            r
-        })
-    }
-
-    fn bump(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
-    type Fut<'a, T> = Pin<Box<dyn Future<Output = fence::Result<T>> + Send + 'a>>;
-
-    // `FenceStore` is an `async_trait`; this example spells out its desugared signatures so that it
-    // needs no macro crate of its own.
-    impl FenceStore for Counting {
-        fn migrate<'s, 'f>(&'s self) -> Fut<'f, ()>
-        where
-            's: 'f,
-        {
-            self.inner.migrate()
-        }
-        fn claim_batch<'s, 'q, 'k, 'o, 'f>(
-            &'s self,
-            queue: &'q QueueName,
-            keys: &'k [JobKey],
-            owner: &'o Owner,
-            lease: LeaseDuration,
-        ) -> Fut<'f, Vec<Claim>>
-        where
-            's: 'f,
-            'q: 'f,
-            'k: 'f,
-            'o: 'f,
-        {
-            bump(&self.claims);
-            timed(self.inner.claim_batch(queue, keys, owner, lease), Arc::clone(&self.claim_nanos))
-        }
-        fn enqueue_many<'s, 'q, 'j, 'f>(&'s self, queue: &'q QueueName, jobs: &'j [(JobKey, Vec<u8>)]) -> Fut<'f, u64>
-        where
-            's: 'f,
-            'q: 'f,
-            'j: 'f,
-        {
-            bump(&self.other);
-            self.inner.enqueue_many(queue, jobs)
-        }
-        fn claim_next<'s, 'q, 'o, 'f>(
-            &'s self,
-            queue: &'q QueueName,
-            owner: &'o Owner,
-            lease: LeaseDuration,
-            n: u32,
-        ) -> Fut<'f, Vec<ClaimedJob>>
-        where
-            's: 'f,
-            'q: 'f,
-            'o: 'f,
-        {
-            bump(&self.claims);
-            self.inner.claim_next(queue, owner, lease, n)
-        }
-        fn heartbeat<'s, 'l, 'f>(&'s self, leases: &'l [Lease], lease: LeaseDuration) -> Fut<'f, Heartbeat>
-        where
-            's: 'f,
-            'l: 'f,
-        {
-            bump(&self.heartbeats);
-            self.inner.heartbeat(leases, lease)
-        }
-        fn heartbeat_unless_locked<'s, 'l, 'f>(
-            &'s self,
-            leases: &'l [Lease],
-            lease: LeaseDuration,
-        ) -> Fut<'f, Heartbeat>
-        where
-            's: 'f,
-            'l: 'f,
-        {
-            bump(&self.heartbeats);
-            self.inner.heartbeat_unless_locked(leases, lease)
-        }
-        fn checkpoint<'s, 'l, 'p, 'f>(&'s self, lease: &'l Lease, progress: &'p [u8]) -> Fut<'f, ()>
-        where
-            's: 'f,
-            'l: 'f,
-            'p: 'f,
-        {
-            bump(&self.other);
-            self.inner.checkpoint(lease, progress)
-        }
-        fn complete<'s, 'l, 'r, 'f>(&'s self, lease: &'l Lease, result: &'r [u8]) -> Fut<'f, ()>
-        where
-            's: 'f,
-            'l: 'f,
-            'r: 'f,
-        {
-            bump(&self.completes);
-            self.inner.complete(lease, result)
-        }
-        fn complete_batch<'s, 'i, 'f>(&'s self, items: &'i [(Lease, Vec<u8>)]) -> Fut<'f, Vec<fence::Result<()>>>
-        where
-            's: 'f,
-            'i: 'f,
-        {
-            bump(&self.completes);
-            timed(self.inner.complete_batch(items), Arc::clone(&self.commit_nanos))
-        }
-        fn fail<'s, 'l, 'e, 'p, 'f>(
-            &'s self,
-            lease: &'l Lease,
-            error: &'e str,
-            retry: bool,
-            policy: &'p RetryPolicy,
-        ) -> Fut<'f, FailOutcome>
-        where
-            's: 'f,
-            'l: 'f,
-            'e: 'f,
-            'p: 'f,
-        {
-            bump(&self.other);
-            self.inner.fail(lease, error, retry, policy)
-        }
-        fn release<'s, 'l, 'f>(&'s self, lease: &'l Lease) -> Fut<'f, ()>
-        where
-            's: 'f,
-            'l: 'f,
-        {
-            bump(&self.other);
-            self.inner.release(lease)
-        }
-        fn job<'s, 'q, 'k, 'f>(&'s self, queue: &'q QueueName, key: &'k JobKey) -> Fut<'f, Option<JobRecord>>
-        where
-            's: 'f,
-            'q: 'f,
-            'k: 'f,
-        {
-            self.inner.job(queue, key)
-        }
-        fn db_now<'s, 'f>(&'s self) -> Fut<'f, DbTime>
-        where
-            's: 'f,
-        {
-            self.inner.db_now()
-        }
-        fn backend(&self) -> &'static str {
-            self.inner.backend()
-        }
-
-        fn concrete(&self) -> brokerfence::fence::Backend<'_> {
-            self.inner.concrete()
+    impl From<Cli> for Args {
+        fn from(c: Cli) -> Self {
+            Args {
+                messages: c.messages,
+                concurrency: c.common.concurrency.unwrap_or(32),
+                batch: c.load.batch.unwrap_or(10),
+                work: c.load.work(0),
+                lease: c.lease,
+                database_url: c.common.database_url(),
+                redis_url: c.redis.redis_url(),
+            }
         }
     }
 
@@ -388,10 +231,8 @@ mod bench {
     }
 
     async fn go(a: Args) -> Result<(), Box<dyn std::error::Error>> {
-        let redis_url =
-            brokerfence_testkit::services::var("REDIS_URL").ok_or("REDIS_URL is not set (run localstack/up)")?;
-        let db_url =
-            brokerfence_testkit::services::var("DATABASE_URL").ok_or("DATABASE_URL is not set (run localstack/up)")?;
+        let redis_url = a.redis_url.clone()?;
+        let db_url = a.database_url.clone()?;
         let tag = format!("{:08x}", rand::random::<u32>());
         let schema = SchemaName::new(format!("bench_redis_{tag}"))?;
         let pg = PgFence::connect(&db_url).await?.with_schema(schema.clone());
@@ -411,15 +252,7 @@ mod bench {
         produce(&mut conn, &plain_stream, a.messages).await?;
         let t_plain = plain(&redis, &plain_stream, &a).await?;
         produce(&mut conn, &fenced_stream, a.messages).await?;
-        let store = Arc::new(Counting {
-            inner: Arc::new(pg.clone()),
-            claims: AtomicU64::new(0),
-            claim_nanos: Arc::default(),
-            commit_nanos: Arc::default(),
-            completes: AtomicU64::new(0),
-            heartbeats: AtomicU64::new(0),
-            other: AtomicU64::new(0),
-        });
+        let store = Counting::new(Arc::new(pg.clone()));
         let t_fenced = fenced(&redis, Arc::clone(&store), &fenced_stream, &a).await?;
 
         let n = a.messages as f64;
@@ -427,23 +260,22 @@ mod bench {
         println!("  plain  XREADGROUP/XACK: {:>9.0} msg/s ({:.2} s)", plain_rate, t_plain.as_secs_f64());
         println!("  fenced (PostgreSQL):    {:>9.0} msg/s ({:.2} s)", fenced_rate, t_fenced.as_secs_f64());
         println!("  ratio fenced/plain:     {:>9.3}", fenced_rate / plain_rate);
+        let claims = store.get("claim") + store.get("claim_batch") + store.get("claim_next");
+        let completes = store.get("complete") + store.get("complete_batch");
         println!(
             "  DB statements/message:  {:>9.3} (claim batches {}, completes {}, heartbeats {}, other {})",
             store.total() as f64 / n,
-            store.claims.load(Ordering::Relaxed),
-            store.completes.load(Ordering::Relaxed),
-            store.heartbeats.load(Ordering::Relaxed),
-            store.other.load(Ordering::Relaxed)
+            claims,
+            completes,
+            store.get("heartbeat"),
+            ["enqueue", "checkpoint", "fail", "release"].iter().map(|m| store.get(m)).sum::<u64>()
         );
-        let avg = |sum: &AtomicU64, n: &AtomicU64| {
-            sum.load(Ordering::Relaxed) as f64 / 1e6 / n.load(Ordering::Relaxed).max(1) as f64
-        };
         println!(
             "  DB round trip:          claim batch {:.2} ms avg ({:.1} jobs), group commit {:.2} ms avg ({:.1} jobs)",
-            avg(&store.claim_nanos, &store.claims),
-            n / store.claims.load(Ordering::Relaxed).max(1) as f64,
-            avg(&store.commit_nanos, &store.completes),
-            n / store.completes.load(Ordering::Relaxed).max(1) as f64,
+            store.mean_ms("claim_batch"),
+            n / claims.max(1) as f64,
+            store.mean_ms("complete_batch"),
+            n / completes.max(1) as f64,
         );
 
         let _: Value = client::cmd("DEL").arg(&plain_stream).arg(&fenced_stream).query_async(&mut conn).await?;
@@ -452,8 +284,8 @@ mod bench {
     }
 
     pub fn run(raw: Vec<String>) -> i32 {
-        let a = match <Args as clap::Parser>::try_parse_from(std::iter::once("bench_redis".to_owned()).chain(raw)) {
-            Ok(a) => a,
+        let a: Args = match args::parse_from::<Cli>(std::iter::once("bench_redis".to_owned()).chain(raw), DEFAULTS) {
+            Ok(c) => c.into(),
             Err(e) => {
                 let _ = e.print();
                 return e.exit_code();

@@ -1,0 +1,5 @@
+//! `chaos`: see [`brokerfence_bench::chaos`].
+
+fn main() {
+    brokerfence_bench::chaos::main()
+}

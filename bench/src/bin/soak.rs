@@ -1,0 +1,5 @@
+//! `soak`: see [`brokerfence_bench::soak`].
+
+fn main() {
+    brokerfence_bench::soak::main()
+}

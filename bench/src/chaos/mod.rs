@@ -1,0 +1,146 @@
+//! The chaos run: N worker OS processes drain M jobs while the runner injects faults. An
+//! independent HTTP receiver in the runner records every call the workers make; at the end the
+//! runner checks:
+//!
+//! | figure | must be |
+//! |---|---|
+//! | jobs lost (not finished, or committed without their receiver effect) | 0 |
+//! | results committed twice (an audit trigger records every commit) | 0 |
+//! | receiver accepts of an epoch lower than one it already accepted | 0 |
+//! | healthy cancellations: attempts whose lease was lost while the database was reachable for their worker and the worker was running (see [`faults`] for the exact rule) | 0 |
+//! | lost attempts the workers reported vs. their `lease_losses` counters | equal |
+//! | zombie commits rejected (`Fenced`) | ≥ 1 when `sigstop` is injected (the pauses really happened) |
+//! | jobs completed or dead-lettered | all of them |
+//!
+//! The faults (`--faults`, comma-separated; default `classic` = the first four):
+//!
+//! | fault | what the runner does |
+//! |---|---|
+//! | `sigstop` | SIGSTOP a worker for lease + 1.2–2.5 s, then SIGCONT (it comes back a zombie) |
+//! | `pg-terminate` | `pg_terminate_backend` on the connections of one worker or of all |
+//! | `sigkill` | SIGKILL a worker and start it again |
+//! | `redis-restart` | kill and restart the run's private redis-server (Redis only) |
+//! | `broker-stall` | a TCP proxy between the workers and the broker (LocalStack, or the private redis-server) holds every byte, both directions, for `--stall-ms` (default lease + 2 s); not applicable to the table queue, which has no broker (the report says so) |
+//! | `pg-lock` | a runner transaction holds `FOR UPDATE` locks on the rows one worker is running, for `--stall-ms` |
+//! | `pg-pause` | the idle PostgreSQL backends of one worker (by `application_name`) are SIGSTOPped for `--stall-ms` |
+//!
+//! `pg-stall` names both PostgreSQL stalls, `all` every fault. The broker and PostgreSQL
+//! servers themselves are never paused or restarted (LocalStack, PostgreSQL and the Redis on 6379
+//! are shared); the Redis restart uses a private redis-server.
+//!
+//! ```text
+//! cargo build -p brokerfence-bench --all-features   # builds target/debug/chaos
+//! target/debug/chaos --source table --workers 8 --jobs 5000
+//! target/debug/chaos --source sqs --workers 4 --jobs 600 --faults all --slow-every 5
+//! target/debug/chaos --source redis --workers 4 --jobs 1000 --faults all --slow-every 5
+//! ```
+//!
+//! Options: `--source table|sqs|redis`, `--workers N`, `--jobs M`, `--concurrency C` (per worker),
+//! `--batch B`, `--work-ms W` (blocking work per job: a zombie paused inside it reaches its commit
+//! after it resumes), `--lease-secs L` (≥ 3), `--fault-every-ms F`, `--deadline-secs D`,
+//! `--poison-every P` (every P-th job is undecodable and must be dead-lettered; 0 = none),
+//! `--flaky-every K` (every K-th job fails its first attempt), `--slow-every S` and `--slow-ms T`
+//! (every S-th job also waits T ms, cancellably, so it needs heartbeats: default twice the
+//! lease; a stall only bites attempts in flight with more than a lease still to go), `--faults LIST`, `--stall-ms D`, `--seed S`,
+//! `--max-faults N` (stop injecting after N), `--keep-logs`, `--quiet`.
+//! PostgreSQL comes from `DATABASE_URL` (else `localstack/.env`), SQS from the AWS environment,
+//! Redis is a private `redis-server` the runner starts on a free port (never the shared one).
+//! Exit code 0 when every invariant holds, 1 when one is violated, 2 on a setup error.
+//!
+//! `tests/chaos.rs` runs small instances in CI; the worker processes are that test binary
+//! re-executed in worker mode (see [`Launcher`]), so no harness binary must be built.
+#![allow(dead_code)] // shared with tests/chaos.rs, which uses a subset
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use brokerfence::adapters::{Consumer, ConsumerConfig, Source, shutdown_signal};
+use brokerfence::fence::wire::FenceStamp;
+use brokerfence::fence::{
+    FenceStore, JobContext, JobError, LeaseDuration, Owner, PgFence, PgLedger, QueueName, RetryPolicy, SchemaName,
+    SupervisorConfig, Verdict,
+};
+use rand::{Rng, SeedableRng};
+use sqlx::AssertSqlSafe;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::args::{Common, HELP_TEMPLATE, Load, at_least_one};
+
+pub mod faults;
+mod pg_stall;
+pub mod proxy;
+
+pub use faults::FaultKind;
+use faults::{FaultLog, LossEvent, Target, now_ms};
+
+/// Environment variable that carries a worker's arguments when the launcher re-executes a test
+/// binary in worker mode (arguments joined by U+001F).
+pub const WORKER_ENV: &str = "BROKERFENCE_CHAOS_WORKER_ARGS";
+const SEP: char = '\u{1f}';
+
+/// Which process this is: `chaos [RUNNER OPTIONS]` (the runner; its options are [`RunnerCli`]'s)
+/// or `chaos --worker [WORKER OPTIONS]` (a worker the runner starts; [`WorkerCli`]'s). Help and
+/// errors are left to those two parsers.
+#[derive(clap::Parser)]
+#[command(
+    name = "chaos",
+    disable_help_flag = true,
+    disable_version_flag = true,
+    args_conflicts_with_subcommands = true
+)]
+struct Process {
+    #[command(subcommand)]
+    worker: Option<WorkerMode>,
+    /// The runner's options.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    runner: Vec<String>,
+}
+
+#[derive(clap::Subcommand)]
+enum WorkerMode {
+    /// A worker process (`--worker` first).
+    #[command(name = "--worker", long_flag = "worker", disable_help_flag = true, hide = true)]
+    Worker {
+        /// The worker's options.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+pub fn main() {
+    // A test binary re-executed as a worker gets its arguments in the environment.
+    if let Ok(args) = std::env::var(WORKER_ENV) {
+        std::process::exit(worker_main(args.split(SEP).map(str::to_owned).collect()));
+    }
+    let process = <Process as clap::Parser>::parse();
+    std::process::exit(match process.worker {
+        Some(WorkerMode::Worker { args }) => worker_main(args),
+        None => runner_main(process.runner),
+    });
+}
+
+mod broker;
+mod config;
+mod fleet;
+mod inject;
+mod receiver;
+#[cfg(feature = "redis")]
+mod redis_chaos;
+mod report;
+mod run;
+#[cfg(feature = "sqs")]
+mod sqs_chaos;
+mod worker;
+
+use broker::*;
+pub use config::*;
+use fleet::*;
+use inject::*;
+use receiver::*;
+pub use report::*;
+pub use run::*;
+pub use worker::*;

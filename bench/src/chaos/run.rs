@@ -1,0 +1,331 @@
+//! The run: set up, start the fleet, inject faults until every job is finished or the deadline
+//! passes, then count.
+
+use super::*;
+
+/// Runs one chaos instance and returns what it found (it does not judge: see
+/// [`Report::violations`]).
+pub async fn run(c: ChaosConfig) -> Result<Report, String> {
+    let started = Instant::now();
+    let t0_ms = now_ms();
+    let run_id = format!("{:08x}", rand::random::<u32>());
+    let schema = SchemaName::new(format!("chaos_{run_id}")).map_err(|e| e.to_string())?;
+    let options: sqlx::postgres::PgConnectOptions =
+        c.database_url.parse().map_err(|e: sqlx::Error| format!("DATABASE_URL: {e}"))?;
+    let store = PgFence::connect_with(options.application_name(&format!("chaos-{run_id}-runner")))
+        .await
+        .map_err(|e| format!("connect to PostgreSQL (run `bash localstack/up`): {e}"))?
+        .with_schema(schema.clone());
+    store.migrate().await.map_err(|e| format!("migrate: {e}"))?;
+    install_audit(&store).await?;
+
+    let queue = QueueName::new(format!("chaos-{}-{run_id}", c.source.name())).map_err(|e| e.to_string())?;
+    let jobs = job_kinds(&c);
+    let mut broker = Broker::setup(&c, &store, &queue, &jobs).await?;
+
+    // The faults that apply to this source; the others are named in the report.
+    let mut kinds: Vec<FaultKind> = Vec::new();
+    let mut not_applicable = Vec::new();
+    for &k in &c.faults {
+        match k {
+            FaultKind::RedisRestart if !broker.can_restart_server() => not_applicable
+                .push("redis-restart: only the Redis source runs a private server that can be restarted".to_owned()),
+            FaultKind::BrokerStall if broker.upstream().is_none() => not_applicable.push(match c.source {
+                SourceKind::Table => "broker-stall: the table queue has no broker (its receive is a PostgreSQL \
+                                      statement: pg-lock and pg-pause stall that path)"
+                    .to_owned(),
+                _ => "broker-stall: the broker endpoint is not a plain address on 127.0.0.1".to_owned(),
+            }),
+            k => kinds.push(k),
+        }
+    }
+    let proxy = match broker.upstream() {
+        Some(upstream) if kinds.contains(&FaultKind::BrokerStall) => Some(proxy::StallProxy::start(upstream).await?),
+        _ => None,
+    };
+    let proxy_addr = proxy.as_ref().map(|p| p.addr());
+
+    let receiver = Arc::new(Receiver {
+        ledger: PgLedger::new(&store, "chaos-receiver"),
+        log: Mutex::default(),
+        locks: Mutex::default(),
+        calls: AtomicU64::new(0),
+        refused: AtomicU64::new(0),
+        stale_accepts: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+    });
+    let (receiver_url, receiver_task) = start_receiver(Arc::clone(&receiver)).await?;
+
+    let log_dir = std::env::temp_dir().join("brokerfence-chaos").join(&run_id);
+    std::fs::create_dir_all(&log_dir).map_err(|e| format!("create {}: {e}", log_dir.display()))?;
+    let mut base_args: Vec<String> = vec![
+        "--source".into(),
+        c.source.name().into(),
+        "--db".into(),
+        c.database_url.clone(),
+        "--app".into(),
+        format!("chaos-{run_id}-w"),
+        "--schema".into(),
+        schema.as_str().into(),
+        "--queue".into(),
+        queue.as_str().into(),
+        "--receiver".into(),
+        receiver_url,
+        "--lease-secs".into(),
+        c.lease_secs.to_string(),
+        "--concurrency".into(),
+        c.concurrency.to_string(),
+        "--batch".into(),
+        c.batch.to_string(),
+        "--work-ms".into(),
+        c.work.as_millis().to_string(),
+        "--slow-ms".into(),
+        c.slow_work().as_millis().to_string(),
+    ];
+    base_args.extend(broker.worker_args(proxy_addr));
+    if !c.worker_guards.is_empty() {
+        base_args.extend(["--guards".to_owned(), c.worker_guards.join(",")]);
+    }
+    let mut fleet = Fleet {
+        launcher: c.launcher.clone(),
+        base_args,
+        env: broker.worker_env(proxy_addr),
+        log_dir: log_dir.clone(),
+        workers: Vec::new(),
+        states: (0..c.workers).map(|_| Arc::new(WorkerState::default())).collect(),
+    };
+    let say = |msg: String| {
+        if c.verbose {
+            eprintln!("[chaos {:>6.1}s] {msg}", started.elapsed().as_secs_f64());
+        }
+    };
+    for na in &not_applicable {
+        say(format!("not applicable: {na}"));
+    }
+    if let Some(p) = &proxy {
+        say(format!("workers reach the broker through the stall proxy on {}", p.addr()));
+    }
+    let first_start = Instant::now();
+    for i in 0..c.workers {
+        let w = fleet.spawn(i, 0).await?;
+        fleet.workers.push(w);
+    }
+    say(format!("{} workers started on {} jobs ({})", c.workers, c.jobs, c.source.name()));
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(c.seed);
+    let lease = Duration::from_secs(c.lease_secs);
+    let mut report = Report {
+        source: c.source.name(),
+        jobs: c.jobs,
+        workers: c.workers,
+        seed: c.seed,
+        faults: c.faults.clone(),
+        not_applicable,
+        t0_ms,
+        stall_secs: c.stall().as_secs_f64(),
+        lease_secs: c.lease_secs,
+        ..Default::default()
+    };
+    let log = FaultLog::default();
+    let ctx =
+        FaultCtx { c: &c, store: &store, queue: &queue, run_id: &run_id, lease, log: &log, proxy: proxy.as_ref() };
+    // Every kind of fault early on (a second SIGSTOP at the end of the round), then at random.
+    let mut schedule: Vec<FaultKind> = FaultKind::ALL.iter().copied().filter(|k| kinds.contains(k)).collect();
+    if kinds.contains(&FaultKind::SigStop) {
+        schedule.push(FaultKind::SigStop);
+    }
+    schedule.reverse();
+    let mut next_fault = Instant::now() + c.fault_every / 2;
+    let deadline = first_start + c.deadline;
+    let mut drained_at = None;
+    let mut last_progress = Instant::now();
+    loop {
+        let now = Instant::now();
+        // Resume paused workers whose pause is over.
+        for w in fleet.workers.iter_mut() {
+            if w.stopped_until.is_some_and(|t| t <= now) {
+                signal(w.pid, libc::SIGCONT);
+                w.stopped_until = None;
+                if let Some(id) = w.stop_record.take() {
+                    log.close(id);
+                }
+                say(format!("SIGCONT worker {} (pid {})", w.index, w.pid));
+            }
+        }
+        let finished = count_finished(&store, &queue).await?;
+        if c.verbose && now.duration_since(last_progress) > Duration::from_secs(2) {
+            last_progress = now;
+            say(format!(
+                "{finished}/{} finished; fenced so far {}, lease losses {}",
+                c.jobs,
+                fleet.metric("fenced_rejections"),
+                fleet.metric("lease_losses")
+            ));
+        }
+        if finished >= c.jobs {
+            drained_at = Some(Instant::now());
+            break;
+        }
+        if now >= deadline {
+            say("deadline reached with jobs unfinished".into());
+            break;
+        }
+        let injected = report.faults_injected;
+        if now >= next_fault && !kinds.is_empty() && c.max_faults.is_none_or(|m| injected < m) {
+            let fault = schedule.pop().unwrap_or_else(|| {
+                let mut weighted = kinds.clone();
+                if kinds.contains(&FaultKind::SigStop) {
+                    weighted.push(FaultKind::SigStop);
+                }
+                weighted[rng.random_range(0..weighted.len())]
+            });
+            if inject(&ctx, fault, &mut fleet, &mut broker, &mut rng, &mut report, &say).await? {
+                report.faults_injected += 1;
+                // The first round comes at even steps, so every kind is injected early on.
+                let jitter = if schedule.is_empty() { rng.random_range(0.5..1.5) } else { 1.0 };
+                let mut gap = c.fault_every.mul_f64(jitter);
+                if matches!(fault, FaultKind::BrokerStall | FaultKind::PgLock | FaultKind::PgPause) {
+                    // One stall at a time, with a second of calm between two.
+                    gap = gap.max(c.stall() + Duration::from_secs(1));
+                }
+                next_fault = Instant::now() + gap;
+            } else {
+                // Not possible right now (nothing to stall, a stall still in force): soon again.
+                schedule.push(fault);
+                next_fault = Instant::now() + Duration::from_millis(500);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    report.drain_secs = drained_at.unwrap_or_else(Instant::now).duration_since(first_start).as_secs_f64();
+    // A broker stall still in force ends now: the workers need their broker to stop cleanly.
+    if let Some(p) = &proxy {
+        p.resume();
+        log.cut_short(FaultKind::BrokerStall);
+    }
+
+    // Let every paused worker resume and finish its zombie attempts, let every stall end, then
+    // stop the workers gracefully.
+    let resume_by = fleet.workers.iter().filter_map(|w| w.stopped_until).max();
+    if let Some(t) = resume_by {
+        tokio::time::sleep(t.saturating_duration_since(Instant::now())).await;
+    }
+    for w in fleet.workers.iter_mut() {
+        if w.stopped_until.take().is_some() {
+            signal(w.pid, libc::SIGCONT);
+        }
+        if let Some(id) = w.stop_record.take() {
+            log.close(id);
+        }
+    }
+    let stalls_end = Instant::now() + c.stall() + Duration::from_secs(3);
+    while log.any_open() && Instant::now() < stalls_end {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for w in &fleet.workers {
+        signal(w.pid, libc::SIGTERM);
+    }
+    for w in fleet.workers.iter_mut() {
+        match tokio::time::timeout(Duration::from_secs(15), w.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                say(format!("worker {} did not stop on SIGTERM; killing it", w.index));
+                let _ = w.child.kill().await;
+            }
+        }
+    }
+    // The stdout readers deliver the final metrics lines.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    if let Some(p) = &proxy {
+        p.resume();
+    }
+
+    // ---- checks ----
+    let rows = final_rows(&store, &queue).await?;
+    let commits = commit_counts(&store, &queue).await?;
+    let accepted: HashMap<String, Vec<i64>> = receiver
+        .log
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(k, v)| (k.clone(), v.accepted.clone()))
+        .collect();
+    let poison: HashSet<String> = jobs.iter().filter(|(_, k)| *k == Kind::Poison).map(|(j, _)| j.clone()).collect();
+    for (key, kind) in &jobs {
+        let Some(row) = rows.get(key) else {
+            report.unfinished += 1;
+            continue;
+        };
+        report.max_epoch = report.max_epoch.max(row.epoch);
+        if row.epoch > 1 {
+            report.jobs_reclaimed += 1;
+        }
+        match row.state.as_str() {
+            "completed" => {
+                report.completed += 1;
+                let expected = format!("{key}@{}", row.epoch);
+                let reached = accepted.get(key).is_some_and(|e| e.contains(&row.epoch));
+                if row.result.as_deref() != Some(expected.as_bytes()) || !reached || *kind == Kind::Poison {
+                    report.effect_missing += 1;
+                }
+            }
+            "dead" => {
+                report.dead += 1;
+                if *kind != Kind::Poison {
+                    report.unexpected_dead += 1;
+                } else if !row.last_error.as_deref().is_some_and(|e| e.contains("undecodable payload")) {
+                    report.poison_not_dead_lettered += 1;
+                }
+            }
+            _ => report.unfinished += 1,
+        }
+        if commits.get(key).copied().unwrap_or(0) > 1 {
+            report.committed_twice += 1;
+        }
+    }
+    report.poison_not_dead_lettered += poison.iter().filter(|k| rows.get(*k).is_none_or(|r| r.state != "dead")).count();
+    report.broker_dead_letters = broker.dead_letters(&poison).await?;
+    if let Some(n) = report.broker_dead_letters
+        && n < poison.len()
+    {
+        report.poison_not_dead_lettered += poison.len() - n;
+    }
+    report.stale_accepts = receiver.stale_accepts.load(Ordering::Relaxed) as usize;
+    report.receiver_calls = receiver.calls.load(Ordering::Relaxed);
+    report.receiver_refused = receiver.refused.load(Ordering::Relaxed);
+    report.zombie_commits_rejected = fleet.metric("fenced_rejections");
+    report.lease_losses = fleet.metric("lease_losses");
+
+    // Every lost attempt against the timeline; and the loss reports against the counters.
+    report.timeline = log.snapshot();
+    let mut losses: Vec<LossEvent> = Vec::new();
+    for (i, state) in fleet.states.iter().enumerate() {
+        let mine: Vec<LossEvent> = state.losses.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let metrics = state.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        for incarnation in state.stopped.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let counted = metrics.get(incarnation).and_then(|m| m.get("lease_losses")).copied().unwrap_or(0);
+            let reported = mine.iter().filter(|l| l.incarnation == *incarnation).count() as u64;
+            if reported < counted {
+                say(format!("worker {i} run {incarnation}: {reported} lost attempts reported, {counted} counted"));
+                report.loss_reports_missing += 1;
+            }
+        }
+        losses.extend(mine);
+    }
+    losses.sort_by_key(|l| l.at_ms);
+    report.losses = faults::summarize(&losses, &report.timeline, lease + Duration::from_secs(1), t0_ms);
+    report.total_secs = started.elapsed().as_secs_f64();
+
+    receiver_task.abort();
+    drop(proxy);
+    broker.cleanup().await;
+    let keep = c.keep_logs || (c.keep_on_failure && !report.violations().is_empty());
+    if keep {
+        report.log_dir = Some(log_dir);
+    } else {
+        let _ = std::fs::remove_dir_all(&log_dir);
+        drop_schema(&store).await;
+    }
+    Ok(report)
+}
