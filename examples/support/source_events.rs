@@ -60,6 +60,10 @@ impl<S: Source> Source for EventSource<S> {
         self.0.default_batch()
     }
 
+    fn receives_in_flight(&self) -> usize {
+        self.0.receives_in_flight()
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError> {
         let got = self.0.receive(max, ctx).await?;
         Ok(got
