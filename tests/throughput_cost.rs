@@ -17,7 +17,7 @@
 //! checkpoint in the middle (full-page images on the next write of each page) falls on both;
 //! a measurement that saw full-page images is repeated, up to three times.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName, RetryPolicy};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
