@@ -9,6 +9,8 @@
 //! - [`store`]: fresh PostgreSQL schemas and SQLite files, names, leases, the shared store suite's
 //!   backend trait;
 //! - [`wait`]: the one polling loop (`wait_for`, `eventually`);
+//! - [`process`]: child processes (the test binary re-executed as a worker, signals, built
+//!   examples); [`tree`]: the repository's files, for the layout tests;
 //! - [`receiver`] (feature `receiver`): an HTTP receiver that judges epochs with the ledger;
 //! - [`sqs`] (feature `sqs`), [`redis`] (feature `redis`), [`zombie`] (feature `http`): per
 //!   backend. The root package's features of the same names turn these on for its tests.
