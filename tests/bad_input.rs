@@ -8,7 +8,7 @@
 //! key field, an entry without a body) are in those adapters' own tests; this file covers what
 //! every source must do alike.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -430,25 +430,11 @@ mod sqs_sweep {
     use super::*;
     use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
     use brokerfence::adapters::sqs::aws_sdk_sqs::primitives::Blob;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
-    use brokerfence::adapters::sqs::{KeyStrategy, REASON_ATTRIBUTE, SqsConfig, SqsSource, aws_config, http_client};
+    use brokerfence::adapters::sqs::aws_sdk_sqs::types::MessageAttributeValue;
+    use brokerfence::adapters::sqs::{KeyStrategy, REASON_ATTRIBUTE, SqsConfig, SqsSource};
+    use brokerfence_testkit::sqs::{TestQueue, sqs};
 
     const KEY: &str = "job-key";
-
-    async fn client() -> Client {
-        let var = |n: &str| brokerfence_testkit::services::var(n);
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
-        if let Some(endpoint) = var("AWS_ENDPOINT_URL_SQS") {
-            loader = loader.endpoint_url(endpoint);
-        }
-        loader = loader.region(aws_config::Region::new(var("AWS_REGION").unwrap_or_else(|| "us-east-1".into())));
-        if let (Some(id), Some(secret)) = (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
-            let creds =
-                brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "test");
-            loader = loader.credentials_provider(creds);
-        }
-        Client::new(&loader.load().await)
-    }
 
     fn string_attr(v: &str) -> MessageAttributeValue {
         MessageAttributeValue::builder().data_type("String").string_value(v).build().expect("attribute")
@@ -464,36 +450,12 @@ mod sqs_sweep {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sqs_sweep() {
-        let client = client().await;
+        let client = sqs().await;
         let fence = common::pg().await;
         let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
-        let name = common::unique("sweep");
-        let dlq = client.create_queue().queue_name(format!("{name}-dlq")).send().await.expect("create dlq");
-        let dlq = dlq.queue_url().expect("url").to_owned();
-        let arn = client
-            .get_queue_attributes()
-            .queue_url(&dlq)
-            .attribute_names(QueueAttributeName::QueueArn)
-            .send()
-            .await
-            .expect("arn")
-            .attributes()
-            .and_then(|a| a.get(&QueueAttributeName::QueueArn).cloned())
-            .expect("arn");
-        let url = client
-            .create_queue()
-            .queue_name(&name)
-            .attributes(QueueAttributeName::VisibilityTimeout, "5")
-            .attributes(
-                QueueAttributeName::RedrivePolicy,
-                format!("{{\"deadLetterTargetArn\":\"{arn}\",\"maxReceiveCount\":\"5\"}}"),
-            )
-            .send()
-            .await
-            .expect("create queue")
-            .queue_url()
-            .expect("url")
-            .to_owned();
+        let test_queue = TestQueue::with_dlq(&client, "sweep", 5, 5).await;
+        let (name, url) = (test_queue.name.clone(), test_queue.url.clone());
+        let dlq = test_queue.dlq.clone().expect("the queue has a DLQ");
 
         // Strange keys (SQS allows any text but control characters other than tab, CR, LF).
         let good: Vec<(String, usize)> = strange_keys().into_iter().enumerate().map(|(i, k)| (k, i)).collect();
@@ -583,12 +545,8 @@ mod sqs_sweep {
             assert!(reason.contains(want), "{id}: {reason:?} should say {want:?}");
         }
         assert_eq!(reasons.len(), bad.len() + bad_keys.len(), "{reasons:?}");
-        for u in [&url, &dlq] {
-            let _ = client.delete_queue().queue_url(u).send().await;
-        }
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.schema().as_str())))
-            .execute(fence.pool())
-            .await;
+        test_queue.delete(&client).await;
+        common::drop_schema(&fence).await;
     }
 }
 

@@ -5,9 +5,9 @@
 //! logs without colour codes when stderr is a pipe. Real PostgreSQL (a fresh schema per test) and
 //! real Redis.
 
-mod common;
 #[cfg(feature = "sqs")]
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
+use brokerfence_testkit::store as common;
 
 mod edges {
     use std::path::PathBuf;

@@ -13,7 +13,7 @@
 //! Run with `cargo test --workspace --all-features edges`.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+use brokerfence_testkit::redis as redis_support;
 
 mod edges {
     use std::sync::Arc;

@@ -2,9 +2,9 @@
 //! (§2 bullet 2), bounded memory while a broker hangs (§2 bullet 4), and dead letters counted only
 //! when they moved (§3 bullet 4). Real PostgreSQL (and SQLite where the store does not matter).
 
-mod common;
 #[cfg(feature = "sqs")]
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
+use brokerfence_testkit::store as common;
 
 mod edges {
     use std::collections::HashMap;

@@ -3,7 +3,7 @@
 //! retrofit's heartbeat hook (§4). Each test has its own queue(s) and PostgreSQL schema.
 #![cfg(feature = "sqs")]
 
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
 
 mod edges {
     use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! (§1 bullet 5), SQLite's durable default (§2 bullet 3), and failures counted apart from claims
 //! (§3 bullet 3). Real PostgreSQL (a fresh schema per test) and real SQLite files.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 mod edges {
     use std::time::{Duration, Instant};

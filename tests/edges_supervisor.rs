@@ -4,7 +4,7 @@
 //! (`fence::supervisor::edges`); these show them on the production backend, each test on its own
 //! schema.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 mod edges {
     use std::sync::Arc;

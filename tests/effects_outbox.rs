@@ -15,8 +15,8 @@
 //! [`effects_process_entry`]): they run `examples/outbox_relay.rs`, compiled into the test, so the
 //! test never runs a stale example binary.
 
-mod redis_support;
-mod sqs_support;
+use brokerfence_testkit::redis as redis_support;
+use brokerfence_testkit::sqs as sqs_support;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -43,8 +43,7 @@ const PROCESS_ENV: &str = "BROKERFENCE_OUTBOX_PROCESS_ARGS";
 /// Not a test: the entry point of the worker and relay processes. In a normal run it returns.
 #[test]
 fn effects_process_entry() {
-    if let Ok(args) = std::env::var(PROCESS_ENV) {
-        let args: Vec<String> = args.split('\u{1f}').map(str::to_owned).collect();
+    if let Some(args) = brokerfence_testkit::process::reexec_args(PROCESS_ENV) {
         std::process::exit(outbox_relay::run(args));
     }
 }
@@ -61,19 +60,11 @@ struct Proc {
 
 impl Proc {
     fn spawn(label: &str, args: &[String]) -> Proc {
-        let exe = std::env::current_exe().expect("current exe");
-        let mut child = tokio::process::Command::new(exe)
-            .args(["effects_process_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(PROCESS_ENV, args.join("\u{1f}"))
-            .envs(sqs_support::aws().child_env())
-            .env("REDIS_URL", redis_support::redis_url())
-            .env("RUST_LOG", std::env::var("WORKER_LOG").unwrap_or_else(|_| "warn".into()))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn example process");
-        let pid = i32::try_from(child.id().expect("pid")).expect("pid fits");
+        let mut cmd = brokerfence_testkit::process::reexec("effects_process_entry", PROCESS_ENV, args);
+        cmd.envs(sqs_support::aws().child_env()).env("REDIS_URL", redis_support::redis_url());
+        cmd.env("RUST_LOG", std::env::var("WORKER_LOG").unwrap_or_else(|_| "warn".into()));
+        let (mut child, pid) =
+            brokerfence_testkit::process::spawn(cmd.stderr(std::process::Stdio::inherit()), "example");
         let events = Arc::new(Mutex::new(Vec::new()));
         let stdout = child.stdout.take().expect("stdout");
         let sink = Arc::clone(&events);

@@ -11,9 +11,9 @@
 //!
 //! Run: `cargo test --all-features --test effects_own_tx` (PostgreSQL from `localstack/up`).
 
-mod common;
 #[cfg(feature = "sqs")]
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
+use brokerfence_testkit::store as common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -13,7 +13,7 @@
 //! Real PostgreSQL (`localstack/up`), one fresh schema per test.
 #![cfg(feature = "http")]
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

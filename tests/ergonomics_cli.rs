@@ -4,7 +4,7 @@
 //! test name contains `ergonomics` (`cargo test --workspace --all-features ergonomics`).
 #![cfg(feature = "cli")]
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -10,12 +10,11 @@
 //! `cargo test --workspace --all-features ergonomics`.
 #![cfg(feature = "metrics")]
 
-mod common;
 #[cfg(feature = "sqs")]
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
+use brokerfence_testkit::store as common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,22 +24,11 @@ use brokerfence::fence::{
     Claim, FenceStore, JobContext, JobKey, LeaseDuration, LossReason, Metrics, Outcome, Owner, QueueName, Supervisor,
     SupervisorConfig,
 };
+use brokerfence_testkit::process::built_example;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 // ------------------------------------------------------------------------------ a worker process
-
-/// `target/<profile>/examples/<name>` (built by `cargo test --workspace --all-features`).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut candidates: Vec<PathBuf> = exe.ancestors().skip(1).take(3).map(|d| d.join("examples").join(name)).collect();
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        candidates.push(PathBuf::from(dir).join("debug").join("examples").join(name));
-    }
-    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
-        panic!("example {name} not built (looked at {candidates:?}): run cargo test --workspace --all-features")
-    })
-}
 
 /// A running example whose stdout lines are collected (stderr is inherited: the test's output).
 struct Proc {
@@ -55,7 +43,7 @@ impl Proc {
 
     /// [`spawn`](Self::spawn) with more environment variables.
     fn spawn_with(name: &str, args: &[&str], env: &[(&str, String)]) -> Proc {
-        let mut child = tokio::process::Command::new(example(name))
+        let mut child = tokio::process::Command::new(built_example(name))
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("NO_COLOR", "1")
@@ -304,7 +292,8 @@ async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
     let queue = common::unique("metrics");
     let n = N.to_string();
     let produce = ["--database-url", &url, "--schema", &schema, "--queue", &queue, "--count", &n, "--migrate"];
-    let out = tokio::process::Command::new(example("table_produce")).args(produce).output().await.expect("produce");
+    let out =
+        tokio::process::Command::new(built_example("table_produce")).args(produce).output().await.expect("produce");
     assert!(out.status.success(), "table_produce: {}", String::from_utf8_lossy(&out.stderr));
 
     let delay = DELAY_MS.to_string();
@@ -348,7 +337,7 @@ async fn ergonomics_metrics_scrape_of_a_redis_worker_matches_its_run() {
     let metrics_url = endpoint(&worker).await;
     worker.wait(Duration::from_secs(30), "ready", |p| !p.events("ready").is_empty()).await;
     let n = N.to_string();
-    let out = tokio::process::Command::new(example("redis_produce"))
+    let out = tokio::process::Command::new(built_example("redis_produce"))
         .args(["--stream", &stream, "--count", &n, "--redis-url", &redis_url])
         .output()
         .await
@@ -374,7 +363,7 @@ async fn ergonomics_metrics_scrape_of_a_redis_worker_matches_its_run() {
 async fn ergonomics_metrics_addr_that_cannot_bind_fails_at_start() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = taken.local_addr().expect("addr").to_string();
-    let out = tokio::process::Command::new(example("table_worker"))
+    let out = tokio::process::Command::new(built_example("table_worker"))
         .args(["--queue", "q", "--database-url", &common::database_url(), "--metrics-addr", &addr])
         .env("NO_COLOR", "1")
         .output()

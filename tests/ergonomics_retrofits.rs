@@ -14,9 +14,9 @@
 //!
 //! Run: `cargo test --all-features --test ergonomics_retrofits` (services from `localstack/up`).
 
-mod common;
 #[cfg(feature = "sqs")]
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
+use brokerfence_testkit::store as common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -386,7 +386,7 @@ async fn ergonomics_consumer_runs_until_a_plain_future_sqlite() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics = consumer.metrics();
     let watcher = tokio::spawn(async move {
-        common::wait_for_completions(&metrics, 3, Duration::from_secs(20)).await;
+        brokerfence_testkit::wait::wait_for_completions(&metrics, 3, Duration::from_secs(20)).await;
         let _ = stop.send(());
     });
     let run = consumer.run_until(|ctx| async move { Ok(format!("{} done", ctx.key())) }, async {

@@ -9,29 +9,15 @@
 //! `localstack/up`; the example is built by `cargo test` with the `tower` feature).
 #![cfg(feature = "tower")]
 
-mod common;
+use brokerfence_testkit::store as common;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use brokerfence::fence::{FenceStore, JobState, QueueName};
+use brokerfence_testkit::process::built_example;
 use tokio::io::{AsyncBufReadExt, BufReader};
-
-/// `target/<profile>/examples/<name>`, next to this test binary's `deps` directory.
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut candidates: Vec<PathBuf> = exe.ancestors().skip(1).take(3).map(|d| d.join("examples").join(name)).collect();
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        candidates.push(PathBuf::from(dir).join("debug").join("examples").join(name));
-    }
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .unwrap_or_else(|| panic!("example {name} not built (looked at {candidates:?}): run cargo test --all-features"))
-}
 
 /// The value of `name=` in an `EVENT` line (quoted values unescaped for `\"` and `\\` only).
 fn field(line: &str, name: &str) -> Option<String> {
@@ -88,7 +74,7 @@ async fn ergonomics_tower_worker_times_out_retries_and_buries_a_slow_job() {
         "--grace",
         "1000",
     ];
-    let mut child = tokio::process::Command::new(example("tower_worker"))
+    let mut child = tokio::process::Command::new(built_example("tower_worker"))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -11,27 +11,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use brokerfence_testkit::tree::rust_files;
+
 /// Sibling module → the sibling modules it uses.
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
 /// The adapters crate's sources.
 fn adapters_src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("adapters").join("src")
-}
-
-fn rs_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rs_files(&path, out);
-        } else if path.extension().is_some_and(|x| x == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 /// Every module directory below the crate root (relative paths such as `sqs`, `redis/list`).
@@ -56,8 +43,7 @@ fn module_dirs(root: &Path) -> Vec<PathBuf> {
 /// The files of directory `dir` (relative to `root`) by sibling module, each with how many
 /// `super::` lead from it to `dir`: (module, depth, text).
 fn siblings(root: &Path, dir: &Path) -> Vec<(String, usize, String)> {
-    let mut files = Vec::new();
-    rs_files(&root.join(dir), &mut files);
+    let files = rust_files(&root.join(dir));
     let mut out = Vec::new();
     for file in files {
         let rel = file.strip_prefix(root.join(dir)).expect("below the directory");

@@ -10,7 +10,7 @@
 //! (a superuser, or a role with `CREATEROLE` and `CREATE` on the database); the grants are in
 //! [`APP_GRANTS`].
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -253,7 +253,7 @@ async fn scenario(roles: &Roles) {
                 .await
         }
     });
-    common::wait_for_completions(&metrics, 52, Duration::from_secs(20)).await;
+    brokerfence_testkit::wait::wait_for_completions(&metrics, 52, Duration::from_secs(20)).await;
     stop.cancel();
     run.await.expect("join").expect("consumer ran without errors");
     let m = metrics.snapshot();

@@ -5,9 +5,9 @@
 //!
 //! Run them all with `cargo test --workspace --all-features onboarding`.
 
-mod common;
 #[cfg(feature = "sqs")]
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
+use brokerfence_testkit::store as common;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

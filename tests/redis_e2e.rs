@@ -4,7 +4,7 @@
 //! Every test has its own keys and its own PostgreSQL schema, so they run in parallel.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+use brokerfence_testkit::redis as redis_support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

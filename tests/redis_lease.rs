@@ -4,7 +4,7 @@
 //! and one script call per heartbeat tick for all of a worker's in-flight jobs.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+use brokerfence_testkit::redis as redis_support;
 
 use std::sync::Arc;
 use std::time::Duration;

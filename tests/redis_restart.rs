@@ -6,7 +6,7 @@
 //! the fence. Nothing is committed twice and nothing is lost.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+use brokerfence_testkit::redis as redis_support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

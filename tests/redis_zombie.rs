@@ -14,7 +14,7 @@
 //! it has been idle past the visibility hint, gets epoch 2 from the database, and commits.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+use brokerfence_testkit::redis as redis_support;
 
 #[allow(dead_code)]
 #[path = "../examples/redis_worker.rs"]
@@ -32,6 +32,7 @@ use brokerfence::adapters::redis::client;
 use brokerfence::adapters::redis::{KeyFrom, StreamSource, lease_key};
 use brokerfence::fence::wire::FenceStamp;
 use brokerfence::fence::{JobContext, JobError, JobKey, JobState, Ledger, PgLedger, QueueName, Verdict};
+use brokerfence_testkit::process::signal;
 use redis_support::*;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::Notify;
@@ -45,8 +46,7 @@ const NEW_OWNER: &str = "new-owner";
 /// Not a test: the entry point of the worker process. In a normal test run it returns at once.
 #[test]
 fn worker_entry() {
-    if let Ok(args) = std::env::var(WORKER_ENV) {
-        let args: Vec<String> = args.split('\u{1f}').map(str::to_owned).collect();
+    if let Some(args) = brokerfence_testkit::process::reexec_args(WORKER_ENV) {
         std::process::exit(redis_worker::run(args));
     }
 }
@@ -68,12 +68,6 @@ struct Rx {
     new_owner_accepted: Notify,
     calls: Calls,
     effects: Mutex<Vec<(i64, String)>>,
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: a plain syscall on our own child's pid.
-    let rc = unsafe { libc::kill(pid, sig) };
-    assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
 }
 
 async fn apply(State(rx): State<Arc<Rx>>, headers: HeaderMap, body: String) -> (StatusCode, String) {
@@ -129,17 +123,9 @@ struct Worker {
 
 impl Worker {
     fn spawn(args: &[String]) -> Worker {
-        let exe = std::env::current_exe().expect("current exe");
-        let mut child = tokio::process::Command::new(exe)
-            .args(["worker_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(WORKER_ENV, args.join("\u{1f}"))
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn the worker process");
-        let pid = i32::try_from(child.id().expect("pid")).expect("pid fits");
+        let mut cmd = brokerfence_testkit::process::reexec("worker_entry", WORKER_ENV, args);
+        cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()));
+        let (mut child, pid) = brokerfence_testkit::process::spawn(cmd.stderr(std::process::Stdio::piped()), "worker");
         let lines = Arc::new(Mutex::new(Vec::new()));
         let stdout = child.stdout.take().expect("stdout");
         let stderr = child.stderr.take().expect("stderr");

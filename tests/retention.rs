@@ -6,7 +6,7 @@
 //! Rows are aged by moving their `updated_at` back (the database clock is what pruning reads):
 //! a test never waits days.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -450,7 +450,7 @@ async fn background_pruner<S: Aged>(s: S) {
         assert!(tokio::time::Instant::now() < deadline, "the background pruner did not prune");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    common::wait_for_completions(&metrics, 5, Duration::from_secs(15)).await;
+    brokerfence_testkit::wait::wait_for_completions(&metrics, 5, Duration::from_secs(15)).await;
     stop.cancel();
     run.await.unwrap().unwrap();
     // The consumer's own fresh completions are younger than the age: kept.

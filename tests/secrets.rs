@@ -8,7 +8,7 @@
 //! PostgreSQL connections from 127.0.0.1 are trust-authenticated here, so any password is
 //! accepted: the tests give a fresh role a password and connect with it in the URL.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -458,7 +458,7 @@ async fn aws_secret_key_never_appears_in_logs_or_debug() {
     let source = SqsSource::new(client.clone(), config.clone());
     let debug = format!("{sdk:?} {client:?} {config:?} {source:?}");
     let (metrics, stop, run) = echo_consumer(source, Arc::clone(&store));
-    common::wait_for_completions(&metrics, 3, Duration::from_secs(30)).await;
+    brokerfence_testkit::wait::wait_for_completions(&metrics, 3, Duration::from_secs(30)).await;
     stop.cancel();
     run.await.expect("join").expect("run");
     let retrofit = SqsRetrofit::new(
@@ -530,7 +530,7 @@ async fn redis_password_never_appears_in_logs_debug_or_errors() {
         .block(Duration::from_millis(200));
     let mut debug = format!("{client:?} {conns:?} {source:?} {:?}", LeaseKeys::new(conns.commands(), "orders"));
     let (metrics, stop, run) = echo_consumer(source, Arc::clone(&store));
-    common::wait_for_completions(&metrics, 3, Duration::from_secs(20)).await;
+    brokerfence_testkit::wait::wait_for_completions(&metrics, 3, Duration::from_secs(20)).await;
     // The server goes away mid-run: reconnect attempts log errors, none with the password.
     let _ = server.start_kill();
     let _ = server.wait().await;

@@ -3,7 +3,7 @@
 //! `sqs_worker` example, driven by its `EVENT` lines and stopped with real signals.
 #![cfg(feature = "sqs")]
 
-mod sqs_support;
+use brokerfence_testkit::sqs as sqs_support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

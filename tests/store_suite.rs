@@ -4,7 +4,7 @@
 //! PostgreSQL comes from `DATABASE_URL` or `localstack/.env`; without it the PostgreSQL tests fail
 //! and say to run `localstack/up`.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;

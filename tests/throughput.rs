@@ -8,7 +8,7 @@
 //! so the only plan left is the scan of `jobs_due` in `run_at` order that stops after the rows it
 //! claims.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -159,7 +159,7 @@ async fn default_asks(concurrency: usize, jobs: usize) -> (usize, f64, usize) {
                 .await
         })
     };
-    common::wait_for_completions(&metrics, jobs as u64, Duration::from_secs(60)).await;
+    brokerfence_testkit::wait::wait_for_completions(&metrics, jobs as u64, Duration::from_secs(60)).await;
     stop.cancel();
     run.await.unwrap().unwrap();
     let receives = receives.lock().unwrap().clone();

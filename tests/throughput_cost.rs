@@ -2,7 +2,7 @@
 //!
 //! The workload of the table queue: jobs enqueued first, then drained by `claim_next` in batches
 //! of ten, each batch committed by one `complete_batch`. The plain loop is the one of
-//! `examples/bench/defaults.rs` (`plain`): one UPDATE claims ten pending rows, one UPDATE marks
+//! `bench/src/bench/defaults.rs` (`plain`): one UPDATE claims ten pending rows, one UPDATE marks
 //! them done.
 //!
 //! How WAL is measured: per statement, with `EXPLAIN (ANALYZE, WAL)`, which reports the WAL
@@ -17,7 +17,7 @@
 //! checkpoint in the middle (full-page images on the next write of each page) falls on both;
 //! a measurement that saw full-page images is repeated, up to three times.
 
-mod common;
+use brokerfence_testkit::store as common;
 
 use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName, RetryPolicy};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};

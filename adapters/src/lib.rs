@@ -17,6 +17,7 @@
 #[cfg(not(any(feature = "postgres", feature = "sqlite")))]
 compile_error!("brokerfence: enable a backend feature, `postgres` or `sqlite` (both are on by default)");
 
+mod builder;
 mod disposition;
 mod handler;
 mod middleware;

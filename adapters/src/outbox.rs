@@ -31,6 +31,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::builder::{debug_some, setters};
 use async_trait::async_trait;
 use fence::{FenceError, OutboxRow, PgFence};
 use tokio_util::sync::CancellationToken;
@@ -131,29 +132,23 @@ impl Default for RelayConfig {
 }
 
 impl RelayConfig {
-    /// Rows per round (default 100, at least 1).
-    pub fn batch(mut self, n: u32) -> Self {
-        self.batch = n.max(1);
-        self
+    setters! {
+        /// Rows per round (default 100, at least 1).
+        pub fn batch(n: u32) { batch = n.max(1) }
     }
     /// Rows per round.
     pub fn batch_size(&self) -> u32 {
         self.batch
     }
-    /// Pause after a round that found fewer rows than a batch (default 200 ms).
-    pub fn idle_wait(mut self, d: Duration) -> Self {
-        self.idle_wait = d;
-        self
-    }
-    /// Bound of each database call: begin, claim, mark, commit (default 5 s).
-    pub fn db_timeout(mut self, d: Duration) -> Self {
-        self.db_timeout = d.max(Duration::from_millis(1));
-        self
-    }
-    /// Bound of each publisher call (default 10 s). The claimed rows stay locked meanwhile.
-    pub fn publish_timeout(mut self, d: Duration) -> Self {
-        self.publish_timeout = d.max(Duration::from_millis(1));
-        self
+    setters! {
+        /// Pause after a round that found fewer rows than a batch (default 200 ms).
+        pub fn idle_wait(d: Duration) { idle_wait = d }
+
+        /// Bound of each database call: begin, claim, mark, commit (default 5 s).
+        pub fn db_timeout(d: Duration) { db_timeout = d.max(Duration::from_millis(1)) }
+
+        /// Bound of each publisher call (default 10 s). The claimed rows stay locked meanwhile.
+        pub fn publish_timeout(d: Duration) { publish_timeout = d.max(Duration::from_millis(1)) }
     }
     /// Backoff after a failed round: from `min` doubling up to `max`, with jitter; every pause
     /// lies between `min` and `max` (default 100 ms .. 5 s).
@@ -224,11 +219,7 @@ pub struct OutboxRelay {
 
 impl std::fmt::Debug for OutboxRelay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OutboxRelay")
-            .field("fence", &self.fence)
-            .field("publishers", &self.publishers.len())
-            .field("config", &self.config)
-            .finish_non_exhaustive()
+        debug_some!(f, self: "OutboxRelay" { fence, publishers = self.publishers.len(), config })
     }
 }
 
@@ -256,10 +247,9 @@ impl OutboxRelay {
         self
     }
 
-    /// Calls `observer` after every committed round.
-    pub fn observe(mut self, observer: RoundObserver) -> Self {
-        self.observer = Some(observer);
-        self
+    setters! {
+        /// Calls `observer` after every committed round.
+        pub fn observe(observer: RoundObserver) { observer = Some(observer) }
     }
 
     /// One round: claim, publish, mark the accepted rows sent, commit. An `Err` marked nothing:

@@ -8,6 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use fence::{FenceStore, QueueName};
 
+use crate::builder::setters;
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
 
@@ -45,10 +46,9 @@ impl TableQueue {
         Self { store, queue, idle_wait: Duration::from_millis(100) }
     }
 
-    /// How long to wait before asking again when nothing was due.
-    pub fn idle_wait(mut self, wait: Duration) -> Self {
-        self.idle_wait = wait;
-        self
+    setters! {
+        /// How long to wait before asking again when nothing was due.
+        pub fn idle_wait(wait: Duration) { idle_wait = wait }
     }
 }
 

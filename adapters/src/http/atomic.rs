@@ -123,6 +123,7 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 use tracing::Instrument;
 
 use super::{AcceptedStamp, json, stale_response, stamp_error_response, stamp_from_headers, unavailable_response};
+use crate::builder::setters;
 
 type Tx = Transaction<'static, Postgres>;
 
@@ -174,29 +175,25 @@ impl AtomicEpochGuard {
         Self { ledger, db_timeout: DEFAULT_DB_TIMEOUT, handler_timeout: DEFAULT_HANDLER_TIMEOUT }
     }
 
-    /// Another limit for each database step ([`DEFAULT_DB_TIMEOUT`]; at least 1 ms).
-    ///
-    /// ```no_run
-    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
-    /// let guard = guard.with_db_timeout(std::time::Duration::from_secs(2));
-    /// # }
-    /// ```
-    pub fn with_db_timeout(mut self, limit: Duration) -> Self {
-        self.db_timeout = limit.max(Duration::from_millis(1));
-        self
-    }
+    setters! {
+        /// Another limit for each database step ([`DEFAULT_DB_TIMEOUT`]; at least 1 ms).
+        ///
+        /// ```no_run
+        /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
+        /// let guard = guard.with_db_timeout(std::time::Duration::from_secs(2));
+        /// # }
+        /// ```
+        pub fn with_db_timeout(limit: Duration) { db_timeout = limit.max(Duration::from_millis(1)) }
 
-    /// Another limit for the handler ([`DEFAULT_HANDLER_TIMEOUT`]; at least 1 ms). The ledger row
-    /// of the job stays locked while the handler runs: newer epochs wait.
-    ///
-    /// ```no_run
-    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
-    /// let guard = guard.with_handler_timeout(std::time::Duration::from_secs(5));
-    /// # }
-    /// ```
-    pub fn with_handler_timeout(mut self, limit: Duration) -> Self {
-        self.handler_timeout = limit.max(Duration::from_millis(1));
-        self
+        /// Another limit for the handler ([`DEFAULT_HANDLER_TIMEOUT`]; at least 1 ms). The ledger row
+        /// of the job stays locked while the handler runs: newer epochs wait.
+        ///
+        /// ```no_run
+        /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
+        /// let guard = guard.with_handler_timeout(std::time::Duration::from_secs(5));
+        /// # }
+        /// ```
+        pub fn with_handler_timeout(limit: Duration) { handler_timeout = limit.max(Duration::from_millis(1)) }
     }
 
     /// The ledger.

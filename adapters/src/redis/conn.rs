@@ -11,6 +11,7 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::error::RedisError;
+use crate::builder::setters;
 
 /// How long this adapter waits for Redis.
 ///
@@ -62,22 +63,15 @@ impl Default for RedisTimeouts {
 }
 
 impl RedisTimeouts {
-    /// The connection timeout (default 2 s, at least 1 ms).
-    pub fn connect(mut self, timeout: Duration) -> Self {
-        self.connect = timeout.max(Duration::from_millis(1));
-        self
-    }
+    setters! {
+        /// The connection timeout (default 2 s, at least 1 ms).
+        pub fn connect(timeout: Duration) { connect = timeout.max(Duration::from_millis(1)) }
 
-    /// The response timeout of short commands (default 2 s, at least 1 ms).
-    pub fn response(mut self, timeout: Duration) -> Self {
-        self.response = timeout.max(Duration::from_millis(1));
-        self
-    }
+        /// The response timeout of short commands (default 2 s, at least 1 ms).
+        pub fn response(timeout: Duration) { response = timeout.max(Duration::from_millis(1)) }
 
-    /// How much longer than its block time a blocking read may take (default 1 s).
-    pub fn block_margin(mut self, margin: Duration) -> Self {
-        self.block_margin = margin;
-        self
+        /// How much longer than its block time a blocking read may take (default 1 s).
+        pub fn block_margin(margin: Duration) { block_margin = margin }
     }
 
     /// The connection timeout.
@@ -236,10 +230,9 @@ impl RedisConnections {
         Self { commands, blocking, timeouts: RedisTimeouts::default() }
     }
 
-    /// The timeouts the sources built on these connections apply.
-    pub fn with_timeouts(mut self, timeouts: RedisTimeouts) -> Self {
-        self.timeouts = timeouts;
-        self
+    setters! {
+        /// The timeouts the sources built on these connections apply.
+        pub fn with_timeouts(timeouts: RedisTimeouts) { timeouts = timeouts }
     }
 
     /// The timeouts.

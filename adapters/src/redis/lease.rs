@@ -9,7 +9,7 @@ use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
 use fence::{JobKey, Lease, LeaseHook, Owner, QueueName};
 
-use super::conn::{RedisTimeouts, bounded, bounded_op};
+use super::conn::{RedisConnections, RedisTimeouts, bounded, bounded_op};
 use super::error::RedisError;
 use super::keys;
 use super::reply;
@@ -93,6 +93,12 @@ impl LeaseKeys {
             timeout_ms: Arc::new(AtomicU64::new(timeout)),
             held: Arc::new(Mutex::new(HashMap::new())),
         }
+    }
+
+    /// The lease keys of a source on `conns`, anchored on `anchor` (the key it reads) and bounded
+    /// by the connections' response timeout.
+    pub(crate) fn of_source(conns: &RedisConnections, anchor: &str) -> Self {
+        Self::new(conns.commands(), anchor).with_timeout(conns.timeouts().response_timeout())
     }
 
     /// Sets the response timeout of every call (default 2 s, the default

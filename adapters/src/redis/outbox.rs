@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use fence::OutboxRow;
 
 use super::conn::{RedisConnections, bounded};
+use crate::builder::setters;
 use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 
 /// Publishes outbox rows to Redis streams: one `XADD` per row, all rows of a call in one
@@ -48,10 +49,9 @@ impl RedisPublisher {
         self
     }
 
-    /// The field that carries the payload (default `body`).
-    pub fn body_field(mut self, field: impl Into<String>) -> Self {
-        self.body_field = field.into();
-        self
+    setters! {
+        /// The field that carries the payload (default `body`).
+        pub fn body_field(field: impl Into<String>) { body_field = field.into() }
     }
 
     fn limit(&self) -> Duration {

@@ -10,6 +10,7 @@ use fence::{QueueName, RetryPolicy};
 
 use super::error::SqsError;
 use super::key::KeyStrategy;
+use crate::builder::setters;
 
 /// Longest visibility timeout SQS accepts (12 hours).
 pub const MAX_VISIBILITY: Duration = Duration::from_secs(43_200);
@@ -58,29 +59,16 @@ pub struct SqsTimeouts {
     operation: Duration,
 }
 
-impl Default for SqsTimeouts {
-    fn default() -> Self {
-        Self { connect: Duration::from_secs(3), attempt: Duration::from_secs(25), operation: Duration::from_secs(60) }
-    }
-}
-
 impl SqsTimeouts {
-    /// Connect timeout.
-    pub fn connect(mut self, d: Duration) -> Self {
-        self.connect = d;
-        self
-    }
+    setters! {
+        /// Connect timeout.
+        pub fn connect(d: Duration) { connect = d }
 
-    /// Timeout of one attempt of an operation (keep it above the receive wait time).
-    pub fn attempt(mut self, d: Duration) -> Self {
-        self.attempt = d;
-        self
-    }
+        /// Timeout of one attempt of an operation (keep it above the receive wait time).
+        pub fn attempt(d: Duration) { attempt = d }
 
-    /// Timeout of a whole operation, retries included.
-    pub fn operation(mut self, d: Duration) -> Self {
-        self.operation = d;
-        self
+        /// Timeout of a whole operation, retries included.
+        pub fn operation(d: Duration) { operation = d }
     }
 
     /// The SDK's timeout configuration for these values.
@@ -90,6 +78,12 @@ impl SqsTimeouts {
             .operation_attempt_timeout(self.attempt)
             .operation_timeout(self.operation)
             .build()
+    }
+}
+
+impl Default for SqsTimeouts {
+    fn default() -> Self {
+        Self { connect: Duration::from_secs(3), attempt: Duration::from_secs(25), operation: Duration::from_secs(60) }
     }
 }
 
@@ -250,104 +244,78 @@ impl SqsConfig {
         })
     }
 
-    /// How the job key of a message is chosen.
-    pub fn key(mut self, key: KeyStrategy) -> Self {
-        self.key = key;
-        self
-    }
+    setters! {
+        /// How the job key of a message is chosen.
+        pub fn key(key: KeyStrategy) { key = key }
 
-    /// The fence's queue name for these jobs (default: the SQS queue name). Jobs of two SQS queues
-    /// sharing a fence queue name share keys.
-    pub fn fence_queue_name(mut self, name: QueueName) -> Self {
-        self.fence_queue = name;
-        self
-    }
+        /// The fence's queue name for these jobs (default: the SQS queue name). Jobs of two SQS queues
+        /// sharing a fence queue name share keys.
+        pub fn fence_queue_name(name: QueueName) { fence_queue = name }
 
-    /// Long-poll wait per receive, at most 20 s (whole seconds; 0 = short polling).
-    pub fn wait_time(mut self, wait: Duration) -> Self {
-        self.wait_time = wait.min(MAX_WAIT);
-        self
-    }
+        /// Long-poll wait per receive, at most 20 s (whole seconds; 0 = short polling).
+        pub fn wait_time(wait: Duration) { wait_time = wait.min(MAX_WAIT) }
 
-    /// Visibility timeout asked for at receive. Default: the lease length, so the broker's hint
-    /// starts out equal to the database lease. Keep it no shorter than the lease: a receipt handle
-    /// is used only while the visibility set with it lasts (after that another receiver may hold
-    /// a newer one), so with a shorter one a message may be neither extended nor deleted through
-    /// this receive (its redelivery is settled instead).
-    pub fn visibility_timeout(mut self, visibility: Duration) -> Self {
-        self.visibility = Some(visibility.min(MAX_VISIBILITY));
-        self
-    }
+        /// Visibility timeout asked for at receive. Default: the lease length, so the broker's hint
+        /// starts out equal to the database lease. Keep it no shorter than the lease: a receipt handle
+        /// is used only while the visibility set with it lasts (after that another receiver may hold
+        /// a newer one), so with a shorter one a message may be neither extended nor deleted through
+        /// this receive (its redelivery is settled instead).
+        pub fn visibility_timeout(visibility: Duration) { visibility = Some(visibility.min(MAX_VISIBILITY)) }
 
-    /// Where dead-lettered messages go (default: the queue's RedrivePolicy target). A queue with
-    /// neither cannot dead-letter a message without a job key: name one here, e.g.
-    /// `SqsConfig::dead_letter(DeadLetterTarget::Queue(url))` (`sqs_worker --dead-letter-queue URL`).
-    ///
-    /// ```
-    /// use brokerfence::sqs::{DeadLetterTarget, SqsConfig};
-    /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
-    ///     .unwrap()
-    ///     .dead_letter(DeadLetterTarget::Queue("http://127.0.0.1:4566/000000000000/orders-dlq".into()));
-    /// # let _ = config;
-    /// ```
-    pub fn dead_letter(mut self, target: DeadLetterTarget) -> Self {
-        self.dead_letter = target;
-        self
-    }
+        /// Where dead-lettered messages go (default: the queue's RedrivePolicy target). A queue with
+        /// neither cannot dead-letter a message without a job key: name one here, e.g.
+        /// `SqsConfig::dead_letter(DeadLetterTarget::Queue(url))` (`sqs_worker --dead-letter-queue URL`).
+        ///
+        /// ```
+        /// use brokerfence::sqs::{DeadLetterTarget, SqsConfig};
+        /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
+        ///     .unwrap()
+        ///     .dead_letter(DeadLetterTarget::Queue("http://127.0.0.1:4566/000000000000/orders-dlq".into()));
+        /// # let _ = config;
+        /// ```
+        pub fn dead_letter(target: DeadLetterTarget) { dead_letter = target }
 
-    /// Read ahead (default off; standard queues only): while the queue has a backlog, the next
-    /// batch's `ReceiveMessage` calls are sent as soon as one batch is handed to the runtime, so
-    /// the next receive finds its messages already there. Up to one batch may then be in hand
-    /// beyond the consumer's concurrency; a message left waiting longer than half its visibility
-    /// timeout is given back unstarted, and
-    /// [`SqsSource::release_unstarted`](super::SqsSource::release_unstarted) gives back the rest at
-    /// shutdown. It hides the receive round trip; measure (`examples/bench_sqs.rs --read-ahead`)
-    /// before turning it on: with the runtime claiming in its own task the gain was within noise.
-    ///
-    /// ```
-    /// let config = brokerfence::sqs::SqsConfig::new("http://127.0.0.1:4566/000000000000/q").unwrap().read_ahead(true);
-    /// # let _ = config;
-    /// ```
-    pub fn read_ahead(mut self, on: bool) -> Self {
-        self.read_ahead = on;
-        self
-    }
+        /// Read ahead (default off; standard queues only): while the queue has a backlog, the next
+        /// batch's `ReceiveMessage` calls are sent as soon as one batch is handed to the runtime, so
+        /// the next receive finds its messages already there. Up to one batch may then be in hand
+        /// beyond the consumer's concurrency; a message left waiting longer than half its visibility
+        /// timeout is given back unstarted, and
+        /// [`SqsSource::release_unstarted`](super::SqsSource::release_unstarted) gives back the rest at
+        /// shutdown. It hides the receive round trip; measure (`bench_sqs --read-ahead`)
+        /// before turning it on: with the runtime claiming in its own task the gain was within noise.
+        ///
+        /// ```
+        /// let config = brokerfence::sqs::SqsConfig::new("http://127.0.0.1:4566/000000000000/q").unwrap().read_ahead(true);
+        /// # let _ = config;
+        /// ```
+        pub fn read_ahead(on: bool) { read_ahead = on }
 
-    /// The longest the source waits for one SQS call it makes on behalf of a lease (delete,
-    /// visibility change, dead-letter move; a receive gets its wait time on top). Default
-    /// [`DEFAULT_CALL_TIMEOUT`]. The visibility extensions that follow a heartbeat are bounded by
-    /// the smaller of this and a third of the lease time left. A call that runs out fails with
-    /// [`SqsError::Timeout`](super::SqsError::Timeout) (transient: the message comes back and
-    /// the fence deduplicates it).
-    pub fn call_timeout(mut self, d: Duration) -> Self {
-        self.call_timeout = d.max(Duration::from_millis(10));
-        self
-    }
+        /// The longest the source waits for one SQS call it makes on behalf of a lease (delete,
+        /// visibility change, dead-letter move; a receive gets its wait time on top). Default
+        /// [`DEFAULT_CALL_TIMEOUT`]. The visibility extensions that follow a heartbeat are bounded by
+        /// the smaller of this and a third of the lease time left. A call that runs out fails with
+        /// [`SqsError::Timeout`](super::SqsError::Timeout) (transient: the message comes back and
+        /// the fence deduplicates it).
+        pub fn call_timeout(d: Duration) { call_timeout = d.max(Duration::from_millis(10)) }
 
-    /// How the queue's RedrivePolicy `maxReceiveCount` is checked at the first receive, against
-    /// `retry` (the retry policy of the consumer's
-    /// [`SupervisorConfig`](fence::SupervisorConfig): pass the same one). Default: warn, against
-    /// [`RetryPolicy::default`]. The rule is in
-    /// [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count).
-    ///
-    /// ```
-    /// use brokerfence::sqs::{ReceiveCountCheck, SqsConfig};
-    /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
-    ///     .unwrap()
-    ///     .check_receive_count(brokerfence::RetryPolicy::default(), ReceiveCountCheck::Refuse);
-    /// # let _ = config;
-    /// ```
-    pub fn check_receive_count(mut self, retry: RetryPolicy, mode: ReceiveCountCheck) -> Self {
-        self.retry = retry;
-        self.receive_check = mode;
-        self
-    }
+        /// How the queue's RedrivePolicy `maxReceiveCount` is checked at the first receive, against
+        /// `retry` (the retry policy of the consumer's
+        /// [`SupervisorConfig`](fence::SupervisorConfig): pass the same one). Default: warn, against
+        /// [`RetryPolicy::default`]. The rule is in
+        /// [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count).
+        ///
+        /// ```
+        /// use brokerfence::sqs::{ReceiveCountCheck, SqsConfig};
+        /// let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")
+        ///     .unwrap()
+        ///     .check_receive_count(brokerfence::RetryPolicy::default(), ReceiveCountCheck::Refuse);
+        /// # let _ = config;
+        /// ```
+        pub fn check_receive_count(retry: RetryPolicy, mode: ReceiveCountCheck) { retry = retry; receive_check = mode }
 
-    /// Receives a job may take beyond one per attempt, for holds (another worker has the job)
-    /// and takeovers. Default [`DEFAULT_RECEIVE_HEADROOM`].
-    pub fn receive_headroom(mut self, n: u32) -> Self {
-        self.receive_headroom = n;
-        self
+        /// Receives a job may take beyond one per attempt, for holds (another worker has the job)
+        /// and takeovers. Default [`DEFAULT_RECEIVE_HEADROOM`].
+        pub fn receive_headroom(n: u32) { receive_headroom = n }
     }
 
     /// The queue URL.

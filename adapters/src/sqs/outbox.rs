@@ -10,6 +10,7 @@ use fence::OutboxRow;
 
 use super::config::is_fifo_url;
 use super::error::{SqsError, bounded, classify};
+use crate::builder::setters;
 use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 
 /// Publishes outbox rows to SQS queues, ten per `SendMessageBatch`.
@@ -51,10 +52,9 @@ impl SqsPublisher {
         self
     }
 
-    /// Bound of each `SendMessageBatch` call (default 10 s).
-    pub fn call_timeout(mut self, timeout: Duration) -> Self {
-        self.call_timeout = timeout.max(Duration::from_millis(1));
-        self
+    setters! {
+        /// Bound of each `SendMessageBatch` call (default 10 s).
+        pub fn call_timeout(timeout: Duration) { call_timeout = timeout.max(Duration::from_millis(1)) }
     }
 
     fn entry(row: &OutboxRow, fifo: bool) -> Result<SendMessageBatchRequestEntry, PublishError> {

@@ -19,6 +19,7 @@ use super::keys::sibling_key;
 use super::lease::LeaseKeys;
 use super::reply;
 use super::scripts::SCRIPTS;
+use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
 
@@ -91,23 +92,11 @@ pub struct ReliableList {
     processing: String,
     dead: String,
     item_key: ItemKey,
+    leases: LeaseKeys,
+    state: Mutex<ListState>,
     block: Duration,
     reap_every: Duration,
     reap_scan: usize,
-    leases: LeaseKeys,
-    state: Mutex<ListState>,
-}
-
-impl std::fmt::Debug for ReliableList {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReliableList")
-            .field("queue", &self.queue)
-            .field("list", &self.list)
-            .field("processing", &self.processing)
-            .field("dead", &self.dead)
-            .field("item_key", &self.item_key)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ReliableList {
@@ -126,7 +115,7 @@ impl ReliableList {
             return Err(RedisError::Config("list name must not be empty".into()));
         }
         Ok(Self {
-            leases: LeaseKeys::new(conns.commands(), list.clone()).with_timeout(conns.timeouts().response_timeout()),
+            leases: LeaseKeys::of_source(&conns, &list),
             processing: sibling_key(&list, ":processing"),
             dead: sibling_key(&list, ":dead"),
             conns,
@@ -140,30 +129,19 @@ impl ReliableList {
         })
     }
 
-    /// The processing list (default `{list}:processing`). Keep it in the queue's cluster slot.
-    pub fn processing(mut self, key: impl Into<String>) -> Self {
-        self.processing = key.into();
-        self
-    }
+    setters! {
+        /// The processing list (default `{list}:processing`). Keep it in the queue's cluster slot.
+        pub fn processing(key: impl Into<String>) { processing = key.into() }
 
-    /// The dead-letter stream (default `{list}:dead`).
-    pub fn dead_letter_stream(mut self, key: impl Into<String>) -> Self {
-        self.dead = key.into();
-        self
-    }
+        /// The dead-letter stream (default `{list}:dead`).
+        pub fn dead_letter_stream(key: impl Into<String>) { dead = key.into() }
 
-    /// How long one `BLMOVE` blocks when the queue is empty (default 2 s, at least 10 ms).
-    pub fn block(mut self, block: Duration) -> Self {
-        self.block = block.max(Duration::from_millis(10));
-        self
-    }
+        /// How long one `BLMOVE` blocks when the queue is empty (default 2 s, at least 10 ms).
+        pub fn block(block: Duration) { block = block.max(Duration::from_millis(10)) }
 
-    /// How often the reaper runs (default 1 s), and how many of the oldest processing items one
-    /// pass looks at (default 256).
-    pub fn reap_every(mut self, every: Duration, scan: usize) -> Self {
-        self.reap_every = every;
-        self.reap_scan = scan.max(1);
-        self
+        /// How often the reaper runs (default 1 s), and how many of the oldest processing items one
+        /// pass looks at (default 256).
+        pub fn reap_every(every: Duration, scan: usize) { reap_every = every; reap_scan = scan.max(1) }
     }
 
     /// The queue list.
@@ -261,6 +239,12 @@ impl ReliableList {
             items.extend(reply::bytes(v));
         }
         Ok(items)
+    }
+}
+
+impl std::fmt::Debug for ReliableList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        debug_some!(f, self: "ReliableList" { queue, list, processing, dead, item_key })
     }
 }
 

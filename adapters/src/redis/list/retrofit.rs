@@ -117,7 +117,7 @@ impl ListRetrofit {
     ) -> Self {
         let list = list.into();
         let retrofit = Retrofit::with_owner(store, queue, owner, config);
-        let leases = LeaseKeys::new(redis.commands(), list.clone()).with_timeout(redis.timeouts().response_timeout());
+        let leases = LeaseKeys::of_source(redis, &list);
         retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
         Self { retrofit, leases, item_key, redis: redis.clone(), dead: sibling_key(&list, ":dead"), list }
     }

@@ -15,6 +15,7 @@ use super::error::RedisError;
 use super::keys::sibling_key;
 use super::lease::LeaseKeys;
 use super::scripts::SCRIPTS;
+use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
 
@@ -113,13 +114,7 @@ pub struct StreamSource {
 
 impl std::fmt::Debug for StreamSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamSource")
-            .field("queue", &self.queue)
-            .field("stream", &self.stream)
-            .field("group", &self.group)
-            .field("dead", &self.dead)
-            .field("key_from", &self.key_from)
-            .finish_non_exhaustive()
+        debug_some!(f, self: "StreamSource" { queue, stream, group, dead, key_from })
     }
 }
 
@@ -136,7 +131,7 @@ impl StreamSource {
         if stream.is_empty() || group.is_empty() {
             return Err(RedisError::Config("stream and group names must not be empty".into()));
         }
-        let leases = LeaseKeys::new(conns.commands(), stream.clone()).with_timeout(conns.timeouts().response_timeout());
+        let leases = LeaseKeys::of_source(&conns, &stream);
         Ok(Self {
             dead: sibling_key(&stream, ":dead"),
             conns,
@@ -161,61 +156,39 @@ impl StreamSource {
         })
     }
 
-    /// Where job keys come from (default: the entry id).
-    pub fn key_from(mut self, key_from: KeyFrom) -> Self {
-        self.key_from = key_from;
-        self
-    }
+    setters! {
+        /// Where job keys come from (default: the entry id).
+        pub fn key_from(key_from: KeyFrom) { key_from = key_from }
 
-    /// The field holding the payload (default `body`).
-    pub fn body_field(mut self, field: impl Into<String>) -> Self {
-        self.body_field = field.into();
-        self
-    }
+        /// The field holding the payload (default `body`).
+        pub fn body_field(field: impl Into<String>) { body_field = field.into() }
 
-    /// The dead-letter stream (default `{stream}:dead`).
-    pub fn dead_letter_stream(mut self, key: impl Into<String>) -> Self {
-        self.dead = key.into();
-        self
-    }
+        /// The dead-letter stream (default `{stream}:dead`).
+        pub fn dead_letter_stream(key: impl Into<String>) { dead = key.into() }
 
-    /// How long one `XREADGROUP` blocks when nothing is there (default 2 s, at least 1 ms).
-    pub fn block(mut self, block: Duration) -> Self {
-        self.block = block.max(Duration::from_millis(1));
-        self
-    }
+        /// How long one `XREADGROUP` blocks when nothing is there (default 2 s, at least 1 ms).
+        pub fn block(block: Duration) { block = block.max(Duration::from_millis(1)) }
 
-    /// Idle time after which another consumer may auto-claim an entry (default: the lease). Keep it
-    /// well above the heartbeat interval (lease/3), or live jobs get auto-claimed (harmlessly: the
-    /// database refuses the claim, but it costs a delivery).
-    pub fn visibility(mut self, visibility: Duration) -> Self {
-        self.visibility = Some(visibility.max(Duration::from_millis(1)));
-        self
-    }
+        /// Idle time after which another consumer may auto-claim an entry (default: the lease). Keep it
+        /// well above the heartbeat interval (lease/3), or live jobs get auto-claimed (harmlessly: the
+        /// database refuses the claim, but it costs a delivery).
+        pub fn visibility(visibility: Duration) { visibility = Some(visibility.max(Duration::from_millis(1))) }
 
-    /// How often the `XAUTOCLAIM` sweep runs (default 1 s).
-    pub fn autoclaim_every(mut self, every: Duration) -> Self {
-        self.autoclaim_every = every;
-        self
-    }
+        /// How often the `XAUTOCLAIM` sweep runs (default 1 s).
+        pub fn autoclaim_every(every: Duration) { autoclaim_every = every }
 
-    /// Deliveries after which an entry is logged as suspicious (default 10). The delivery count is
-    /// a hint, like visibility: every auto-claim counts one, including those of an entry held back
-    /// by a retry backoff longer than the visibility hint and those of an entry a live holder has,
-    /// so it never dead-letters anything. An entry goes to the dead-letter stream only when the
-    /// database says its job is dead: its claim answers [`Claim::Dead`](fence::Claim::Dead), or a
-    /// fenced failure finds it out of attempts ([`RetryPolicy`](fence::RetryPolicy)), or `retry =
-    /// false`; the reason is the database's (the job's last error).
-    pub fn max_deliveries(mut self, n: u32) -> Self {
-        self.max_deliveries = i64::from(n.max(1));
-        self
-    }
+        /// Deliveries after which an entry is logged as suspicious (default 10). The delivery count is
+        /// a hint, like visibility: every auto-claim counts one, including those of an entry held back
+        /// by a retry backoff longer than the visibility hint and those of an entry a live holder has,
+        /// so it never dead-letters anything. An entry goes to the dead-letter stream only when the
+        /// database says its job is dead: its claim answers [`Claim::Dead`](fence::Claim::Dead), or a
+        /// fenced failure finds it out of attempts ([`RetryPolicy`](fence::RetryPolicy)), or `retry =
+        /// false`; the reason is the database's (the job's last error).
+        pub fn max_deliveries(n: u32) { max_deliveries = i64::from(n.max(1)) }
 
-    /// Where a newly created group starts (default `0`: every entry already in the stream; `$`:
-    /// only new ones).
-    pub fn start_id(mut self, id: impl Into<String>) -> Self {
-        self.start_id = id.into();
-        self
+        /// Where a newly created group starts (default `0`: every entry already in the stream; `$`:
+        /// only new ones).
+        pub fn start_id(id: impl Into<String>) { start_id = id.into() }
     }
 
     /// The stream key.

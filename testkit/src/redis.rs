@@ -1,50 +1,34 @@
-//! Shared support of the Redis tests (`tests/redis_*.rs`): the shared Redis and PostgreSQL of
-//! `localstack/up` (each test on its own random key prefix and its own PostgreSQL schema), a
-//! private `redis-server` a test may kill and restart, in-process consumers, and polling helpers.
+//! Support of the Redis tests (`tests/redis_*.rs`, feature `redis`): the shared Redis and
+//! PostgreSQL of `localstack/up` (each test on its own random key prefix and its own PostgreSQL
+//! schema), a private `redis-server` a test may kill and restart, in-process consumers, and Redis
+//! commands that ride out a restart.
 //!
 //! Services come from `REDIS_URL` / `DATABASE_URL` (the environment, else `localstack/.env`). When
 //! they are missing the tests fail with a message that says to run `localstack/up`; they never skip.
-#![allow(dead_code)] // each test binary uses its own subset
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use brokerfence::adapters::redis::RedisConnections;
 use brokerfence::adapters::redis::client::{self, Value, aio::ConnectionManager, aio::MultiplexedConnection};
 use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source, SourceError};
 use brokerfence::fence::{
-    FenceStore, JobKey, JobRecord, LeaseDuration, Metrics, MetricsSnapshot, Owner, PgFence, QueueName, SchemaName,
-    SupervisorConfig,
+    FenceStore, JobRecord, Metrics, MetricsSnapshot, Owner, PgFence, QueueName, SupervisorConfig,
 };
 use sqlx::AssertSqlSafe;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use crate::store::{database_url, lease, rand_hex};
+pub use crate::wait::wait_for;
+
 /// The shared Redis, or a panic that says what to do.
 pub fn redis_url() -> String {
-    brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| {
+    crate::services::var("REDIS_URL").unwrap_or_else(|| {
         panic!("REDIS_URL is not set and localstack/.env has none: run `localstack/up` first, or export REDIS_URL")
     })
-}
-
-/// The PostgreSQL URL, or a panic that says what to do.
-pub fn database_url() -> String {
-    brokerfence_testkit::services::var("DATABASE_URL").unwrap_or_else(|| {
-        panic!(
-            "DATABASE_URL is not set and localstack/.env has none: run `localstack/up` first, or export DATABASE_URL"
-        )
-    })
-}
-
-/// A random hex tag.
-pub fn rand_hex() -> String {
-    format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
-}
-
-/// A lease of `secs` seconds (at least 3).
-pub fn lease(secs: u64) -> LeaseDuration {
-    LeaseDuration::from_secs(secs).expect("lease of at least 3 s")
 }
 
 /// A consumer configuration: `lease_secs` leases, `concurrency` jobs, short grace, fast acks.
@@ -72,13 +56,7 @@ impl Env {
 
     /// On the Redis at `url`.
     pub async fn on(url: &str) -> Env {
-        let db = database_url();
-        let schema = SchemaName::new(format!("t_redis_{}", rand_hex())).expect("schema name");
-        let store = PgFence::connect(&db)
-            .await
-            .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {db}: {e}. Run `localstack/up` first."))
-            .with_schema(schema);
-        store.migrate().await.expect("migrate");
+        let store = crate::store::pg().await;
         let redis = RedisConnections::connect(url)
             .await
             .unwrap_or_else(|e| panic!("cannot connect to Redis at {url}: {e}. Run `localstack/up` first."));
@@ -103,10 +81,7 @@ impl Env {
 
     /// The job row of `key` in `queue`.
     pub async fn job(&self, queue: &str, key: &str) -> Option<JobRecord> {
-        self.store
-            .job(&QueueName::new(queue).expect("queue"), &JobKey::new(key).expect("key"))
-            .await
-            .expect("read job row")
+        crate::store::job(&self.store, &QueueName::new(queue).expect("queue name"), key).await
     }
 
     /// All job rows of `queue`: (key, state, epoch, result).
@@ -145,9 +120,7 @@ impl Env {
 
     /// Drops the schema and this test's keys.
     pub async fn cleanup(&self) {
-        let s = self.store.schema().as_str();
-        let _ =
-            sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {s} CASCADE"))).execute(self.store.pool()).await;
+        crate::store::drop_schema(&self.store).await;
         let keys = self.keys(&format!("*{}*", self.prefix)).await;
         if !keys.is_empty() {
             let _: Result<i64, _> = client::cmd("DEL").arg(&keys).query_async(&mut self.conn()).await;
@@ -171,17 +144,12 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, client::RedisError>>,
 {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        match call().await {
-            Ok(v) => return v,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("{what}: {e}"),
-        }
-    }
+    let last = RefCell::new(String::new());
+    let check = || {
+        let (answer, last) = (call(), &last);
+        async move { answer.await.map_err(|e| *last.borrow_mut() = e.to_string()).ok() }
+    };
+    crate::wait::until(Duration::from_secs(5), check, || format!("{what}: {}", last.borrow())).await
 }
 
 /// `XADD stream * f v …`; returns the id.
@@ -232,22 +200,6 @@ pub async fn xrange(conn: &mut ConnectionManager, stream: &str) -> Vec<(String, 
 /// The value of `field` in a field list, as text.
 pub fn field_of(fields: &[(Vec<u8>, Vec<u8>)], name: &str) -> Option<String> {
     fields.iter().find(|(k, _)| k == name.as_bytes()).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-}
-
-/// Polls `check` every 25 ms until it returns `Some`, or panics after `timeout` naming `what`.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 /// A consumer running in a task of this process.
@@ -367,11 +319,8 @@ impl PrivateRedis {
     }
 
     fn signal(&self, sig: i32) {
-        let pid = self.child.as_ref().and_then(|c| c.id()).expect("private redis-server is running");
-        let pid = i32::try_from(pid).expect("pid");
-        // SAFETY: kill(2) with a pid of a child this test spawned and still owns.
-        let rc = unsafe { libc::kill(pid, sig) };
-        assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
+        let child = self.child.as_ref().expect("private redis-server is running");
+        crate::process::signal(crate::process::pid(child), sig);
     }
 
     /// `INFO commandstats` as (command, calls).

@@ -1,33 +1,23 @@
-//! Shared support for the integration tests: real PostgreSQL and real SQLite files, each test on
-//! its own fresh schema (PostgreSQL) or its own fresh file (SQLite), so tests run in parallel and
-//! re-run without cleanup.
+//! Fresh stores for the tests: real PostgreSQL and real SQLite files, each test on its own fresh
+//! schema (PostgreSQL) or its own fresh file (SQLite), so tests run in parallel and re-run without
+//! cleanup; unique names, leases and keys; the backend trait of the shared store suite.
 //!
 //! PostgreSQL comes from `DATABASE_URL` (the environment, else `localstack/.env`). When it is
 //! missing the tests fail with a message that says to run `localstack/up`; they never skip.
-#![allow(dead_code)] // each test binary uses its own subset
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use brokerfence::fence::{
-    self, FenceStore, JobKey, Lease, LeaseDuration, Ledger, PgFence, PgLedger, SchemaName, SqliteFence, SqliteLedger,
-    Verdict,
+    self, FenceStore, JobKey, JobRecord, Lease, LeaseDuration, Ledger, PgFence, PgLedger, QueueName, SchemaName,
+    SqliteFence, SqliteLedger, Verdict,
 };
 use sqlx::{AssertSqlSafe, Connection};
 
-/// Waits until `metrics` count `n` completions; fails the test, with the counters, after `within`.
-pub async fn wait_for_completions(metrics: &fence::Metrics, n: u64, within: Duration) {
-    let deadline = tokio::time::Instant::now() + within;
-    while metrics.snapshot().completions < n {
-        assert!(tokio::time::Instant::now() < deadline, "{n} completions not reached: {}", metrics.snapshot());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// The PostgreSQL URL, or a panic that says what to do.
 pub fn database_url() -> String {
-    match brokerfence_testkit::services::var("DATABASE_URL") {
+    match crate::services::var("DATABASE_URL") {
         Some(url) => url,
         None => panic!(
             "DATABASE_URL is not set and localstack/.env has none: run `localstack/up` first \
@@ -41,9 +31,14 @@ pub fn unique_schema() -> SchemaName {
     SchemaName::new(format!("t_{:016x}", rand::random::<u64>())).expect("generated schema name is valid")
 }
 
-/// A unique name with a prefix, for keys and queues.
+/// A random tag of 12 hex digits.
+pub fn rand_hex() -> String {
+    format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+/// A unique name with a prefix, for keys and queues: `<prefix>-<12 hex digits>`.
 pub fn unique(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+    format!("{prefix}-{}", rand_hex())
 }
 
 /// A lease of `secs` seconds.
@@ -75,6 +70,26 @@ pub async fn pg() -> PgFence {
     let fence = pg_unmigrated().await;
     fence.migrate().await.expect("migrate PostgreSQL schema");
     fence
+}
+
+/// Drops the test's schema (best effort).
+pub async fn drop_schema(fence: &PgFence) {
+    let s = fence.schema().as_str();
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {s} CASCADE"))).execute(fence.pool()).await;
+}
+
+/// The job row of `key` in `queue`.
+pub async fn job(fence: &(impl FenceStore + ?Sized), queue: &QueueName, key: &str) -> Option<JobRecord> {
+    fence.job(queue, &self::key(key)).await.expect("read job row")
+}
+
+/// Every job row of the schema: (key, state, epoch, owner, result).
+pub async fn jobs(fence: &PgFence) -> Vec<(String, String, i64, Option<String>, Option<Vec<u8>>)> {
+    let s = fence.schema().as_str();
+    sqlx::query_as(AssertSqlSafe(format!("SELECT key, state, epoch, owner, result FROM {s}.jobs ORDER BY key")))
+        .fetch_all(fence.pool())
+        .await
+        .expect("read jobs")
 }
 
 fn sqlite_dir() -> PathBuf {
@@ -160,6 +175,11 @@ pub trait TestStore: FenceStore + Clone + Sized {
     ) -> impl Future<Output = Verdict> + Send;
 }
 
+/// Commits `tx` when `keep`, else rolls it back.
+async fn end<DB: sqlx::Database>(tx: sqlx::Transaction<'_, DB>, keep: bool) -> Result<(), sqlx::Error> {
+    if keep { tx.commit().await } else { tx.rollback().await }
+}
+
 impl TestStore for PgFence {
     const MIGRATIONS: i64 = 7;
     // The outbox (migration 4) is PostgreSQL only; epoch floors are migration 5; migration 6 sets
@@ -204,16 +224,9 @@ impl TestStore for PgFence {
             .bind(marker.to_owned())
             .execute(&mut *tx)
             .await?;
-        match self.complete_in(&mut tx, lease, result).await {
-            Ok(()) => {
-                tx.commit().await?;
-                Ok(())
-            }
-            Err(e) => {
-                tx.rollback().await?;
-                Err(e)
-            }
-        }
+        let completed = self.complete_in(&mut tx, lease, result).await;
+        end(tx, completed.is_ok()).await?;
+        completed
     }
 
     async fn business_rows(&self) -> Vec<String> {
@@ -243,11 +256,7 @@ impl TestStore for PgFence {
             .execute(&mut *tx)
             .await
             .expect("insert business row");
-        if commit && verdict.is_accepted() {
-            tx.commit().await.expect("commit");
-        } else {
-            tx.rollback().await.expect("rollback");
-        }
+        end(tx, commit && verdict.is_accepted()).await.expect("commit or roll back");
         verdict
     }
 }
@@ -294,16 +303,9 @@ impl TestStore for SqliteFence {
         sqlx::query("CREATE TABLE IF NOT EXISTS business (marker TEXT NOT NULL)").execute(self.pool()).await?;
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
         sqlx::query("INSERT INTO business (marker) VALUES (?1)").bind(marker.to_owned()).execute(&mut *tx).await?;
-        match self.complete_in(&mut tx, lease, result).await {
-            Ok(()) => {
-                tx.commit().await?;
-                Ok(())
-            }
-            Err(e) => {
-                tx.rollback().await?;
-                Err(e)
-            }
-        }
+        let completed = self.complete_in(&mut tx, lease, result).await;
+        end(tx, completed.is_ok()).await?;
+        completed
     }
 
     async fn business_rows(&self) -> Vec<String> {
@@ -330,11 +332,7 @@ impl TestStore for SqliteFence {
             .execute(&mut *tx)
             .await
             .expect("insert business row");
-        if commit && verdict.is_accepted() {
-            tx.commit().await.expect("commit");
-        } else {
-            tx.rollback().await.expect("rollback");
-        }
+        end(tx, commit && verdict.is_accepted()).await.expect("commit or roll back");
         verdict
     }
 }

@@ -1,0 +1,57 @@
+//! Child processes of the tests: the test binary re-executed as a worker ([`reexec`] and, in the
+//! child, [`reexec_args`]), and signals to a child ([`signal`]).
+
+/// Separates the arguments in the environment variable (a byte no argument contains).
+const SEP: char = '\u{1f}';
+
+/// A command that runs this test binary again with only its test `entry` (`--exact`, one
+/// thread, output not captured), passing `args` in the environment variable `var`, its stdout
+/// piped, killed when dropped. The caller adds its environment and stderr, then [`spawn`]s it.
+pub fn reexec(entry: &str, var: &str, args: &[String]) -> tokio::process::Command {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.args([entry, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .env(var, args.join(&SEP.to_string()))
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Spawns `cmd` (failing the test, naming `what`, when it cannot); the child and its pid.
+pub fn spawn(cmd: &mut tokio::process::Command, what: &str) -> (tokio::process::Child, i32) {
+    let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    let pid = pid(&child);
+    (child, pid)
+}
+
+/// In the test `entry` of a binary started by [`reexec`]: the arguments passed in `var`; `None`
+/// in a normal test run (the entry then returns at once).
+pub fn reexec_args(var: &str) -> Option<Vec<String>> {
+    std::env::var(var).ok().map(|args| args.split(SEP).map(str::to_owned).collect())
+}
+
+/// The process id of a child that is running.
+pub fn pid(child: &tokio::process::Child) -> i32 {
+    i32::try_from(child.id().expect("the child is running")).expect("pid fits")
+}
+
+/// Sends `sig` to the child `pid`; fails the test when it cannot.
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on the pid of a child this test spawned and still owns.
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
+}
+
+/// An example binary `cargo test --workspace --all-features` built: `target/<profile>/examples/<name>`
+/// next to this test binary's `deps` directory, or under `CARGO_TARGET_DIR`.
+pub fn built_example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut candidates: Vec<std::path::PathBuf> =
+        exe.ancestors().skip(1).take(3).map(|d| d.join("examples").join(name)).collect();
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        candidates.push(std::path::PathBuf::from(dir).join("debug").join("examples").join(name));
+    }
+    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
+        panic!("example {name} not built (looked at {candidates:?}): run cargo test --workspace --all-features")
+    })
+}
