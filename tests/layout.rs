@@ -8,7 +8,9 @@
 //! `layout_examples_at_most_300_lines`); the harness programs live in the `bench/` member
 //! (`layout_harness_lives_in_bench_member`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use brokerfence_testkit::tree::rust_files;
 
 /// The longest a library source file may be, in lines.
 const MAX_LINES: usize = 600;
@@ -23,28 +25,12 @@ const HARNESS_PROGRAMS: &[&str] = &["chaos", "bench", "bench_sqs", "bench_redis"
 /// its subdirectories, so `src` includes `src/bin`; `bench/src` holds the harness programs).
 const SOURCE_DIRS: &[&str] = &["fence/src", "adapters/src", "src", "testkit/src", "model/src", "bench/src"];
 
-/// Every `.rs` file under `dir`, in a stable order.
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|entry| entry.unwrap_or_else(|e| panic!("cannot read an entry of {}: {e}", dir.display())).path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|ext| ext == "rs") {
-            out.push(path);
-        }
-    }
-}
-
 /// The files under `root`/`dirs` longer than `max` lines, with their lengths, and how many files
 /// were looked at.
 fn offenders(root: &Path, dirs: &[&str], max: usize) -> (Vec<(String, usize)>, usize) {
     let mut files = Vec::new();
     for dir in dirs {
-        rust_files(&root.join(dir), &mut files);
+        files.extend(rust_files(&root.join(dir)));
     }
     let mut over = Vec::new();
     for file in &files {

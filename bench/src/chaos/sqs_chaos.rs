@@ -61,25 +61,7 @@ pub struct SqsBroker {
 impl SqsBroker {
     pub async fn setup(c: &ChaosConfig, queue: &QueueName, jobs: &[(String, Kind)]) -> Result<Self, String> {
         let client = client().await;
-        let dlq = client
-            .create_queue()
-            .queue_name(format!("{}-dlq", queue.as_str()))
-            .send()
-            .await
-            .map_err(err("CreateQueue (dlq)"))?
-            .queue_url()
-            .ok_or("no dlq url")?
-            .to_owned();
-        let arn = client
-            .get_queue_attributes()
-            .queue_url(&dlq)
-            .attribute_names(QueueAttributeName::QueueArn)
-            .send()
-            .await
-            .map_err(err("GetQueueAttributes"))?
-            .attributes()
-            .and_then(|a| a.get(&QueueAttributeName::QueueArn).cloned())
-            .ok_or("the dlq has no ARN")?;
+        let (dlq, arn) = brokerfence_testkit::sqs::create_dlq(&client, &format!("{}-dlq", queue.as_str())).await?;
         let url = client
             .create_queue()
             .queue_name(queue.as_str())

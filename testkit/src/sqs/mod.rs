@@ -140,25 +140,7 @@ impl TestQueue {
             req = req.attributes(QueueAttributeName::FifoQueue, "true");
         }
         if let Some(max) = max_receives {
-            let dlq_url = client
-                .create_queue()
-                .queue_name(format!("{name}-dlq"))
-                .send()
-                .await
-                .expect("create DLQ")
-                .queue_url()
-                .expect("DLQ url")
-                .to_owned();
-            let arn = client
-                .get_queue_attributes()
-                .queue_url(&dlq_url)
-                .attribute_names(QueueAttributeName::QueueArn)
-                .send()
-                .await
-                .expect("DLQ arn")
-                .attributes()
-                .and_then(|a| a.get(&QueueAttributeName::QueueArn).cloned())
-                .expect("QueueArn");
+            let (dlq_url, arn) = create_dlq(client, &format!("{name}-dlq")).await.expect("create DLQ");
             req = req.attributes(
                 QueueAttributeName::RedrivePolicy,
                 format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{max}"}}"#),
@@ -257,4 +239,26 @@ pub fn init_tracing() {
 /// A store handle as the runtime wants it.
 pub fn dyn_store(fence: &PgFence) -> Arc<dyn FenceStore> {
     Arc::new(fence.clone())
+}
+
+/// Creates the dead-letter queue `name` and returns its URL and ARN (for a redrive policy). Used
+/// by the tests' queues and by the chaos harness.
+pub async fn create_dlq(client: &Client, name: &str) -> Result<(String, String), String> {
+    use brokerfence::adapters::sqs::aws_sdk_sqs::error::DisplayErrorContext;
+    let said =
+        |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e} (is LocalStack up? run `bash localstack/up`)");
+    let created = client.create_queue().queue_name(name).send().await;
+    let url = created
+        .map_err(|e| said("CreateQueue (dlq)", &DisplayErrorContext(e)))?
+        .queue_url()
+        .ok_or("CreateQueue (dlq) answered no queue url")?
+        .to_owned();
+    let attributes =
+        client.get_queue_attributes().queue_url(&url).attribute_names(QueueAttributeName::QueueArn).send().await;
+    let arn = attributes
+        .map_err(|e| said("GetQueueAttributes (dlq)", &DisplayErrorContext(e)))?
+        .attributes()
+        .and_then(|a| a.get(&QueueAttributeName::QueueArn).cloned())
+        .ok_or("the dlq has no ARN")?;
+    Ok((url, arn))
 }
