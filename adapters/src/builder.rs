@@ -19,7 +19,9 @@ pub(crate) use setters;
 
 /// `Debug` of a struct that shows some of its fields, finished as non-exhaustive (the others are
 /// connections, locks and the like): `debug_some!(f, self: "Name" { field, other = expr })`
-/// shows `self.field` and, as `other`, `expr`.
+/// shows `self.field` and, as `other`, `expr`. Its users (the outbox relay, the Redis sources)
+/// need `postgres` or `redis`.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 macro_rules! debug_some {
     ($f:expr, $this:ident: $name:literal { $($field:ident $(= $value:expr)?),+ $(,)? }) => {{
         let mut out = $f.debug_struct($name);
@@ -29,4 +31,5 @@ macro_rules! debug_some {
     (@value $this:ident $field:ident) => { &$this.$field };
     (@value $this:ident $field:ident $value:expr) => { &$value };
 }
+#[cfg(any(feature = "postgres", feature = "redis"))]
 pub(crate) use debug_some;
