@@ -5,11 +5,11 @@
 //!
 //! Run them all with `cargo test --workspace --all-features onboarding`.
 
+use brokerfence_testkit::process::{built_example, run_to_end};
 #[cfg(feature = "sqs")]
 use brokerfence_testkit::sqs as sqs_support;
 use brokerfence_testkit::store as common;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use brokerfence::fence::{FenceError, PgFence, SqliteFence};
@@ -22,49 +22,9 @@ fn closed_port() -> u16 {
     port
 }
 
-/// `target/<profile>/examples/<name>`, next to this test binary's `deps` directory (or under
-/// `CARGO_TARGET_DIR`): `cargo test --workspace --all-features` builds the examples first.
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut candidates: Vec<PathBuf> = exe.ancestors().skip(1).take(3).map(|d| d.join("examples").join(name)).collect();
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        candidates.push(PathBuf::from(dir).join("debug").join("examples").join(name));
-    }
-    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
-        panic!("example {name} not built (looked at {candidates:?}): run cargo test --workspace --all-features")
-    })
-}
-
 /// Runs an example to its end (at most 60 s): exit code, stdout, stderr.
 fn run_example(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
-    let mut cmd = std::process::Command::new(example(name));
-    cmd.args(args).env("NO_COLOR", "1").stdin(std::process::Stdio::null());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("run {name}: {e}"));
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let out = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(out) => out.unwrap_or_else(|e| panic!("wait for {name}: {e}")),
-        Err(_) => {
-            // SAFETY: signalling the child this test started, by its pid.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            panic!("{name} {args:?} did not exit within 60 s");
-        }
-    };
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    run_to_end(&built_example(name), args, env)
 }
 
 /// The one line of `text` that contains `needle`.

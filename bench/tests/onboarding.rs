@@ -5,7 +5,9 @@
 //!
 //! Run them with `cargo test --workspace --all-features onboarding`.
 
-use std::time::Duration;
+use std::path::Path;
+
+use brokerfence_testkit::process::run_to_end;
 
 /// Every harness program this build has, with its binary.
 fn all_programs() -> Vec<(&'static str, &'static str)> {
@@ -22,40 +24,11 @@ fn all_programs() -> Vec<(&'static str, &'static str)> {
     v
 }
 
-/// Runs a program to its end (at most 60 s): exit code, stdout, stderr.
-fn run(name: &str, exe: &str, args: &[&str]) -> (i32, String, String) {
-    let child = std::process::Command::new(exe)
-        .args(args)
-        .env("NO_COLOR", "1")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("run {name}: {e}"));
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let out = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(out) => out.unwrap_or_else(|e| panic!("wait for {name}: {e}")),
-        Err(_) => {
-            // Not killed here (this test has no libc): the child ends with the test process.
-            panic!("{name} {args:?} (pid {pid}) did not exit within 60 s");
-        }
-    };
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// Old: `--help` exited 2 in some workers, and `bench --help` said "--help needs a value".
 #[test]
 fn onboarding_every_harness_program_answers_help_with_exit_0() {
     for (name, exe) in all_programs() {
-        let (code, out, err) = run(name, exe, &["--help"]);
+        let (code, out, err) = run_to_end(Path::new(exe), &["--help"], &[]);
         assert_eq!(code, 0, "{name} --help: exit {code}; stderr: {err}");
         assert!(out.starts_with("usage: "), "{name} --help: {out:?}");
         assert!(out.contains("--help"), "{name} --help lists no flags: {out}");
@@ -67,7 +40,7 @@ fn onboarding_every_harness_program_answers_help_with_exit_0() {
 #[test]
 fn onboarding_every_harness_program_refuses_an_unknown_flag_with_exit_2() {
     for (name, exe) in all_programs() {
-        let (code, out, err) = run(name, exe, &["--no-such-flag"]);
+        let (code, out, err) = run_to_end(Path::new(exe), &["--no-such-flag"], &[]);
         assert_eq!(code, 2, "{name} --no-such-flag: exit {code}; stderr: {err}");
         assert!(err.contains("unexpected argument '--no-such-flag'"), "{name}: {err}");
         assert!(out.is_empty(), "{name} printed on stdout: {out}");

@@ -55,3 +55,36 @@ pub fn built_example(name: &str) -> std::path::PathBuf {
         panic!("example {name} not built (looked at {candidates:?}): run cargo test --workspace --all-features")
     })
 }
+
+/// Runs the program `exe` to its end, at most 60 s (then kills it and panics): exit code, stdout,
+/// stderr. `NO_COLOR=1`, stdin closed, `env` added. For the checks of what a program prints.
+pub fn run_to_end(exe: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let name = exe.display().to_string();
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(args).env("NO_COLOR", "1").stdin(std::process::Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {name}: {e}"));
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(out) => out.unwrap_or_else(|e| panic!("wait for {name}: {e}")),
+        Err(_) => {
+            signal(pid, libc::SIGKILL);
+            panic!("{name} {args:?} did not exit within 60 s");
+        }
+    };
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
