@@ -161,7 +161,7 @@ async fn drain_once(s: &PgFence, plain: &mut PgConnection, round: usize) -> Drai
 
     let mut conn = s.pool().acquire().await.unwrap();
     let claim_next = prepared(&mut conn, "pick AS (").await;
-    let complete_batch = prepared(&mut conn, "SET state = 'completed', result = c.result").await;
+    let complete_batch = prepared(&mut conn, "SET state = 'completed', result = u.result").await;
     let jobs_table = format!("{schema}.jobs");
     let plain_table = format!("{schema}.plain");
     sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *plain).await.unwrap();
@@ -343,4 +343,58 @@ async fn throughput_wal_bytes_per_job_fenced_vs_plain_loop() {
     // every partial index, and a claim moves the row from `jobs_due` to `jobs_leased`, a commit to
     // `jobs_finished`. The plain loop's are not HOT either (`state` is in `plain_pending`'s).
     assert!(ratio <= MAX_RATIO, "fenced WAL per job is {ratio:.3}x the plain loop's (bound {MAX_RATIO})");
+}
+
+/// Guard (issue #18, the commit that no longer locks every row before it updates): a group
+/// commit that waits for a takeover's row lock compares the row again once the takeover
+/// committed, is refused, and names the new holder. `complete_batch` used to lock each row
+/// (`SELECT … FOR UPDATE`) and then update the ones whose locked version matched: a row lock
+/// logged per job on top of its update. Now the compare-and-set is the UPDATE's own condition
+/// (re-checked on the newest version of a row it waited for), and a refused row whose statement
+/// snapshot still showed the lease is read again to name the holder. This fails if the
+/// condition were taken from the snapshot (the late commit would overwrite the new owner's
+/// claim) or if the refusal named the snapshot's epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_group_commit_waiting_on_a_takeover_is_refused_and_names_the_new_holder() {
+    let s = common::pg().await;
+    let schema = s.schema().as_str().to_owned();
+    let queue = QueueName::new("race").unwrap();
+    s.enqueue_many(&queue, &[(common::key("k"), PAYLOAD.to_vec())]).await.unwrap();
+    let old = Owner::new("old-holder").unwrap();
+    let claimed = s.claim_next(&queue, &old, common::lease(30), 1).await.unwrap();
+    let lease = claimed.into_iter().next().map(|c| c.lease).expect("claimed");
+    // The takeover: a new epoch and owner on the row, its transaction still open (row locked).
+    let mut takeover = PgConnection::connect(&common::database_url()).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut takeover).await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {schema}.jobs SET epoch = epoch + 1, owner = 'new-holder', \
+         lease_until = clock_timestamp() + interval '30 seconds' WHERE queue = $1 AND key = $2"
+    )))
+    .bind(queue.as_str())
+    .bind("k")
+    .execute(&mut takeover)
+    .await
+    .unwrap();
+    let commit = {
+        let (s, lease) = (s.clone(), lease.clone());
+        tokio::spawn(async move { s.complete_batch(&[(lease, b"late".to_vec())]).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!commit.is_finished(), "the group commit waits for the takeover's row lock");
+    sqlx::query("COMMIT").execute(&mut takeover).await.unwrap();
+    let verdicts = commit.await.unwrap().unwrap();
+    match &verdicts[..] {
+        [Err(brokerfence::fence::FenceError::Fenced { epoch, current_epoch, current_owner, .. })] => {
+            assert_eq!(*epoch, lease.epoch);
+            assert_eq!(*current_epoch, lease.epoch + 1, "the refusal names the takeover's epoch");
+            assert_eq!(current_owner.as_deref(), Some("new-holder"));
+        }
+        other => panic!("the late commit must be refused, got {other:?}"),
+    }
+    let rows = common::jobs(&s).await;
+    assert_eq!(rows.len(), 1);
+    let (_, state, epoch, owner, result) = &rows[0];
+    assert_eq!((state.as_str(), *epoch, owner.as_deref()), ("running", lease.epoch + 1, Some("new-holder")));
+    assert_eq!(result, &None, "the late result was not written");
+    common::drop_schema(&s).await;
 }

@@ -111,6 +111,26 @@ pub trait Source: Send + Sync + 'static {
         1
     }
 
+    /// How many deliveries a consumer of `concurrency` handlers holds ahead of them when its
+    /// [`ConsumerConfig::prefetch`](crate::ConsumerConfig::prefetch) is not set: 0 (no
+    /// prefetching; one slot covers a delivery from its receive until its handler returns) unless
+    /// a source says otherwise. The table queue says `concurrency`, at most 128: its receive is
+    /// a claim statement, and without places ahead each slot stood idle for the statement's round
+    /// trip (see [`TableQueue`](crate::TableQueue)). A wrapper delegates it.
+    ///
+    /// ```
+    /// # fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) {
+    /// use brokerfence::{QueueName, Source, TableQueue};
+    /// let source = TableQueue::new(store, QueueName::new("emails").unwrap());
+    /// assert_eq!(source.default_prefetch(16), 16);
+    /// assert_eq!(source.default_prefetch(1_000), 128);
+    /// # }
+    /// ```
+    fn default_prefetch(&self, concurrency: usize) -> usize {
+        let _ = concurrency;
+        0
+    }
+
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
     async fn receive(
         &self,

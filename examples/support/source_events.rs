@@ -64,6 +64,10 @@ impl<S: Source> Source for EventSource<S> {
         self.0.receives_in_flight()
     }
 
+    fn default_prefetch(&self, concurrency: usize) -> usize {
+        self.0.default_prefetch(concurrency)
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<Self::Delivery>>, SourceError> {
         let got = self.0.receive(max, ctx).await?;
         Ok(got

@@ -82,14 +82,38 @@ impl ConsumerConfig {
         self.concurrency = n.max(1);
         self
     }
-    /// Opt in to prefetching: up to `n` deliveries are held ahead of the handlers (received,
-    /// being claimed, or claimed and waiting for a handler slot under a heartbeated lease), on top
-    /// of the `concurrency` handlers running. Without it (the default), one slot covers a
+    /// Prefetching: up to `n` deliveries are held ahead of the handlers (received, being
+    /// claimed, or claimed and waiting for a handler slot under a heartbeated lease), on top of
+    /// the `concurrency` handlers running. `prefetch(0)` turns it off: one slot then covers a
     /// delivery from its receive until its handler returns, so a worker never holds more than
-    /// `concurrency` deliveries.
+    /// `concurrency` deliveries. Not set, the source's
+    /// [`default_prefetch`](crate::Source::default_prefetch) applies: none for the brokers,
+    /// `concurrency` (at most 128) for the table queue.
+    ///
+    /// ```
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
+    /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
+    /// assert_eq!(config.prefetch_limit(), None); // the source's default
+    /// assert_eq!(config.clone().prefetch(0).prefetch_limit(), Some(0)); // off
+    /// assert_eq!(config.prefetch(64).prefetch_limit(), Some(64));
+    /// ```
     pub fn prefetch(mut self, n: usize) -> Self {
-        self.prefetch = Some(n.max(1));
+        self.prefetch = Some(n);
         self
+    }
+    /// The prefetch set with [`prefetch`](Self::prefetch) (`Some(0)`: off), if any.
+    pub fn prefetch_limit(&self) -> Option<usize> {
+        self.prefetch
+    }
+    /// This configuration with the source's default prefetch where none was set: what a
+    /// [`Consumer`](crate::Consumer) runs with.
+    pub(super) fn with_default_prefetch(mut self, source_default: usize) -> Self {
+        self.prefetch.get_or_insert(source_default);
+        self
+    }
+    /// The places ahead of the handlers, when prefetching.
+    pub(super) fn prefetching(&self) -> Option<usize> {
+        self.prefetch.filter(|&n| n > 0)
     }
     /// Deliveries asked for per receive, at most: a receive asks for what is free then (and what
     /// frees up within a 2 ms linger), up to this many and never more than the receive places
@@ -161,7 +185,7 @@ impl ConsumerConfig {
     /// assert_eq!(config.prefetch(64).claim_window_length(), DEFAULT_CLAIM_WINDOW);
     /// ```
     pub fn claim_window_length(&self) -> Duration {
-        self.claim_window.unwrap_or(if self.prefetch.is_some() { DEFAULT_CLAIM_WINDOW } else { Duration::ZERO })
+        self.claim_window.unwrap_or(if self.prefetching().is_some() { DEFAULT_CLAIM_WINDOW } else { Duration::ZERO })
     }
     /// How long shutdown waits for running jobs before releasing their leases.
     pub fn grace(mut self, grace: Duration) -> Self {
@@ -207,7 +231,7 @@ impl ConsumerConfig {
     }
     /// Receive places: deliveries held ahead of the handlers (`prefetch`), else `concurrency`.
     pub(super) fn places(&self) -> usize {
-        self.prefetch.unwrap_or(self.concurrency)
+        self.prefetching().unwrap_or(self.concurrency)
     }
     /// The concurrency limit.
     pub fn concurrency_limit(&self) -> usize {

@@ -100,6 +100,8 @@ impl<S: Source> Consumer<S> {
         let metrics = Arc::new(Metrics::labelled(source.queue().as_str(), source.kind()));
         let supervisor = Supervisor::with_metrics(store, owner, config.supervisor.clone(), metrics);
         let tracked = Arc::new(Tracked(Mutex::new(HashMap::new())));
+        let source_prefetch = source.default_prefetch(config.concurrency);
+        let config = config.with_default_prefetch(source_prefetch);
         supervisor.add_hook(Arc::new(SourceHook { source: Arc::clone(&source), tracked: Arc::clone(&tracked) }));
         let unsettled = Arc::new(Semaphore::new(config.unsettled_limit()));
         Self { source, supervisor, config, tracked, unsettled }
@@ -243,7 +245,7 @@ impl<S: Source> Consumer<S> {
             // Fires with `shutdown`, and also when the loop ends on a fatal source error.
             stopping: shutdown.child_token(),
             tasks: TaskTracker::new(),
-            slots: self.config.prefetch.map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
+            slots: self.config.prefetching().map(|_| Arc::new(Semaphore::new(self.config.concurrency))),
             claims: Mutex::new(Some(claims_tx)),
         });
         let permits = Budget { places: Arc::new(Semaphore::new(places)), unsettled: Arc::clone(&self.unsettled) };

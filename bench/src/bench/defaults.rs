@@ -7,7 +7,8 @@
 //! first), so drift on the machine falls on both. Nothing is analyzed: the tables are as a fresh
 //! bulk enqueue leaves them. Printed per concurrency: the median rate of each, the median of the
 //! per-round ratios, and PostgreSQL's CPU time (every `postgres` process in `/proc`) and WAL bytes
-//! (`pg_current_wal_lsn()`) per job of each, medians too.
+//! (`pg_current_wal_lsn()`) per job of each, and this process's own CPU per job (the consumer's
+//! side), medians too.
 
 use super::*;
 
@@ -17,6 +18,8 @@ struct Drain {
     rate: f64,
     /// PostgreSQL CPU per job, microseconds.
     cpu_us: f64,
+    /// This process's CPU per job (the consumer under test), microseconds.
+    own_us: f64,
     /// WAL per job, bytes.
     wal: f64,
 }
@@ -27,20 +30,28 @@ async fn measured<F: std::future::Future<Output = Result<(), String>>>(
     jobs: usize,
     drain: F,
 ) -> Result<Drain, String> {
-    let (wal0, cpu0, started) = (wal_lsn(pool).await?, postgres_cpu_ticks(), Instant::now());
+    let (wal0, cpu0, started) = (wal_lsn(pool).await?, CpuSample::now(), Instant::now());
     drain.await?;
     let secs = started.elapsed().as_secs_f64();
-    let cpu = (postgres_cpu_ticks().saturating_sub(cpu0)) as f64 / ticks_per_sec();
+    let cpu1 = CpuSample::now();
     let wal = wal_bytes(pool, &wal0, &wal_lsn(pool).await?).await?;
     let n = jobs as f64;
-    Ok(Drain { rate: n / secs.max(1e-9), cpu_us: cpu * 1e6 / n, wal: wal / n })
+    let us = |a: u64, b: u64| b.saturating_sub(a) as f64 * 1e6 / ticks_per_sec() / n;
+    Ok(Drain {
+        rate: n / secs.max(1e-9),
+        cpu_us: us(cpu0.postgres, cpu1.postgres),
+        own_us: us(cpu0.consumer, cpu1.consumer),
+        wal: wal / n,
+    })
 }
 
-/// The fenced consumer, built as the README shows, with only its concurrency set.
+/// The fenced consumer, built as the README shows, with only its concurrency set (and its
+/// prefetch, with `--prefetch`).
 async fn fenced(
     store: &Arc<PgFence>,
     q: &QueueName,
     concurrency: usize,
+    prefetch: Option<usize>,
     jobs: usize,
     work: Duration,
 ) -> Result<(), String> {
@@ -49,7 +60,10 @@ async fn fenced(
     let consumer = Arc::new(Consumer::new(
         TableQueue::new(Arc::clone(&shared), q.clone()),
         shared,
-        ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency),
+        match prefetch {
+            Some(n) => ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency).prefetch(n),
+            None => ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency),
+        },
     ));
     let metrics = consumer.metrics();
     let stop = CancellationToken::new();
@@ -165,14 +179,21 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     println!(
         "\n[defaults] table queue at its defaults vs a plain SKIP LOCKED loop: {} jobs per drain, {} of work each, \
-         {} paired rounds (order alternating), tables never analyzed",
+         {} paired rounds (order alternating), tables never analyzed{}",
         o.jobs,
         ms(o.work),
-        o.rounds
+        o.rounds,
+        o.defaults_prefetch.map(|n| format!("; fenced with prefetch({n})")).unwrap_or_default()
     );
     println!(
-        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>17}",
-        "concurrency", "fenced jobs/s", "plain jobs/s", "fenced/plain", "PG CPU/job f / p", "WAL/job f / p"
+        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>17} | {:>19}",
+        "concurrency",
+        "fenced jobs/s",
+        "plain jobs/s",
+        "fenced/plain",
+        "PG CPU/job f / p",
+        "WAL/job f / p",
+        "client CPU/job f / p"
     );
     let result = async {
         for &c in levels {
@@ -200,7 +221,7 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
                 let (mut fd, mut pd) = (None, None);
                 for turn in 0..2 {
                     if (turn == 0) == fenced_first {
-                        fd = Some(measured(&pool, o.jobs, fenced(&store, &fq, c, o.jobs, o.work)).await?);
+                        fd = Some(measured(&pool, o.jobs, fenced(&store, &fq, c, o.defaults_prefetch, o.jobs, o.work)).await?);
                     } else {
                         pd = Some(measured(&pool, o.jobs, plain(&pool, &s, &pq, c, o.jobs, o.work)).await?);
                     }
@@ -212,7 +233,7 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
             }
             let m = |v: &[Drain], g: fn(&Drain) -> f64| median(v.iter().map(g).collect());
             println!(
-                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.0} / {:>4.0} µs | {:>7.0} / {:>4.0} B",
+                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.0} / {:>4.0} µs | {:>7.0} / {:>4.0} B | {:>9.0} / {:>4.0} µs",
                 c,
                 m(&f, |d| d.rate),
                 m(&p, |d| d.rate),
@@ -221,6 +242,8 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
                 m(&p, |d| d.cpu_us),
                 m(&f, |d| d.wal),
                 m(&p, |d| d.wal),
+                m(&f, |d| d.own_us),
+                m(&p, |d| d.own_us),
             );
         }
         Ok::<(), String>(())

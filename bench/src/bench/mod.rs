@@ -78,6 +78,8 @@ struct Opts {
     /// Only the table queue at its defaults against a plain SKIP LOCKED loop, at these levels
     /// of concurrency.
     defaults: Option<Vec<usize>>,
+    /// `--prefetch` for the fenced consumer of --defaults (`None`: the source's default).
+    defaults_prefetch: Option<usize>,
     /// `--database-url` or the environment's (an error to report when there is neither).
     database_url: Result<String, String>,
     /// `--redis-url` or the environment's, if any.
@@ -127,6 +129,10 @@ struct Cli {
     /// Levels of concurrency for --defaults, comma separated
     #[arg(long, value_name = "LIST", default_value = "16,64,128", value_delimiter = ',')]
     levels: Vec<usize>,
+    /// With --defaults: set the fenced consumer's prefetch (0: none, as before issue #18's
+    /// claims ahead) [default: the table queue's own]
+    #[arg(long, value_name = "N")]
+    prefetch: Option<usize>,
 }
 
 fn parse_opts() -> Result<Opts, clap::Error> {
@@ -161,6 +167,7 @@ fn parse_opts() -> Result<Opts, clap::Error> {
         quick: c.quick,
         own_commit_only: c.own_commit_only,
         defaults: c.defaults.then_some(c.levels),
+        defaults_prefetch: c.prefetch,
     })
 }
 

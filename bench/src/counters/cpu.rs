@@ -2,24 +2,7 @@
 //! LocalStack and this process (Linux `/proc`), and PostgreSQL's WAL position, so that a figure
 //! per job says where the CPU and the writes went.
 
-/// CPU time of every `postgres` process on this machine so far, in clock ticks.
-pub fn postgres_cpu_ticks() -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-    let mut total = 0;
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        // `pid (comm) state …`: comm may hold spaces, so look before its closing parenthesis.
-        if stat.rsplit_once(')').is_some_and(|(head, _)| head.contains("(postgres")) {
-            total += process_ticks(&stat).unwrap_or(0);
-        }
-    }
-    total
-}
-
+/// Clock ticks per second (`sysconf(_SC_CLK_TCK)`), the unit of `/proc` CPU times.
 pub fn ticks_per_sec() -> f64 {
     // SAFETY: sysconf reads a constant of the system; no memory is touched.
     let n = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };

@@ -193,22 +193,34 @@ impl Statements {
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
-        let batch_cas = if guards.commit_cas {
-            "c.cur_owner = c.owner AND c.cur_epoch = c.epoch AND c.cur_state = 'running'"
-        } else {
-            "true"
-        };
-        // One row per item with the epoch and owner of the row version this statement locked
-        // (false), and one more per item committed (true): the verdicts are put together in
-        // [`PgFence::complete_batch`] rather than by joining the two here.
+        let batch_cas =
+            if guards.commit_cas { "t.owner = u.owner AND t.epoch = u.epoch AND t.state = u.running" } else { "true" };
+        // The compare-and-set is the UPDATE's own condition, so a row is locked only when it is
+        // committed (in (queue, key) order: the nested loop follows the sorted input, the order
+        // batch claims lock in). Locking every row first (`SELECT … FOR UPDATE`) and updating
+        // the matching ones after logged a row lock per commit on top of the update (issue #18:
+        // 60 bytes of WAL per job). A row changed meanwhile is compared again in its newest
+        // version (READ COMMITTED re-checks the WHERE of an UPDATE on the row it waited for).
+        // The state is compared with a column of `u`, not the constant: with `state = 'running'`
+        // the planner could prove the predicate of `jobs_leased` and probe that index by queue
+        // alone, reading every running row of the queue per item (110 µs of PostgreSQL CPU per
+        // job instead of 30 at concurrency 128).
+        // One row per item with the epoch, owner and state its statement snapshot saw (false),
+        // and one more per item committed (true): the verdicts are put together in
+        // [`PgFence::complete_batch`], which reads a refused row again when its snapshot still
+        // showed the lease (it was taken over while this statement ran).
         let complete_batch = format!(
-            "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
-                 AS u(queue, key, owner, epoch, result)), {cur}, \
-             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = c.result, lease_until = NULL, \
-                 updated_at = clock_timestamp() FROM cur c \
-                 WHERE t.queue = c.queue AND t.key = c.key AND {batch_cas} RETURNING t.queue, t.key) \
-             SELECT c.queue COLLATE \"C\", c.key COLLATE \"C\", false, c.cur_epoch, c.cur_owner FROM cur c \
-             UNION ALL SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", true, NULL::bigint, NULL::text FROM upd"
+            "WITH u AS (SELECT *, 'running'::text AS running \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
+                 AS u(queue, key, owner, epoch, result)), \
+             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = u.result, lease_until = NULL, \
+                 updated_at = clock_timestamp() FROM (SELECT * FROM u ORDER BY queue, key) u \
+                 WHERE t.queue = u.queue AND t.key = u.key AND {batch_cas} RETURNING t.queue, t.key) \
+             SELECT u.queue COLLATE \"C\", u.key COLLATE \"C\", false, t.epoch, t.owner, t.state FROM u \
+             LEFT JOIN LATERAL (SELECT t.epoch, t.owner, t.state FROM {s}.jobs t \
+                 WHERE t.queue = u.queue AND t.key = u.key OFFSET 0) t ON true \
+             UNION ALL SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", true, NULL::bigint, NULL::text, NULL::text \
+             FROM upd"
         );
         let checkpoint = fenced(
             s,

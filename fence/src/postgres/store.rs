@@ -242,7 +242,7 @@ impl FenceStore for PgFence {
         let (first, repeats): (Vec<usize>, Vec<usize>) =
             (0..items.len()).partition(|&i| seen.insert((items[i].0.queue.as_str(), items[i].0.key.as_str())));
         let pick = |f: fn(&(Lease, Vec<u8>)) -> String| first.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
-        let rows: Vec<(String, String, bool, Option<i64>, Option<String>)> =
+        let rows: Vec<(String, String, bool, Option<i64>, Option<String>, Option<String>)> =
             sqlx::query_as(sql(&self.stmts.complete_batch))
                 .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
                 .bind(pick(|(l, _)| l.key.as_str().to_owned()))
@@ -251,15 +251,17 @@ impl FenceStore for PgFence {
                 .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
                 .fetch_all(&self.pool)
                 .await?;
-        // Per item: whether it was committed, and the epoch and owner of the row it locked.
-        let mut verdicts: std::collections::HashMap<(&str, &str), (bool, Option<(Option<i64>, &Option<String>)>)> =
+        // Per item: whether it was committed, and the epoch, owner and state its statement
+        // snapshot saw.
+        type Seen<'a> = (Option<i64>, &'a Option<String>, &'a Option<String>);
+        let mut verdicts: std::collections::HashMap<(&str, &str), (bool, Option<Seen<'_>>)> =
             std::collections::HashMap::with_capacity(first.len());
-        for (queue, key, committed, epoch, owner) in &rows {
+        for (queue, key, committed, epoch, owner, state) in &rows {
             let v = verdicts.entry((queue.as_str(), key.as_str())).or_default();
             if *committed {
                 v.0 = true;
             } else {
-                v.1 = Some((*epoch, owner));
+                v.1 = Some((*epoch, owner, state));
             }
         }
         let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
@@ -267,12 +269,27 @@ impl FenceStore for PgFence {
             let lease = &items[i].0;
             out[i] = Some(match verdicts.get(&(lease.queue.as_str(), lease.key.as_str())) {
                 Some((true, _)) => Ok(()),
-                Some((false, Some((epoch, owner)))) => Err(FenceError::Fenced {
-                    key: lease.key.as_str().to_owned(),
-                    epoch: lease.epoch,
-                    current_epoch: epoch.unwrap_or(0),
-                    current_owner: (*owner).clone(),
-                }),
+                Some((false, Some((epoch, owner, state)))) => {
+                    // The snapshot still showed this lease running: it was taken over (or
+                    // finished) while the statement ran. Name the holder from a fresh read.
+                    let stale = *epoch == Some(lease.epoch)
+                        && owner.as_deref() == Some(lease.owner.as_str())
+                        && state.as_deref() == Some("running");
+                    let (epoch, owner) = if stale {
+                        match self.job(&lease.queue, &lease.key).await? {
+                            Some(job) => (Some(job.epoch), job.owner),
+                            None => (None, None),
+                        }
+                    } else {
+                        (*epoch, (*owner).clone())
+                    };
+                    Err(FenceError::Fenced {
+                        key: lease.key.as_str().to_owned(),
+                        epoch: lease.epoch,
+                        current_epoch: epoch.unwrap_or(0),
+                        current_owner: owner,
+                    })
+                }
                 _ => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
             });
         }
