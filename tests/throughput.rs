@@ -263,15 +263,15 @@ async fn held_while_handlers_are_busy(prefetch: Option<usize>) -> (usize, usize)
 }
 
 /// Guard (issue #18, a slot idle for every claim round trip capped the table queue at
-/// concurrency 128: 0.62–0.69 of a plain loop; with claims ahead 0.9 or more): a consumer over
+/// concurrency 128: 0.62–0.69 of a plain loop; with claims ahead about 0.9): a consumer over
 /// the table queue at its defaults claims ahead of its handlers (`TableQueue::default_prefetch`,
-/// `concurrency` up to 128). With four handlers stuck it holds eight jobs: four running, four
-/// claimed and waiting for a handler; only four handlers run. With `prefetch(0)` it holds the
+/// twice `concurrency`, up to 256). With four handlers stuck it holds twelve jobs: four running,
+/// eight claimed and waiting for a handler; only four handlers run. With `prefetch(0)` it holds the
 /// four it runs, as every consumer did before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_table_queue_claims_ahead_of_its_handlers_by_default() {
     let (held, started) = held_while_handlers_are_busy(None).await;
-    assert_eq!((held, started), (8, 4), "defaults: four running and four claimed ahead; four handlers started");
+    assert_eq!((held, started), (12, 4), "defaults: four running and eight claimed ahead; four handlers started");
     let (held, started) = held_while_handlers_are_busy(Some(0)).await;
     assert_eq!((held, started), (4, 4), "prefetch(0): only what runs is claimed");
 }

@@ -114,7 +114,7 @@ pub trait Source: Send + Sync + 'static {
     /// How many deliveries a consumer of `concurrency` handlers holds ahead of them when its
     /// [`ConsumerConfig::prefetch`](crate::ConsumerConfig::prefetch) is not set: 0 (no
     /// prefetching; one slot covers a delivery from its receive until its handler returns) unless
-    /// a source says otherwise. The table queue says `concurrency`, at most 128: its receive is
+    /// a source says otherwise. The table queue says twice `concurrency`, at most 256: its receive is
     /// a claim statement, and without places ahead each slot stood idle for the statement's round
     /// trip (see [`TableQueue`](crate::TableQueue)). A wrapper delegates it.
     ///
@@ -122,8 +122,8 @@ pub trait Source: Send + Sync + 'static {
     /// # fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) {
     /// use brokerfence::{QueueName, Source, TableQueue};
     /// let source = TableQueue::new(store, QueueName::new("emails").unwrap());
-    /// assert_eq!(source.default_prefetch(16), 16);
-    /// assert_eq!(source.default_prefetch(1_000), 128);
+    /// assert_eq!(source.default_prefetch(16), 32);
+    /// assert_eq!(source.default_prefetch(1_000), 256);
     /// # }
     /// ```
     fn default_prefetch(&self, concurrency: usize) -> usize {

@@ -88,7 +88,7 @@ impl ConsumerConfig {
     /// delivery from its receive until its handler returns, so a worker never holds more than
     /// `concurrency` deliveries. Not set, the source's
     /// [`default_prefetch`](crate::Source::default_prefetch) applies: none for the brokers,
-    /// `concurrency` (at most 128) for the table queue.
+    /// twice `concurrency` (at most 256) for the table queue.
     ///
     /// ```
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
