@@ -199,7 +199,8 @@ impl Statements {
         // committed (in (queue, key) order: the nested loop follows the sorted input, the order
         // batch claims lock in). Locking every row first (`SELECT … FOR UPDATE`) and updating
         // the matching ones after logged a row lock per commit on top of the update (issue #18:
-        // 60 bytes of WAL per job). A row changed meanwhile is compared again in its newest
+        // 56 bytes of WAL per job where the new row version fits on its page; where it does not,
+        // PostgreSQL logs such a lock as part of the update anyway). A row changed meanwhile is compared again in its newest
         // version (READ COMMITTED re-checks the WHERE of an UPDATE on the row it waited for).
         // The state is compared with a column of `u`, not the constant: with `state = 'running'`
         // the planner could prove the predicate of `jobs_leased` and probe that index by queue

@@ -275,13 +275,17 @@ impl FenceStore for PgFence {
                     let stale = *epoch == Some(lease.epoch)
                         && owner.as_deref() == Some(lease.owner.as_str())
                         && state.as_deref() == Some("running");
-                    let (epoch, owner) = if stale {
-                        match self.job(&lease.queue, &lease.key).await? {
-                            Some(job) => (Some(job.epoch), job.owner),
-                            None => (None, None),
+                    // The verdict stands either way; a read that fails (the other items are
+                    // committed already) names what the snapshot showed.
+                    let fresh = if stale { Some(self.job(&lease.queue, &lease.key).await) } else { None };
+                    let (epoch, owner) = match fresh {
+                        Some(Ok(Some(job))) => (Some(job.epoch), job.owner),
+                        Some(Ok(None)) => (None, None),
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, key = lease.key.as_str(), "could not read the new holder of a fenced job");
+                            (*epoch, (*owner).clone())
                         }
-                    } else {
-                        (*epoch, (*owner).clone())
+                        None => (*epoch, (*owner).clone()),
                     };
                     Err(FenceError::Fenced {
                         key: lease.key.as_str().to_owned(),
