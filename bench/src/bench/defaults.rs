@@ -57,14 +57,12 @@ async fn fenced(
 ) -> Result<(), String> {
     let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
     let shared: Arc<dyn FenceStore> = store.clone();
-    let consumer = Arc::new(Consumer::new(
-        TableQueue::new(Arc::clone(&shared), q.clone()),
-        shared,
-        match prefetch {
-            Some(n) => ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency).prefetch(n),
-            None => ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency),
-        },
-    ));
+    let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency);
+    let config = match prefetch {
+        Some(n) => config.prefetch(n),
+        None => config,
+    };
+    let consumer = Arc::new(Consumer::new(TableQueue::new(Arc::clone(&shared), q.clone()), shared, config));
     let metrics = consumer.metrics();
     let stop = CancellationToken::new();
     let run = {

@@ -72,8 +72,11 @@ pub fn example(name: &str) -> PathBuf {
     if !(fresh(&path) && fresh(&worker) && same_features()) {
         let built = BUILT.get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            // The same features as this test binary, so the workers match it.
-            let mut features = vec!["sqs"];
+            // The same features as this test binary, so the workers match it, plus `metrics`
+            // (the root's feature, which testkit cannot see): a worker rebuilt here without it
+            // refused `--metrics-addr`, and `ergonomics_metrics` failed when it ran after a
+            // rebuild (seen when sources changed during a test run).
+            let mut features = vec!["sqs", "metrics"];
             for (on, f) in
                 [(cfg!(feature = "redis"), "redis"), (cfg!(feature = "http"), "http"), (cfg!(feature = "tls"), "tls")]
             {
