@@ -206,22 +206,28 @@ impl Statements {
         // the planner could prove the predicate of `jobs_leased` and probe that index by queue
         // alone, reading every running row of the queue per item (110 µs of PostgreSQL CPU per
         // job instead of 30 at concurrency 128).
-        // One row per item with the epoch, owner and state its statement snapshot saw (false),
-        // and one more per item committed (true): the verdicts are put together in
+        // One row per item: whether it was committed and, for an item not committed, the epoch,
+        // owner and state its statement snapshot saw. The verdicts are put together in
         // [`PgFence::complete_batch`], which reads a refused row again when its snapshot still
-        // showed the lease (it was taken over while this statement ran).
+        // showed the lease (it was taken over while this statement ran). Only refused items are
+        // looked up (the lookup's condition on `committed` is a one-time filter per item):
+        // reading every item's snapshot cost a primary-key probe per committed job (issue #18).
+        // The items are told apart by their ordinal, grouped by hashing: a join of the items
+        // with `upd` would be a nested loop under the session's planner settings (hash and merge
+        // joins off, see [`PgFence::pool_options`]), quadratic in the batch.
         let complete_batch = format!(
             "WITH u AS (SELECT *, 'running'::text AS running \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) \
-                 AS u(queue, key, owner, epoch, result)), \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) WITH ORDINALITY \
+                 AS u(queue, key, owner, epoch, result, i)), \
              upd AS (UPDATE {s}.jobs t SET state = 'completed', result = u.result, lease_until = NULL, \
                  updated_at = clock_timestamp() FROM (SELECT * FROM u ORDER BY queue, key) u \
-                 WHERE t.queue = u.queue AND t.key = u.key AND {batch_cas} RETURNING t.queue, t.key) \
-             SELECT u.queue COLLATE \"C\", u.key COLLATE \"C\", false, t.epoch, t.owner, t.state FROM u \
+                 WHERE t.queue = u.queue AND t.key = u.key AND {batch_cas} RETURNING u.i, u.queue, u.key), \
+             v AS (SELECT x.i, x.queue, x.key, bool_or(x.committed) AS committed FROM \
+                 (SELECT u.i, u.queue, u.key, false AS committed FROM u \
+                  UNION ALL SELECT upd.i, upd.queue, upd.key, true FROM upd) x GROUP BY x.i, x.queue, x.key) \
+             SELECT v.queue COLLATE \"C\", v.key COLLATE \"C\", v.committed, t.epoch, t.owner, t.state FROM v \
              LEFT JOIN LATERAL (SELECT t.epoch, t.owner, t.state FROM {s}.jobs t \
-                 WHERE t.queue = u.queue AND t.key = u.key OFFSET 0) t ON true \
-             UNION ALL SELECT upd.queue COLLATE \"C\", upd.key COLLATE \"C\", true, NULL::bigint, NULL::text, NULL::text \
-             FROM upd"
+                 WHERE NOT v.committed AND t.queue = v.queue AND t.key = v.key OFFSET 0) t ON true"
         );
         let checkpoint = fenced(
             s,
