@@ -251,25 +251,21 @@ impl FenceStore for PgFence {
                 .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
                 .fetch_all(&self.pool)
                 .await?;
-        // Per item: whether it was committed, and the epoch, owner and state its statement
-        // snapshot saw.
+        // One row per item: whether it was committed and, when not, the epoch, owner and state
+        // its statement snapshot saw.
         type Seen<'a> = (Option<i64>, &'a Option<String>, &'a Option<String>);
-        let mut verdicts: std::collections::HashMap<(&str, &str), (bool, Option<Seen<'_>>)> =
-            std::collections::HashMap::with_capacity(first.len());
-        for (queue, key, committed, epoch, owner, state) in &rows {
-            let v = verdicts.entry((queue.as_str(), key.as_str())).or_default();
-            if *committed {
-                v.0 = true;
-            } else {
-                v.1 = Some((*epoch, owner, state));
-            }
-        }
+        let verdicts: std::collections::HashMap<(&str, &str), (bool, Seen<'_>)> = rows
+            .iter()
+            .map(|(queue, key, committed, epoch, owner, state)| {
+                ((queue.as_str(), key.as_str()), (*committed, (*epoch, owner, state)))
+            })
+            .collect();
         let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         for &i in &first {
             let lease = &items[i].0;
             out[i] = Some(match verdicts.get(&(lease.queue.as_str(), lease.key.as_str())) {
                 Some((true, _)) => Ok(()),
-                Some((false, Some((epoch, owner, state)))) => {
+                Some((false, (epoch, owner, state))) => {
                     // The snapshot still showed this lease running: it was taken over (or
                     // finished) while the statement ran. Name the holder from a fresh read.
                     let stale = *epoch == Some(lease.epoch)
@@ -294,7 +290,7 @@ impl FenceStore for PgFence {
                         current_owner: owner,
                     })
                 }
-                _ => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
+                None => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
             });
         }
         for &i in &repeats {
