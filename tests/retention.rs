@@ -480,7 +480,7 @@ async fn retention_prune_reads_by_index_on_an_unanalyzed_table_pg() {
     let s = common::pg().await;
     let sc = s.schema().as_str();
     let jobs = format!(
-        "SELECT t.ctid FROM {sc}.jobs t WHERE t.queue = $1 AND t.state IN ('completed', 'dead') AND t.state = $2 \
+        "SELECT t.ctid FROM {sc}.jobs t WHERE t.queue = $1 AND t.finished IS NOT NULL AND t.finished = $2 \
          AND t.updated_at < statement_timestamp() - $3::bigint * interval '1 millisecond' \
          ORDER BY t.updated_at LIMIT $4 FOR UPDATE SKIP LOCKED"
     );
@@ -595,8 +595,8 @@ async fn retention_prune_rate_pg() {
     let q = queue("ret-rate");
     let n = 200_000i64;
     sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {sc}.jobs (queue, key, state, epoch, owner, attempts, result, updated_at) \
-         SELECT $1, 'k' || i, 'completed', 1 + i % 3, 'w', 1, '\\x6f6b', clock_timestamp() - interval '2 hours' \
+        "INSERT INTO {sc}.jobs (queue, key, state, finished, epoch, owner, attempts, result, updated_at) \
+         SELECT $1, 'k' || i, 'completed', 'completed', 1 + i % 3, 'w', 1, '\\x6f6b', clock_timestamp() - interval '2 hours' \
          FROM generate_series(1, $2) AS i"
     )))
     .bind(q.as_str().to_owned())

@@ -7,8 +7,9 @@
 //! first), so drift on the machine falls on both. Nothing is analyzed: the tables are as a fresh
 //! bulk enqueue leaves them. Printed per concurrency: the median rate of each, the median of the
 //! per-round ratios, and PostgreSQL's CPU time (every `postgres` process in `/proc`) and WAL bytes
-//! (`pg_current_wal_lsn()`) per job of each, and this process's own CPU per job (the consumer's
-//! side), medians too.
+//! (`pg_current_wal_lsn()`) per job of each, this process's own CPU per job (the consumer's
+//! side), and the jobs per statement (the fenced consumer's calls of its store, counted by a
+//! wrapper; the plain loop's claims and finishes), medians too.
 
 use super::*;
 
@@ -22,16 +23,19 @@ struct Drain {
     own_us: f64,
     /// WAL per job, bytes.
     wal: f64,
+    /// Jobs per statement: 2 × the drain's jobs over the statements it sent (a job takes one
+    /// claim and one commit); the fenced side counts every store call a worker makes.
+    per_statement: f64,
 }
 
 /// Measures `drain` (which runs until `jobs` are done): its rate, PostgreSQL CPU and WAL per job.
-async fn measured<F: std::future::Future<Output = Result<(), String>>>(
+async fn measured<F: std::future::Future<Output = Result<u64, String>>>(
     pool: &sqlx::PgPool,
     jobs: usize,
     drain: F,
 ) -> Result<Drain, String> {
     let (wal0, cpu0, started) = (wal_lsn(pool).await?, CpuSample::now(), Instant::now());
-    drain.await?;
+    let statements = drain.await?;
     let secs = started.elapsed().as_secs_f64();
     let cpu1 = CpuSample::now();
     let wal = wal_bytes(pool, &wal0, &wal_lsn(pool).await?).await?;
@@ -42,6 +46,7 @@ async fn measured<F: std::future::Future<Output = Result<(), String>>>(
         cpu_us: us(cpu0.postgres, cpu1.postgres),
         own_us: us(cpu0.consumer, cpu1.consumer),
         wal: wal / n,
+        per_statement: 2.0 * n / statements.max(1) as f64,
     })
 }
 
@@ -54,9 +59,10 @@ async fn fenced(
     prefetch: Option<usize>,
     jobs: usize,
     work: Duration,
-) -> Result<(), String> {
+) -> Result<u64, String> {
     let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
-    let shared: Arc<dyn FenceStore> = store.clone();
+    let counting = Counting::new(store.clone());
+    let shared: Arc<dyn FenceStore> = counting.clone();
     let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency);
     let config = match prefetch {
         Some(n) => config.prefetch(n),
@@ -80,12 +86,13 @@ async fn fenced(
             .await;
     stop.cancel();
     run.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
-    done
+    done?;
+    Ok(counting.total())
 }
 
 /// The plain loop: claims up to 64 free slots' worth of rows with one `UPDATE … FOR UPDATE SKIP
 /// LOCKED … RETURNING`, runs them, and marks each batch done with one UPDATE. No epochs, leases,
-/// heartbeats.
+/// heartbeats. Answers its statements (claims, including those that found nothing, and finishes).
 async fn plain(
     pool: &sqlx::PgPool,
     s: &str,
@@ -93,7 +100,7 @@ async fn plain(
     concurrency: usize,
     jobs: usize,
     work: Duration,
-) -> Result<(), String> {
+) -> Result<u64, String> {
     let claim: Arc<str> = format!(
         "UPDATE {s}.plain t SET state = 'running' WHERE (t.queue, t.key) IN (SELECT queue, key FROM {s}.plain \
          WHERE queue = $1 AND state = 'pending' LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING t.key, t.payload"
@@ -103,6 +110,7 @@ async fn plain(
         format!("UPDATE {s}.plain SET state = 'done', result = 'ok' WHERE queue = $1 AND key = ANY($2::text[])").into();
     let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let done = Arc::new(AtomicU64::new(0));
+    let mut statements = 0u64;
     let mut batches = tokio::task::JoinSet::new();
     while done.load(Ordering::Relaxed) < jobs as u64 {
         while let Some(r) = batches.try_join_next() {
@@ -122,6 +130,7 @@ async fn plain(
             .fetch_all(pool)
             .await
             .map_err(|e| e.to_string())?;
+        statements += 1;
         if rows.is_empty() {
             drop(permits);
             match batches.join_next().await {
@@ -130,6 +139,7 @@ async fn plain(
             }
             continue;
         }
+        statements += 1; // its finish
         let mut permits = permits;
         // Slots not filled go back at once.
         if let Some(unused) = permits.split(free - rows.len()) {
@@ -148,7 +158,7 @@ async fn plain(
     while let Some(r) = batches.join_next().await {
         r.map_err(|e| e.to_string())??;
     }
-    Ok(())
+    Ok(statements)
 }
 
 /// The comparison, printed as a table.
@@ -184,14 +194,15 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
         o.defaults_prefetch.map(|n| format!("; fenced with prefetch({n})")).unwrap_or_default()
     );
     println!(
-        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>17} | {:>19}",
+        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>17} | {:>19} | {:>17}",
         "concurrency",
         "fenced jobs/s",
         "plain jobs/s",
         "fenced/plain",
         "PG CPU/job f / p",
         "WAL/job f / p",
-        "client CPU/job f / p"
+        "client CPU/job f / p",
+        "jobs/statement f / p"
     );
     let result = async {
         for &c in levels {
@@ -231,7 +242,7 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
             }
             let m = |v: &[Drain], g: fn(&Drain) -> f64| median(v.iter().map(g).collect());
             println!(
-                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.0} / {:>4.0} µs | {:>7.0} / {:>4.0} B | {:>9.0} / {:>4.0} µs",
+                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.0} / {:>4.0} µs | {:>7.0} / {:>4.0} B | {:>9.0} / {:>4.0} µs | {:>9.1} / {:>5.1}",
                 c,
                 m(&f, |d| d.rate),
                 m(&p, |d| d.rate),
@@ -242,6 +253,8 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
                 m(&p, |d| d.wal),
                 m(&f, |d| d.own_us),
                 m(&p, |d| d.own_us),
+                m(&f, |d| d.per_statement),
+                m(&p, |d| d.per_statement),
             );
         }
         Ok::<(), String>(())

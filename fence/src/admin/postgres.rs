@@ -24,7 +24,7 @@ fn queue_filter(queue: Option<&QueueName>) -> &'static str {
 }
 
 /// What a requeued row becomes (see [`super::Admin::requeue_dead`]).
-const REQUEUE_SET: &str = "state = 'pending', epoch = t.epoch + 1, owner = NULL, lease_until = NULL, attempts = 0, \
+const REQUEUE_SET: &str = "state = 'pending', finished = NULL, epoch = t.epoch + 1, owner = NULL, lease_until = NULL, attempts = 0, \
      failures = 0, run_at = clock_timestamp(), updated_at = clock_timestamp()";
 
 /// A transaction with the admin call's limits: `statement_timeout` = the call's limit,
@@ -165,11 +165,11 @@ pub(super) async fn dead(
     let s = pg.schema().as_str();
     let f = queue_filter(queue);
     let mut tx = begin(pg, timeout, true).await?;
-    // The literal state list lets the planner use the `jobs_finished` index (queue, state, updated_at).
+    // `finished IS NOT NULL` lets the planner use the `jobs_finished` index (queue, finished, updated_at).
     let rows: Vec<DeadRow> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT t.queue COLLATE \"C\", t.key COLLATE \"C\", t.epoch, t.owner, t.attempts, t.failures, t.last_error, \
            {ua}, {age} \
-         FROM {s}.jobs t WHERE {f} AND t.state IN ('completed', 'dead') AND t.state = 'dead' \
+         FROM {s}.jobs t WHERE {f} AND t.finished IS NOT NULL AND t.finished = 'dead' \
          ORDER BY t.updated_at DESC, t.queue, t.key LIMIT $2",
         ua = epoch_ms("t.updated_at"),
         age = epoch_ms("(clock_timestamp() - t.updated_at)"),
@@ -223,7 +223,7 @@ pub(super) async fn requeue(
             // (a pruner's batch) skipped, changed by their row address.
             let statement = format!(
                 "WITH victims AS (SELECT t.ctid AS id FROM {s}.jobs t WHERE t.queue = $1 \
-                   AND t.state IN ('completed', 'dead') AND t.state = 'dead' AND t.updated_at <= $2::timestamptz \
+                   AND t.finished IS NOT NULL AND t.finished = 'dead' AND t.updated_at <= $2::timestamptz \
                    ORDER BY t.updated_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
                  UPDATE {s}.jobs t SET {REQUEUE_SET} WHERE t.ctid = ANY (ARRAY(SELECT v.id FROM victims v)) \
                    AND t.state = 'dead' RETURNING t.key COLLATE \"C\", t.epoch"

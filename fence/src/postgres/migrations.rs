@@ -25,7 +25,8 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // (`tests/throughput_cost.rs`; `failures`, added by migration 3, comes last either way).
         // No statement depends on the order: every one names its columns, so a schema created in
         // the former order works the same and keeps it (a rewrite of the table is not worth its
-        // lock).
+        // lock). `finished` (migration 8) sits with the columns a commit changes; a schema created
+        // before it has the column at the end.
         statements: &[
             "CREATE TABLE {s}.jobs (
             queue       text        NOT NULL,
@@ -37,6 +38,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
             last_error  text,
             updated_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
             result      bytea,
+            finished    text,
             lease_until timestamptz,
             state       text        NOT NULL DEFAULT 'pending'
                         CHECK (state IN ('pending', 'running', 'completed', 'failed', 'dead')),
@@ -169,6 +171,79 @@ pub(super) const MIGRATIONS: &[Migration] = &[
          FOR EACH ROW WHEN (NEW.epoch < OLD.epoch) EXECUTE FUNCTION {s}.epoch_never_decreases()",
         ],
     },
+    Migration {
+        version: 8,
+        name: "claims as HOT updates",
+        // Issue #18, the fence's WAL and CPU per job. PostgreSQL writes an index entry in every
+        // index of the table for each updated row unless no indexed column changed (a HOT
+        // update; the columns of an index's WHERE count as indexed). `state` decided which
+        // partial index a row was in (`jobs_due`, `jobs_leased`, `jobs_finished`), so every
+        // claim and every commit wrote a primary-key entry plus one in the index the row moved
+        // into: four entries per job against the plain loop's two.
+        //
+        // Now one index holds every job not yet finished, keyed by `run_at`, whatever its state:
+        // a claim (pending -> running, a new epoch, owner and lease) changes no indexed column,
+        // so it is HOT and writes no index entry; expired leases are found by the same scan (a
+        // running row whose lease has run out). A heartbeat is not HOT: it writes `updated_at`,
+        // a key of `jobs_finished`. `finished` is `state` for a
+        // completed or dead row and NULL otherwise: it changes only when a job finishes (or is
+        // requeued), and it is what `jobs_finished` is keyed by. The cost: a claim reads past the
+        // queue's running rows (about 1 µs each; they are the oldest `run_at`s), see
+        // docs/performance.md.
+        //
+        // The CHECK keeps `finished` equal to what `state` says, so a statement that finishes a
+        // job without setting it fails instead of leaving the row in `jobs_open` (where every
+        // claim would read past it) and out of the pruner's reach.
+        //
+        // Pages are now filled to 40 % (migration 6 chose 70): a HOT update needs room for the
+        // new version on the row's own page, and one claim statement takes up to 64 consecutive
+        // jobs, often every row of a page at once, whose old versions cannot be pruned before
+        // the claim commits. At 70 % about 20 of a page's 45 rows fitted: a drain with claims of
+        // 64 had 1,977 HOT claims of 4,000 (645 bytes of WAL per job); at 40 %, 4,000 of 4,000
+        // (503 bytes), in a plain-SQL replica of the drain. The cost is disk: a backlog of
+        // pending jobs takes 1/0.4 = 2.5 times the pages a packed table takes (1.4 at 70 %). It
+        // applies to pages filled from then on.
+        //
+        // Locks: the column is a catalog change; the UPDATE rewrites the finished rows a schema
+        // already holds (none in a fresh one); the CHECK is added NOT VALID and validated (a
+        // read of the table); the indexes are built under a SHARE lock on the table (writes wait
+        // while they are built). All in the migration's transaction, under its lock timeout.
+        statements: &[
+            "ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS finished text",
+            "UPDATE {s}.jobs SET finished = state WHERE state IN ('completed', 'dead') AND finished IS DISTINCT FROM state",
+            "ALTER TABLE {s}.jobs DROP CONSTRAINT IF EXISTS jobs_finished_is_final_state",
+            "ALTER TABLE {s}.jobs ADD CONSTRAINT jobs_finished_is_final_state CHECK \
+             (finished IS NOT DISTINCT FROM (CASE WHEN state IN ('completed', 'dead') THEN state END)) NOT VALID",
+            "ALTER TABLE {s}.jobs VALIDATE CONSTRAINT jobs_finished_is_final_state",
+            "CREATE INDEX IF NOT EXISTS jobs_open ON {s}.jobs (queue, run_at) WHERE finished IS NULL",
+            "DROP INDEX IF EXISTS {s}.jobs_finished",
+            "CREATE INDEX jobs_finished ON {s}.jobs (queue, finished, updated_at) WHERE finished IS NOT NULL",
+            "DROP INDEX IF EXISTS {s}.jobs_due",
+            "DROP INDEX IF EXISTS {s}.jobs_leased",
+            "ALTER TABLE {s}.jobs SET (fillfactor = 40)",
+        ],
+    },
+    Migration {
+        version: 9,
+        name: "the epoch guard runs after the row is written",
+        // Issue #18, the fence's WAL and CPU per update. A BEFORE UPDATE row trigger makes
+        // PostgreSQL lock the row's old version before every update of the table (to hand the
+        // trigger the version it will replace), and that lock is a WAL record of its own, even
+        // when the trigger's column list or WHEN rules it out and the claim had locked the row
+        // already (`FOR UPDATE SKIP LOCKED`): one more lock record per claim and per commit, 54
+        // bytes each (`tests/throughput_cost.rs`: 523.5 -> 469.5 bytes per job). An AFTER UPDATE row trigger gets both versions from the update
+        // itself. Its WHEN (`NEW.epoch < OLD.epoch`) is checked as each row is updated; a row
+        // that lowers an epoch queues the call, which raises at the end of the statement, so the
+        // statement fails and nothing it wrote commits: the same guard (a plain-SQL replica of
+        // the drain, claims of 64: 559 -> 503 bytes per job, the same as with no trigger).
+        // Dropping and creating the trigger in one transaction: no update runs in between
+        // without it.
+        statements: &[
+            "DROP TRIGGER IF EXISTS jobs_epoch_never_decreases ON {s}.jobs",
+            "CREATE TRIGGER jobs_epoch_never_decreases AFTER UPDATE OF epoch ON {s}.jobs
+         FOR EACH ROW WHEN (NEW.epoch < OLD.epoch) EXECUTE FUNCTION {s}.epoch_never_decreases()",
+        ],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
@@ -218,10 +293,15 @@ impl PgFence {
         let s = self.schema.as_str();
         let mut tx = conn.begin().await?;
         // One migrator per schema at a time, across processes; released at commit. Waiting for
-        // the other migrator blocks no traffic, so that wait has no lock timeout.
-        sqlx::query("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
-            .execute(&mut *tx)
-            .await?;
+        // the other migrator blocks no traffic, so that wait has no lock timeout. The NOTICEs of
+        // the idempotent statements ("already exists, skipping", "does not exist, skipping") are
+        // not sent: a worker that migrates at start-up would log one per statement, every start.
+        sqlx::query(
+            "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true), \
+             set_config('client_min_messages', 'warning', true)",
+        )
+        .execute(&mut *tx)
+        .await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
             .bind(s.to_owned())
             .execute(&mut *tx)

@@ -74,6 +74,9 @@ fn locked_by_key(s: &str) -> String {
 /// (`cap`, a parameter): a claim that would exceed it makes the job dead instead (epoch and
 /// owner kept, so the last holder stays fenced), naming the cap in `last_error`.
 ///
+/// A claim that makes the job running changes no indexed column (migration 8): it is a HOT
+/// update, with no index entry written (`finished` stays NULL).
+///
 /// A claim that makes the job running leaves `updated_at` as it was (nothing reads it on a
 /// running row; the pruner ages finished rows by it, set when they finish), a claim that makes it
 /// dead sets it. That is WAL: a claimed row's new version is logged from its first changed
@@ -84,6 +87,7 @@ fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
     let over = format!("t.attempts >= {cap}::bigint");
     format!(
         "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \
+         finished = CASE WHEN {over} THEN 'dead' ELSE t.finished END, \
          epoch = CASE WHEN {over} THEN t.epoch ELSE t.epoch + {inc} END, \
          owner = CASE WHEN {over} THEN t.owner ELSE {owner} END, \
          lease_until = CASE WHEN {over} THEN NULL ELSE {lease_end} END, \
@@ -150,16 +154,19 @@ impl Statements {
              FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
              ON CONFLICT (queue, key) DO NOTHING"
         );
-        // `(SELECT clock_timestamp())` is read once per statement (an init plan), so the time
-        // bound is an index condition that ends each scan at the first row not yet due; compared
-        // with the volatile `clock_timestamp()` itself it was a filter, and `expired` read every
-        // running row of the queue on each claim.
+        // One scan of `jobs_open` in `run_at` order takes due jobs and jobs whose lease ran out
+        // alike: a running row stays in that index (its claim was a HOT update, migration 8), so
+        // the scan reads past the queue's running rows that still hold their lease (the filter),
+        // then locks what it takes, skipping rows another transaction holds. A row changed since
+        // the statement's snapshot (claimed meanwhile) is checked again in its newest version
+        // when locked, and left out when it no longer qualifies. `(SELECT clock_timestamp())` is
+        // read once per statement (an init plan), so the time bound on `run_at` is an index
+        // condition that ends the scan at the first job not yet due.
         let claim_next = format!(
-            "WITH expired AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
-                 AND lease_until < (SELECT clock_timestamp()) ORDER BY lease_until LIMIT $4 FOR UPDATE SKIP LOCKED), \
-             due AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND state IN ('pending', 'failed') \
-                 AND run_at <= (SELECT clock_timestamp()) ORDER BY run_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
-             pick AS (SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) p LIMIT $4) \
+            "WITH pick AS (SELECT queue, key FROM {s}.jobs WHERE queue = $1 AND finished IS NULL \
+                 AND run_at <= (SELECT clock_timestamp()) \
+                 AND (state IN ('pending', 'failed') OR lease_until < (SELECT clock_timestamp())) \
+                 ORDER BY run_at LIMIT $4 FOR UPDATE SKIP LOCKED) \
              UPDATE {s}.jobs t SET {capped} \
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
              RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress",
@@ -219,7 +226,8 @@ impl Statements {
             "WITH u AS (SELECT *, 'running'::text AS running \
                  FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) WITH ORDINALITY \
                  AS u(queue, key, owner, epoch, result, i)), \
-             upd AS (UPDATE {s}.jobs t SET state = 'completed', result = u.result, lease_until = NULL, \
+             upd AS (UPDATE {s}.jobs t SET state = 'completed', finished = 'completed', result = u.result, \
+                 lease_until = NULL, \
                  updated_at = clock_timestamp() FROM (SELECT * FROM u ORDER BY queue, key) u \
                  WHERE t.queue = u.queue AND t.key = u.key AND {batch_cas} RETURNING u.i, u.queue, u.key), \
              v AS (SELECT x.i, x.queue, x.key, bool_or(x.committed) AS committed FROM \
@@ -237,8 +245,8 @@ impl Statements {
         let complete = fenced(
             s,
             &format!(
-                "UPDATE {s}.jobs t SET state = 'completed', result = $5, lease_until = NULL, \
-                 updated_at = clock_timestamp() WHERE {cas}"
+                "UPDATE {s}.jobs t SET state = 'completed', finished = 'completed', result = $5, \
+                 lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}"
             ),
             "''::text AS r",
         );
@@ -246,6 +254,7 @@ impl Statements {
             s,
             &format!(
                 "UPDATE {s}.jobs t SET state = CASE WHEN $5 AND t.failures + 1 < $6 THEN 'failed' ELSE 'dead' END, \
+                 finished = CASE WHEN $5 AND t.failures + 1 < $6 THEN NULL ELSE 'dead' END, \
                  failures = t.failures + 1, \
                  run_at = clock_timestamp() + {delay} * interval '1 millisecond', \
                  last_error = CASE WHEN $5 AND t.failures + 1 >= $6 \
@@ -288,7 +297,7 @@ impl Statements {
         );
         let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
         // One batch of pruning ($1 queue, $2 state, $3 age in ms, $4 rows): the oldest finished
-        // rows by the `jobs_finished` index, rows another transaction holds skipped, deleted by
+        // rows by the `jobs_finished` index (queue, finished, updated_at), rows another transaction holds skipped, deleted by
         // their row address (a tid scan: the rows are locked, so their addresses hold), and the
         // queue's epoch floor raised to the highest epoch deleted, all in one statement. Answers
         // the rows deleted and the floor (NULL when nothing was deleted). The cutoff is on the
@@ -296,7 +305,7 @@ impl Statements {
         // an index condition: the scan stops at the cutoff instead of filtering past it).
         let prune_jobs = format!(
             "WITH victims AS (SELECT t.ctid AS id FROM {s}.jobs t WHERE t.queue = $1 \
-                 AND t.state IN ('completed', 'dead') AND t.state = $2 \
+                 AND t.finished IS NOT NULL AND t.finished = $2 \
                  AND t.updated_at < statement_timestamp() - $3::bigint * interval '1 millisecond' \
                  ORDER BY t.updated_at LIMIT $4 FOR UPDATE SKIP LOCKED), \
              del AS (DELETE FROM {s}.jobs t WHERE t.ctid = ANY (ARRAY(SELECT v.id FROM victims v)) RETURNING t.epoch), \
