@@ -24,8 +24,8 @@ fn queue_filter(queue: Option<&QueueName>) -> &'static str {
 }
 
 /// What a requeued row becomes (see [`super::Admin::requeue_dead`]).
-const REQUEUE_SET: &str = "state = 'pending', finished = NULL, epoch = t.epoch + 1, owner = NULL, lease_until = NULL, attempts = 0, \
-     failures = 0, run_at = clock_timestamp(), updated_at = clock_timestamp()";
+const REQUEUE_SET: &str = "state = 'pending', finished = NULL, epoch = t.epoch + 1, owner = NULL, \
+     lease_until = NULL, attempts = 0, failures = 0, run_at = clock_timestamp(), updated_at = clock_timestamp()";
 
 /// A transaction with the admin call's limits: `statement_timeout` = the call's limit,
 /// `lock_timeout` half of it, at most 3 s. `report` also gives the planner back its usual choices for this

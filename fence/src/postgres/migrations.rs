@@ -210,7 +210,8 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // while they are built). All in the migration's transaction, under its lock timeout.
         statements: &[
             "ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS finished text",
-            "UPDATE {s}.jobs SET finished = state WHERE state IN ('completed', 'dead') AND finished IS DISTINCT FROM state",
+            "UPDATE {s}.jobs SET finished = state \
+             WHERE state IN ('completed', 'dead') AND finished IS DISTINCT FROM state",
             "ALTER TABLE {s}.jobs DROP CONSTRAINT IF EXISTS jobs_finished_is_final_state",
             "ALTER TABLE {s}.jobs ADD CONSTRAINT jobs_finished_is_final_state CHECK \
              (finished IS NOT DISTINCT FROM (CASE WHEN state IN ('completed', 'dead') THEN state END)) NOT VALID",
@@ -231,8 +232,9 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // trigger the version it will replace), and that lock is a WAL record of its own, even
         // when the trigger's column list or WHEN rules it out and the claim had locked the row
         // already (`FOR UPDATE SKIP LOCKED`): one more lock record per claim and per commit, 54
-        // bytes each (`tests/throughput_cost.rs`: 523.5 -> 469.5 bytes per job). An AFTER UPDATE row trigger gets both versions from the update
-        // itself. Its WHEN (`NEW.epoch < OLD.epoch`) is checked as each row is updated; a row
+        // bytes each (`tests/throughput_cost.rs`: 523.5 -> 469.5 bytes per job). An AFTER
+        // UPDATE row trigger gets both versions from the update itself. Its WHEN (`NEW.epoch <
+        // OLD.epoch`) is checked as each row is updated; a row
         // that lowers an epoch queues the call, which raises at the end of the statement, so the
         // statement fails and nothing it wrote commits: the same guard (a plain-SQL replica of
         // the drain, claims of 64: 559 -> 503 bytes per job, the same as with no trigger).

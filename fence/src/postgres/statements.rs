@@ -297,8 +297,9 @@ impl Statements {
         );
         let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
         // One batch of pruning ($1 queue, $2 state, $3 age in ms, $4 rows): the oldest finished
-        // rows by the `jobs_finished` index (queue, finished, updated_at), rows another transaction holds skipped, deleted by
-        // their row address (a tid scan: the rows are locked, so their addresses hold), and the
+        // rows by the `jobs_finished` index (queue, finished, updated_at), rows another
+        // transaction holds skipped, deleted by their row address (a tid scan: the rows are
+        // locked, so their addresses hold), and the
         // queue's epoch floor raised to the highest epoch deleted, all in one statement. Answers
         // the rows deleted and the floor (NULL when nothing was deleted). The cutoff is on the
         // database clock at the start of the statement (`statement_timestamp()`, stable, so it is
