@@ -7,8 +7,7 @@ use brokerfence_testkit::store as common;
 
 use std::time::Duration;
 
-use brokerfence::fence::QueueRetention;
-use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName, Retention};
+use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName, QueueRetention, Retention};
 use sqlx::AssertSqlSafe;
 
 async fn exec(s: &PgFence, sql: String) {
@@ -76,9 +75,9 @@ async fn throughput_hot_claims_migration_upgrades_an_earlier_schema() {
         expected.iter().map(|(k, f)| (k.to_string(), f.map(str::to_owned))).collect();
     assert_eq!(finished, expected);
 
-    let names: Vec<String> = indexes(&upgraded).await.into_iter().map(|(n, _)| n).collect();
-    assert_eq!(names, ["jobs_finished", "jobs_open", "jobs_pkey"], "{names:?}");
     let defs = indexes(&upgraded).await;
+    let names: Vec<&str> = defs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["jobs_finished", "jobs_open", "jobs_pkey"], "{defs:?}");
     assert!(defs.iter().any(|(n, d)| n == "jobs_finished" && d.contains("(queue, finished, updated_at)")), "{defs:?}");
 
     // The epoch guard runs after the row (migration 9), and still refuses a lower epoch.
