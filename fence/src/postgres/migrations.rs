@@ -199,10 +199,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // new version on the row's own page, and one claim statement takes up to 64 consecutive
         // jobs, often every row of a page at once, whose old versions cannot be pruned before
         // the claim commits. At 70 % about 20 of a page's 45 rows fitted: a drain with claims of
-        // 64 had 1,977 HOT claims of 4,000 (645 bytes of WAL per job); at 40 %, 4,000 of 4,000
-        // (503 bytes), in a plain-SQL replica of the drain. The cost is disk: a backlog of
-        // pending jobs takes 1/0.4 = 2.5 times the pages a packed table takes (1.4 at 70 %). It
-        // applies to pages filled from then on.
+        // 64 had 1,977 HOT claims of 4,000 (645-659 bytes of WAL per job); at 40 %, 4,000 of
+        // 4,000 (503 bytes), in a plain-SQL replica of the drain
+        // (`bench/sql/hot_claims_replica.sql`). The cost is disk: a backlog of pending jobs takes
+        // 1/0.4 = 2.5 times the pages a packed table takes (1.4 at 70 %). It applies to pages
+        // filled from then on.
         //
         // Locks: the column is a catalog change; the UPDATE rewrites the finished rows a schema
         // already holds (none in a fresh one); the CHECK is added NOT VALID and validated (a
