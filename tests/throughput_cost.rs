@@ -192,7 +192,7 @@ async fn drain_once(s: &PgFence, plain: &mut PgConnection, round: usize) -> Drai
         d.fenced_claim += explain_wal(
             &mut conn,
             &format!(
-                "EXECUTE {claim_next}({}, {}, {lease_ms}, {PER_CLAIM}, {max_claims})",
+                "EXECUTE {claim_next}({}, {}, {lease_ms}, {PER_CLAIM}, {max_claims}, NULL)",
                 lit(queue.as_str()),
                 lit(owner.as_str())
             ),

@@ -92,6 +92,13 @@ pub trait FenceStore: Send + Sync + 'static {
 
     /// Table queue: claims up to `n` due jobs (pending or failed with run_at passed, or running
     /// with an expired lease) in one statement, skipping rows other claimers hold locked.
+    ///
+    /// Fewer than `n` jobs means no more were due when the queue was read from its start.
+    /// [`PgFence`](crate::PgFence) reads from where its previous claims of the queue ended in
+    /// `run_at` order (its claim cursor) rather than past every job still running, and from the
+    /// start when that finds fewer than `n`; a job behind the cursor (a lease that ran out, a row
+    /// skipped while locked) waits, while claims keep coming back full, at most the
+    /// [`with_claim_rescan`](crate::PgFence::with_claim_rescan) interval (1 s).
     async fn claim_next(
         &self,
         queue: &QueueName,

@@ -6,10 +6,11 @@
 //! sleeping `--work-ms` (1 ms). The order alternates round by round (fenced first, then plain
 //! first), so drift on the machine falls on both. Nothing is analyzed: the tables are as a fresh
 //! bulk enqueue leaves them. Printed per concurrency: the median rate of each, the median of the
-//! per-round ratios, and PostgreSQL's CPU time (every `postgres` process in `/proc`) and WAL bytes
-//! (`pg_current_wal_lsn()`) per job of each, this process's own CPU per job (the consumer's
-//! side), and the jobs per statement (the fenced consumer's calls of its store, counted by a
-//! wrapper; the plain loop's claims and finishes), medians too.
+//! per-round ratios, PostgreSQL's CPU time per job of each (every `postgres` process in `/proc`)
+//! and the median of its per-round ratios, WAL bytes per job (`pg_current_wal_lsn()`), this
+//! process's own CPU per job (the consumer's side), and the jobs per statement (the fenced
+//! consumer's calls of its store, counted by a wrapper; the plain loop's claims and finishes),
+//! medians too.
 
 use super::*;
 
@@ -194,19 +195,20 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
         o.defaults_prefetch.map(|n| format!("; fenced with prefetch({n})")).unwrap_or_default()
     );
     println!(
-        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>17} | {:>19} | {:>17}",
+        "  {:>11} | {:>14} | {:>14} | {:>13} | {:>17} | {:>10} | {:>17} | {:>19} | {:>17}",
         "concurrency",
         "fenced jobs/s",
         "plain jobs/s",
         "fenced/plain",
         "PG CPU/job f / p",
+        "PG CPU f/p",
         "WAL/job f / p",
         "client CPU/job f / p",
         "jobs/statement f / p"
     );
     let result = async {
         for &c in levels {
-            let (mut f, mut p, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut f, mut p, mut ratios, mut cpu_ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for round in 0..o.rounds {
                 let fq = QueueName::new(format!("fenced-{c}-{round}")).map_err(|e| e.to_string())?;
                 let pq = format!("plain-{c}-{round}");
@@ -237,18 +239,20 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
                 }
                 let (fd, pd) = (fd.ok_or("no fenced drain")?, pd.ok_or("no plain drain")?);
                 ratios.push(fd.rate / pd.rate);
+                cpu_ratios.push(fd.cpu_us / pd.cpu_us.max(1e-9));
                 f.push(fd);
                 p.push(pd);
             }
             let m = |v: &[Drain], g: fn(&Drain) -> f64| median(v.iter().map(g).collect());
             println!(
-                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.0} / {:>4.0} µs | {:>7.0} / {:>4.0} B | {:>9.0} / {:>4.0} µs | {:>9.1} / {:>5.1}",
+                "  {:>11} | {:>14.0} | {:>14.0} | {:>13.2} | {:>7.1} / {:>4.1} µs | {:>10.2} | {:>7.0} / {:>4.0} B | {:>9.0} / {:>4.0} µs | {:>9.1} / {:>5.1}",
                 c,
                 m(&f, |d| d.rate),
                 m(&p, |d| d.rate),
                 median(ratios),
                 m(&f, |d| d.cpu_us),
                 m(&p, |d| d.cpu_us),
+                median(cpu_ratios),
                 m(&f, |d| d.wal),
                 m(&p, |d| d.wal),
                 m(&f, |d| d.own_us),

@@ -7,6 +7,7 @@ use std::time::Duration;
 use sqlx::Connection;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 
+use super::cursor::{ClaimCursors, DEFAULT_RESCAN};
 use super::{MigrationLimits, PgFence, Statements};
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
@@ -309,6 +310,7 @@ impl PgFence {
             stmts,
             max_claims: default_max_claims(),
             migration: MigrationLimits::default(),
+            cursors: Arc::new(ClaimCursors::new(DEFAULT_RESCAN)),
         }
     }
 
@@ -321,6 +323,30 @@ impl PgFence {
     /// `max_attempts` (`policy.max_claims()` suggests a value).
     pub fn with_max_claims(mut self, n: i64) -> Self {
         self.max_claims = n.max(1);
+        self
+    }
+
+    /// How often [`claim_next`](crate::FenceStore::claim_next) of a queue scans the queue from
+    /// the start at the latest (default 1 s). Otherwise, while claims come back full, a claim
+    /// starts where this store's previous claims of the queue ended in `run_at` order (its claim
+    /// cursor) instead of reading past every job it already handed out; a claim from the cursor
+    /// that finds fewer jobs than asked scans from the start for the rest in the same call. So a
+    /// job behind the cursor (a lease that ran out, a job skipped while another transaction held
+    /// it locked, an enqueue that committed late) waits at most this long, and only while a
+    /// backlog keeps every claim full. The cursor only says where to read: which jobs are due and
+    /// whose lease ran out is still judged by the claim statement on the database clock.
+    /// `Duration::ZERO` scans from the start every time (every claim then reads past the queue's
+    /// running jobs).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use std::time::Duration;
+    /// let fence = brokerfence::PgFence::connect("postgres://postgres@127.0.0.1/test").await?
+    ///     .with_claim_rescan(Duration::from_millis(250));
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub fn with_claim_rescan(mut self, every: Duration) -> Self {
+        self.cursors = Arc::new(ClaimCursors::new(every));
         self
     }
 
@@ -351,6 +377,7 @@ impl PgFence {
     /// Uses another schema (created by [`migrate`](crate::FenceStore::migrate)).
     pub fn with_schema(mut self, schema: SchemaName) -> Self {
         self.stmts = Arc::new(Statements::new(&schema, self.guards));
+        self.cursors = Arc::new(ClaimCursors::new(self.cursors.rescan()));
         self.schema = schema;
         self
     }

@@ -188,8 +188,8 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // a key of `jobs_finished`. `finished` is `state` for a
         // completed or dead row and NULL otherwise: it changes only when a job finishes (or is
         // requeued), and it is what `jobs_finished` is keyed by. The cost: a claim reads past the
-        // queue's running rows (about 1 µs each; they are the oldest `run_at`s), see
-        // docs/performance.md.
+        // queue's running rows (about 1 µs each; they are the oldest `run_at`s), from the claim
+        // cursor on since then (`postgres/cursor.rs`), see docs/performance.md.
         //
         // The CHECK keeps `finished` equal to what `state` says, so a statement that finishes a
         // job without setting it fails instead of leaving the row in `jobs_open` (where every

@@ -19,6 +19,7 @@ macro_rules! ms {
 }
 
 mod connect;
+mod cursor;
 mod migrations;
 mod prune;
 mod statements;
@@ -49,6 +50,8 @@ pub struct PgFence {
     pub(crate) stmts: Arc<Statements>,
     max_claims: i64,
     migration: MigrationLimits,
+    /// Where the next `claim_next` of each queue starts reading (see [`cursor`]).
+    cursors: Arc<cursor::ClaimCursors>,
 }
 
 /// How [`PgFence::migrate`](crate::FenceStore::migrate) waits for its locks.

@@ -63,7 +63,35 @@ impl PgFence {
             .fetch_all(&self.pool)
             .await?)
     }
+
+    /// One `claim_next` statement for up to `n` jobs of `queue`, reading from `from` (the claim
+    /// cursor; `None`: from the start), recorded in the cursor.
+    async fn claim_next_from(
+        &self,
+        queue: &QueueName,
+        owner: &Owner,
+        lease: LeaseDuration,
+        n: u32,
+        from: Option<i64>,
+    ) -> Result<Vec<NextRow>> {
+        let rows: Vec<NextRow> = sqlx::query_as(sql(&self.stmts.claim_next))
+            .bind(queue.as_str().to_owned())
+            .bind(owner.as_str().to_owned())
+            .bind(lease.as_millis_i64())
+            .bind(i64::from(n))
+            .bind(self.max_claims)
+            .bind(from)
+            .fetch_all(&self.pool)
+            .await?;
+        let run_at: Vec<i64> = rows.iter().map(|row| row.8).collect();
+        self.cursors.claimed(queue.as_str(), from, n, &run_at);
+        Ok(rows)
+    }
 }
+
+/// A row of `claim_next`: key, state, epoch, lease_until ms, ttl ms, attempts, payload,
+/// progress, run_at µs.
+type NextRow = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>, i64);
 
 /// key, outcome/state, epoch, owner, lease_until ms, ttl ms, attempts, ms until run_at
 type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
@@ -189,19 +217,25 @@ impl FenceStore for PgFence {
         lease: LeaseDuration,
         n: u32,
     ) -> Result<Vec<ClaimedJob>> {
-        type Row = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
-        let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
-            .bind(queue.as_str().to_owned())
-            .bind(owner.as_str().to_owned())
-            .bind(lease.as_millis_i64())
-            .bind(i64::from(n))
-            .bind(self.max_claims)
-            .fetch_all(&self.pool)
-            .await?;
+        let from = self.cursors.start(queue.as_str());
+        let mut rows = self.claim_next_from(queue, owner, lease, n, from).await?;
+        // Fewer than asked from the cursor: the rest may be behind it (a lease that ran out, a
+        // row skipped while locked). Scan from the start for them in the same call, so that a
+        // claim that answers fewer than `n` has looked at the whole queue. The jobs claimed so
+        // far are the caller's either way: a failure of this second statement is logged, not
+        // returned (their leases would otherwise run out unused).
+        let got = u32::try_from(rows.len()).unwrap_or(u32::MAX);
+        if from.is_some() && got < n {
+            match self.claim_next_from(queue, owner, lease, n - got, None).await {
+                Ok(more) => rows.extend(more),
+                Err(e) if rows.is_empty() => return Err(e),
+                Err(e) => tracing::warn!(error = %e, queue = queue.as_str(), "claim from the queue's start failed"),
+            }
+        }
         // Rows over the cap on claims were made dead, not claimed.
         rows.into_iter()
             .filter(|row| row.1 == "running")
-            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress)| {
+            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress, _)| {
                 Ok(ClaimedJob {
                     lease: Lease {
                         queue: queue.clone(),
@@ -242,55 +276,44 @@ impl FenceStore for PgFence {
         let (first, repeats): (Vec<usize>, Vec<usize>) =
             (0..items.len()).partition(|&i| seen.insert((items[i].0.queue.as_str(), items[i].0.key.as_str())));
         let pick = |f: fn(&(Lease, Vec<u8>)) -> String| first.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
-        let rows: Vec<(String, String, bool, Option<i64>, Option<String>, Option<String>)> =
-            sqlx::query_as(sql(&self.stmts.complete_batch))
-                .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
-                .bind(pick(|(l, _)| l.key.as_str().to_owned()))
-                .bind(pick(|(l, _)| l.owner.as_str().to_owned()))
-                .bind(first.iter().map(|&i| items[i].0.epoch).collect::<Vec<i64>>())
-                .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
-                .fetch_all(&self.pool)
-                .await?;
-        // One row per item: whether it was committed and, when not, the epoch, owner and state
-        // its statement snapshot saw.
-        type Seen<'a> = (Option<i64>, &'a Option<String>, &'a Option<String>);
-        let verdicts: std::collections::HashMap<(&str, &str), (bool, Seen<'_>)> = rows
-            .iter()
-            .map(|(queue, key, committed, epoch, owner, state)| {
-                ((queue.as_str(), key.as_str()), (*committed, (*epoch, owner, state)))
-            })
-            .collect();
+        let committed: Vec<(i64,)> = sqlx::query_as(sql(&self.stmts.complete_batch))
+            .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
+            .bind(pick(|(l, _)| l.key.as_str().to_owned()))
+            .bind(pick(|(l, _)| l.owner.as_str().to_owned()))
+            .bind(first.iter().map(|&i| items[i].0.epoch).collect::<Vec<i64>>())
+            .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
+            .fetch_all(&self.pool)
+            .await?;
+        // The statement answers the ordinals (from 1, in the order of `first`) it committed.
+        let mut done = vec![false; first.len()];
+        for (ordinal,) in committed {
+            let slot = usize::try_from(ordinal - 1).ok().and_then(|j| done.get_mut(j));
+            *slot.ok_or_else(|| FenceError::Corrupt(format!("batch completion answered ordinal {ordinal}")))? = true;
+        }
         let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
-        for &i in &first {
+        for (&i, committed) in first.iter().zip(done) {
             let lease = &items[i].0;
-            out[i] = Some(match verdicts.get(&(lease.queue.as_str(), lease.key.as_str())) {
-                Some((true, _)) => Ok(()),
-                Some((false, (epoch, owner, state))) => {
-                    // The snapshot still showed this lease running: it was taken over (or
-                    // finished) while the statement ran. Name the holder from a fresh read.
-                    let stale = *epoch == Some(lease.epoch)
-                        && owner.as_deref() == Some(lease.owner.as_str())
-                        && state.as_deref() == Some("running");
-                    // The verdict stands either way; a read that fails (the other items are
-                    // committed already) names what the snapshot showed.
-                    let fresh = if stale { Some(self.job(&lease.queue, &lease.key).await) } else { None };
-                    let (epoch, owner) = match fresh {
-                        Some(Ok(Some(job))) => (Some(job.epoch), job.owner),
-                        Some(Ok(None)) => (None, None),
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %e, key = lease.key.as_str(), "could not read the new holder of a fenced job");
-                            (*epoch, (*owner).clone())
-                        }
-                        None => (*epoch, (*owner).clone()),
-                    };
-                    Err(FenceError::Fenced {
-                        key: lease.key.as_str().to_owned(),
-                        epoch: lease.epoch,
-                        current_epoch: epoch.unwrap_or(0),
-                        current_owner: owner,
-                    })
-                }
-                None => Err(FenceError::Corrupt(format!("batch completion returned no row for {}", lease.key))),
+            out[i] = Some(if committed {
+                Ok(())
+            } else {
+                // Refused: name the job's holder now, read after the statement (a row the
+                // statement waited for was compared in its newest version, so the refusal names
+                // the takeover that beat it). The verdict stands either way; a read that fails
+                // (the other items are committed already) names no holder.
+                let (epoch, owner) = match self.job(&lease.queue, &lease.key).await {
+                    Ok(Some(job)) => (job.epoch, job.owner),
+                    Ok(None) => (0, None),
+                    Err(e) => {
+                        tracing::warn!(error = %e, key = lease.key.as_str(), "could not read the new holder of a fenced job");
+                        (0, None)
+                    }
+                };
+                Err(FenceError::Fenced {
+                    key: lease.key.as_str().to_owned(),
+                    epoch: lease.epoch,
+                    current_epoch: epoch,
+                    current_owner: owner,
+                })
             });
         }
         for &i in &repeats {
