@@ -225,10 +225,10 @@ impl Statements {
         // UPDATE's probe); [`PgFence::complete_batch`] reads again only the items it refused, to
         // name their holders. It used to answer one row per item, committed or not, with the
         // epoch, owner and state its snapshot saw: a union of the items with the updated rows,
-        // grouped by ordinal, and a lookup joined to it. That cost 1.5 µs of PostgreSQL CPU per
-        // job for an answer needed only by refused items (issue #18: a replay of the bench's
-        // drain, commits of 64 with 384 in flight, 16.5 → 15.0 µs per job, against 8.5–9.0 for
-        // the plain loop's `UPDATE … WHERE key = ANY`).
+        // grouped by ordinal, and a lookup joined to it. That cost 1.5–2 µs of PostgreSQL CPU per
+        // job for an answer needed only by refused items (issue #18: the commits of a bench drain
+        // at concurrency 128, 11.1–11.6 → 9.6–9.8 µs per job, against 6.7–7.3 for the plain
+        // loop's `UPDATE … WHERE key = ANY`; docs/performance.md).
         let complete_batch = format!(
             "WITH u AS (SELECT *, 'running'::text AS running \
                  FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bytea[]) WITH ORDINALITY \
