@@ -45,8 +45,9 @@ struct Cursor {
     /// Claims read from this `run_at` on (microseconds since the Unix epoch); `None` until a
     /// claim of the queue handed out a job.
     from_us: Option<i64>,
-    /// When the next claim scans from the start at the latest.
-    rescan_at: Instant,
+    /// When the next claim scans from the start at the latest (`None`: an interval too long to
+    /// add to the clock, never by time).
+    rescan_at: Option<Instant>,
     /// The last scan from the start found fewer jobs than it asked for: the next claim scans
     /// from the start too.
     scan_from_start: bool,
@@ -72,7 +73,7 @@ impl ClaimCursors {
     pub(super) fn start(&self, queue: &str) -> Option<i64> {
         let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
         let cursor = queues.get(queue)?;
-        if cursor.scan_from_start || Instant::now() >= cursor.rescan_at {
+        if cursor.scan_from_start || cursor.rescan_at.is_some_and(|at| Instant::now() >= at) {
             return None;
         }
         cursor.from_us
@@ -88,7 +89,7 @@ impl ClaimCursors {
         }
         let cursor = queues.entry(queue.to_owned()).or_insert(Cursor {
             from_us: None,
-            rescan_at: now + self.rescan,
+            rescan_at: now.checked_add(self.rescan),
             scan_from_start: false,
         });
         // One microsecond back: the answer is rounded down, and rows may share a `run_at`.
@@ -99,7 +100,7 @@ impl ClaimCursors {
         // claim, so there is nothing to skip; claims keep scanning from the start (one statement
         // each) until one comes back full.
         if from.is_none() {
-            cursor.rescan_at = now + self.rescan;
+            cursor.rescan_at = now.checked_add(self.rescan);
             cursor.scan_from_start = run_at_us.len() < asked as usize;
         }
     }
@@ -154,5 +155,8 @@ mod tests {
         c.claimed("q", None, 1, &[50]);
         c.claimed("q", None, 1, &[5]);
         assert_eq!(c.start("q"), Some(49));
+        let c = ClaimCursors::new(Duration::MAX);
+        c.claimed("q", None, 1, &[50]);
+        assert_eq!(c.start("q"), Some(49), "an interval past the clock's range: never by time, no panic");
     }
 }
