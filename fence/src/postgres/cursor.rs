@@ -119,7 +119,11 @@ mod tests {
         c.claimed("q", Some(29), 2, &[40, 35]);
         assert_eq!(c.start("q"), Some(39));
         c.claimed("q", Some(39), 5, &[50]);
-        assert_eq!(c.start("q"), Some(49), "a short claim from the cursor: the caller scans from the start next");
+        assert_eq!(
+            c.start("q"),
+            Some(49),
+            "a short claim from the cursor keeps the cursor (the caller scans from the start for the rest in the same call)"
+        );
         assert_eq!(c.start("other"), None, "cursors are per queue");
     }
 
