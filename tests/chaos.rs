@@ -14,6 +14,10 @@
 //! longer than the lease (a TCP proxy between the workers and LocalStack or Redis holds every
 //! byte) and a PostgreSQL stall of one worker (its running rows locked, or its backends
 //! paused), and asserts zero healthy cancellations besides zero lost and zero committed twice.
+//!
+//! `chaos_table_pg_failover_*` (issue #29) run the table queue through PgBouncer on a private
+//! primary with a standby that fails over (the `pg-failover` fault), and assert besides that no
+//! fencing token was handed out twice; their negative control switches the timeline epochs off.
 
 #[path = "../bench/src/args.rs"]
 #[allow(dead_code)] // the chaos runner uses part of the harness's parser
@@ -99,6 +103,66 @@ fn chaos_notices_a_missing_commit_guard() {
     let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
     println!("{report}");
     assert!(report.committed_twice + report.effect_missing >= 1, "a missing commit guard went unnoticed\n{report}");
+    assert!(!report.violations().is_empty(), "{report}");
+}
+
+/// One failover run (the small instance of [`ChaosConfig::failover`]) with the workers'
+/// `guards` switched off; the report.
+fn run_failover(guards: &[&str]) -> chaos::Report {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut config = ChaosConfig::failover(database_url(), launcher());
+    if let Ok(seed) = std::env::var("CHAOS_SEED") {
+        config.seed = seed.parse().expect("CHAOS_SEED is a number");
+    }
+    config.worker_guards = guards.iter().map(|g| (*g).to_owned()).collect();
+    config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
+    // The worker logs and the receiver's schema of a failed run stay only when asked for.
+    config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
+    config.keep_logs = config.keep_on_failure;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
+    println!("{report}");
+    report
+}
+
+/// Issue #29 in the chaos harness: the table queue's workers reach a primary with an
+/// asynchronous standby through PgBouncer (transaction mode) and a VIP, while they are paused,
+/// killed and cut off; once, replication is cut, the primary works alone for 3 s (its writes are
+/// lost with it), dies, the standby is promoted and the VIP re-pointed. Asserted: nothing lost,
+/// nothing committed twice on the promoted server, no stale accept, no fencing token handed out
+/// twice (no (job, epoch) from two owners at the receiver, whose ledger lives apart on the shared
+/// server), no healthy cancellation, every job completed or dead-lettered, and the scenario did
+/// lose work: some job ran on both timelines. Guard: the timeline epochs (the negative control
+/// below switches them off).
+#[test]
+fn chaos_table_pg_failover_through_pgbouncer() {
+    let report = run_failover(&[]);
+    assert_eq!(report.pg_failovers, 1, "the failover did not happen\n{report}");
+    assert_eq!(report.lost(), 0, "jobs lost\n{report}");
+    assert_eq!(report.committed_twice, 0, "results committed twice\n{report}");
+    assert_eq!(report.stale_accepts, 0, "receiver accepted a lower epoch\n{report}");
+    assert_eq!(report.tokens_handed_out_twice, 0, "a (job, epoch) reached the receiver from two owners\n{report}");
+    assert_eq!(report.receiver_conflicts, 0, "{report}");
+    assert_eq!(report.losses.healthy, 0, "healthy cancellations\n{report}");
+    assert_eq!(report.completed + report.dead, report.jobs, "not every job completed or dead-lettered\n{report}");
+    assert!(report.sigstops >= 1 && report.sigkills >= 1 && report.connections_terminated >= 1, "{report}");
+    let failover = report.failover.as_ref().expect("failover figures");
+    assert_eq!(failover.timeline, 2, "{report}");
+    assert!(
+        report.jobs_rerun_after_failover >= 1,
+        "no job ran on both timelines: the failover lost no work, it proved nothing\n{report}"
+    );
+    assert!(report.violations().is_empty(), "{report}");
+}
+
+/// Negative control: the same run with the workers' timeline epochs switched off (the fence
+/// before issue #29). The promoted standby hands out epochs the lost primary had already handed
+/// out, to other owners, and the receiver sees the same (job, epoch) from two owners.
+#[test]
+fn chaos_table_pg_failover_without_timeline_epochs_hands_out_tokens_twice() {
+    let report = run_failover(&["no-timeline-epochs"]);
+    assert_eq!(report.pg_failovers, 1, "the failover did not happen\n{report}");
+    assert!(report.tokens_handed_out_twice >= 1, "guard off: expected a token handed out twice\n{report}");
     assert!(!report.violations().is_empty(), "{report}");
 }
 

@@ -34,13 +34,15 @@ fn last_call(run: &TableRun) -> (i64, u16) {
     run.receiver_calls.last().copied().unwrap_or_default()
 }
 
-/// Guard: the claim increments the epoch (PostgreSQL and SQLite).
+/// Guard: the claim increments the epoch (PostgreSQL and SQLite). With it off, the receiver's
+/// ledger is switched to "an equal epoch is a retry, whoever sends it" as well: its owner check
+/// would otherwise refuse the zombie's call as a conflict (`guard_ledger_owner_check`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn guard_epoch_increment_on_claim() {
     let off = || Switches {
         zombie: vec!["no-epoch-increment"],
         new_owner: Guards::default().without_epoch_increment(),
-        ..Switches::default()
+        receiver: Guards::default().without_ledger_owner_check(),
     };
     let runs = join_all(BACKENDS.into_iter().flat_map(|b| {
         [table_run(b, Order::NewOwnerFirst, Switches::default()), table_run(b, Order::NewOwnerFirst, off())]
@@ -66,6 +68,35 @@ async fn guard_epoch_increment_on_claim() {
             off.timeline
         );
         assert_eq!(last_call(off), (1, 200), "guard off: zombie's late call accepted\n{}", off.timeline);
+    }
+}
+
+/// Guard: the receiver ledger refuses an equal epoch from another owner (PostgreSQL and
+/// SQLite). The takeover reuses the zombie's epoch (the claim guard switched off, as a token
+/// handed out twice by two promoted servers would): with the owner check the zombie's late call
+/// is refused (409, `epoch_conflict`); without it, accepted as "the same attempt retrying".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn guard_ledger_owner_check() {
+    let reused = |receiver: Guards| Switches {
+        zombie: vec!["no-epoch-increment"],
+        new_owner: Guards::default().without_epoch_increment(),
+        receiver,
+    };
+    let runs = join_all(BACKENDS.into_iter().flat_map(|b| {
+        [
+            table_run(b, Order::NewOwnerFirst, reused(Guards::default())),
+            table_run(b, Order::NewOwnerFirst, reused(Guards::default().without_ledger_owner_check())),
+        ]
+    }))
+    .await;
+    for pair in runs.chunks(2) {
+        let (on, off) = (&pair[0], &pair[1]);
+        println!("owner check ON : receiver {:?}", on.receiver_calls);
+        println!("owner check OFF: receiver {:?}", off.receiver_calls);
+        assert_eq!((on.zombie_epoch, on.new_epoch), (1, 1), "one epoch, two owners\n{}", on.timeline);
+        assert_eq!(last_call(on), (1, 409), "guard on: the second owner of epoch 1 refused\n{}", on.timeline);
+        assert_eq!(on.effect.as_ref().map(|(e, _)| *e), Some(1), "{}", on.timeline);
+        assert_eq!(last_call(off), (1, 200), "guard off: the second owner of epoch 1 accepted\n{}", off.timeline);
     }
 }
 

@@ -99,6 +99,7 @@ async fn apply(State(rx): State<Arc<Rx>>, headers: HeaderMap, body: String) -> (
         Ok(Verdict::Stale { newest }) => {
             (StatusCode::CONFLICT, brokerfence::fence::wire::stale_epoch_json(&stamp, newest))
         }
+        Ok(_) => (StatusCode::CONFLICT, brokerfence::fence::wire::epoch_conflict_json(&stamp)),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
     rx.calls.lock().expect("calls").push((owner, stamp.epoch, status.as_u16()));

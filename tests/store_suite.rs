@@ -624,7 +624,10 @@ async fn writes_under_a_live_lease<S: TestStore>() {
     assert_eq!((r.state, r.epoch, r.lease_until), (JobState::Completed, 1, None));
     assert_eq!(r.result.as_deref(), Some(&b"result \0\xff"[..]));
 
-    // After completion the lease is spent: every write is Fenced and writes nothing.
+    // The same commit sent again (its answer lost to a failed connection): answered as
+    // committed, nothing written.
+    s.complete(&l, b"result \0\xff").await.unwrap();
+    // After completion the lease is spent: every other write is Fenced and writes nothing.
     assert_fenced(s.complete(&l, b"twice").await, &l, 1, Some(&a));
     assert_fenced(s.checkpoint(&l, b"late").await, &l, 1, Some(&a));
     assert_fenced(s.fail(&l, "late", true, &RetryPolicy::default()).await, &l, 1, Some(&a));
@@ -1035,6 +1038,7 @@ async fn ledger_concurrent_accepts<S: TestStore>() {
                 accepted += 1;
             }
             Verdict::Stale { newest } => assert!(newest > epoch, "{job}: epoch {epoch} refused with newest {newest}"),
+            other => panic!("{job}: epoch {epoch} answered {other:?} (no owner was named)"),
         }
         if epoch == 20 {
             assert!(verdict.is_accepted(), "{job}: the highest epoch is always accepted");
@@ -1734,7 +1738,14 @@ async fn complete_batch_commits_each_lease_or_fences_it<S: TestStore>() {
             assert_eq!(row.result.as_deref(), Some(&b"a-result"[..]));
         }
     }
-    // The same lease twice in one batch: one commit, the repeat is fenced (already completed).
+    // The same lease and result sent again (twice in one batch): its own commit, answered as
+    // committed (a commit is sent again when its answer was lost to a failover); the same lease
+    // with another result is fenced, and nothing changes.
     let again = s.complete_batch(&[items[0].clone(), items[0].clone()]).await.unwrap();
-    assert!(again.iter().all(|r| matches!(r, Err(FenceError::Fenced { .. }))), "{again:?}");
+    assert!(again.iter().all(Result::is_ok), "{again:?}");
+    let other = (items[0].0.clone(), b"another result".to_vec());
+    let refused = s.complete_batch(&[other.clone(), other]).await.unwrap();
+    assert!(refused.iter().all(|r| matches!(r, Err(FenceError::Fenced { .. }))), "{refused:?}");
+    let row = s.job(&items[0].0.queue, &items[0].0.key).await.unwrap().unwrap();
+    assert_eq!(row.result.as_deref(), Some(&b"a-result"[..]));
 }

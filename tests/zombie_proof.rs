@@ -295,6 +295,7 @@ async fn charge(State(app): State<TxApp>, Stamp(stamp): Stamp, body: String) -> 
     match app.ledger.accept_in(&mut tx, &stamp.ledger_job(), stamp.epoch).await {
         Ok(Verdict::Accepted { .. }) => {}
         Ok(Verdict::Stale { newest }) => return stale_response(&stamp, newest),
+        Ok(_) => return brokerfence::http::conflict_response(&stamp),
         Err(e) => return (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
     }
     if body == "boom" {

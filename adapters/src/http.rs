@@ -145,6 +145,16 @@ impl EpochGuard {
                 );
                 Err(stale_response(&stamp, newest))
             }
+            Ok(Verdict::Conflict { newest }) => {
+                tracing::error!(
+                    queue = %stamp.queue,
+                    job = %stamp.job,
+                    epoch = newest,
+                    owner = stamp.owner.as_deref().unwrap_or("-"),
+                    "epoch refused: another owner holds the same epoch (a fencing token handed out twice)"
+                );
+                Err(conflict_response(&stamp))
+            }
             Err(fence::FenceError::InvalidInput { what, reason }) => {
                 let e = StampError::Malformed { name: wire::JOB, reason: format!("{what}: {reason}") };
                 Err(stamp_error_response(&e))
@@ -295,6 +305,17 @@ fn lower(name: &'static str) -> &'static str {
 /// ```
 pub fn stale_response(stamp: &FenceStamp, newest: i64) -> Response {
     json(StatusCode::CONFLICT, wire::stale_epoch_json(stamp, newest))
+}
+
+/// The `409 Conflict` for an epoch another owner holds already ([`Verdict::Conflict`]), with
+/// [`wire::epoch_conflict_json`] as its body.
+///
+/// ```
+/// let stamp = brokerfence::wire::FenceStamp::new("q", "k", 2).with_owner("w2");
+/// assert_eq!(brokerfence::http::conflict_response(&stamp).status(), 409);
+/// ```
+pub fn conflict_response(stamp: &FenceStamp) -> Response {
+    json(StatusCode::CONFLICT, wire::epoch_conflict_json(stamp))
 }
 
 /// The `400 Bad Request` for a missing or malformed stamp, with a JSON body naming the header.

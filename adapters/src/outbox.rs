@@ -265,7 +265,7 @@ impl OutboxRelay {
 
     async fn round(&self, span: &tracing::Span) -> Result<RelayRound, RelayError> {
         let c = self.config;
-        let mut tx = db("begin", c.db_timeout, async { Ok(self.fence.pool().begin().await?) }).await?;
+        let mut tx = db("begin", c.db_timeout, self.fence.begin()).await?;
         let rows = db("claim", c.db_timeout, self.fence.outbox_claim_in(&mut tx, c.batch)).await?;
         span.record("claimed", rows.len());
         let mut round = RelayRound { claimed: rows.len(), ..RelayRound::default() };

@@ -20,4 +20,5 @@ pub mod bench_redis;
 #[cfg(feature = "sqs")]
 pub mod bench_sqs;
 pub mod chaos;
+pub mod failover;
 pub mod soak;

@@ -16,6 +16,7 @@ fn all_programs() -> Vec<(&'static str, &'static str)> {
         ("soak", env!("CARGO_BIN_EXE_soak")),
         ("bench", env!("CARGO_BIN_EXE_bench")),
         ("chaos", env!("CARGO_BIN_EXE_chaos")),
+        ("bench_failover", env!("CARGO_BIN_EXE_bench_failover")),
     ];
     #[cfg(feature = "sqs")]
     v.push(("bench_sqs", env!("CARGO_BIN_EXE_bench_sqs")));

@@ -178,8 +178,9 @@ pub fn database_kind(url: &str) -> Result<DbKind, StartError> {
     }
 }
 
-/// Connects to PostgreSQL with `application_name` = the owner (PostgreSQL keeps its first 63
-/// bytes), in `schema`, and [`prepare_schema`]s it. A URL of another scheme is refused at once
+/// Connects to PostgreSQL (one host or a multi-host URL, straight or through a transaction-mode
+/// pooler) with `application_name` = the owner (PostgreSQL keeps its first 63 bytes), in
+/// `schema`, and [`prepare_schema`]s it. A URL of another scheme is refused at once
 /// (exit 2, see [`database_kind`]).
 pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate: bool) -> Result<PgFence, StartError> {
     if database_kind(url)? == DbKind::Sqlite {
@@ -187,9 +188,12 @@ pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate:
             "this program needs PostgreSQL (a postgres:// or postgresql:// URL); sqlite: is not served here".into(),
         ));
     }
-    let options: sqlx::postgres::PgConnectOptions =
-        url.parse().map_err(|e| StartError::Refused(format!("--database-url: {e}")))?;
-    let mut store = PgFence::connect_with(options.application_name(owner.as_str())).await?;
+    // One host or several (`postgres://u@h1:5432,h2:5432/db`: the fence follows the primary), and
+    // a transaction-mode pooler found out by itself (or `?pooler=transaction`).
+    let target = brokerfence::fence::PgTarget::parse(url)
+        .map_err(|e| StartError::Refused(format!("--database-url: {e}")))?
+        .application_name(owner.as_str());
+    let mut store = PgFence::connect_to(target).await?;
     if let Some(schema) = schema {
         store = store.with_schema(SchemaName::new(schema.to_owned()).map_err(|e| StartError::Refused(e.to_string()))?);
     }

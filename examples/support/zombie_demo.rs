@@ -129,6 +129,10 @@ impl Payments {
                 );
                 (409, wire::stale_epoch_json(&stamp, newest))
             }
+            Ok(_) => {
+                clock.say("payments", format!("epoch {} REFUSED (409): another owner holds it", stamp.epoch));
+                (409, wire::epoch_conflict_json(&stamp))
+            }
             Err(e) => (503, e.to_string()),
         }
     }

@@ -176,6 +176,47 @@ pub enum FenceError {
         /// The forms this constructor accepts.
         expected: &'static str,
     },
+    /// Every host of the target answered, but none is a primary: each is a standby (in
+    /// recovery) or read-only. The fence writes, so it needs the primary: during a failover,
+    /// until the new primary is promoted; otherwise list the primary's address (or every host,
+    /// `postgres://h1,h2/db`, in which case the fence finds the primary itself).
+    ///
+    /// ```
+    /// use brokerfence::FenceError;
+    /// let err = FenceError::NotPrimary { hosts: "db2:5432".into() };
+    /// assert!(err.to_string().starts_with("no primary among db2:5432"), "{err}");
+    /// ```
+    #[error(
+        "no primary among {hosts}: the server is a standby (in recovery) or read-only, and the fence          writes; connect to the primary, or list every host (postgres://h1:5432,h2:5432/db) so that          the fence finds it"
+    )]
+    NotPrimary {
+        /// The hosts looked at, as `host:port, …`.
+        hosts: String,
+    },
+    /// A connection pooler between the fence and PostgreSQL refused a startup parameter the
+    /// fence sent (PgBouncer refuses every parameter not in its `ignore_startup_parameters`).
+    ///
+    /// ```
+    /// use brokerfence::FenceError;
+    /// let err = FenceError::PoolerRefused {
+    ///     host: "pgbouncer".into(), port: 6432, parameter: "options".into(),
+    ///     cause: "unsupported startup parameter: options".into(),
+    /// };
+    /// assert!(err.to_string().contains("?pooler=transaction"), "{err}");
+    /// ```
+    #[error(
+        "the server at {host}:{port} refused the startup parameter {parameter} ({cause}): a connection          pooler (PgBouncer) is in front of PostgreSQL. Connect with ?pooler=transaction in the URL (or          Pooler::Transaction; Pooler::Auto, the default, finds out by itself), which sends no startup          options; or add {parameter} to PgBouncer's ignore_startup_parameters"
+    )]
+    PoolerRefused {
+        /// The pooler's host.
+        host: String,
+        /// The pooler's port.
+        port: u16,
+        /// The startup parameter refused.
+        parameter: String,
+        /// The pooler's message.
+        cause: String,
+    },
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
     Database(sqlx::Error),
@@ -219,6 +260,48 @@ impl FenceError {
     /// True when this is a [`FenceError::Fenced`] rejection (the caller was superseded).
     pub fn is_fenced(&self) -> bool {
         matches!(self, FenceError::Fenced { .. })
+    }
+
+    /// Whether the server that answered does not take writes: a standby or a server in
+    /// recovery (SQLSTATE 25006 `read_only_sql_transaction`, or "recovery is in progress"), or
+    /// no primary was found at all. The session is not reused; the operation may be retried
+    /// once the primary answers.
+    ///
+    /// ```
+    /// assert!(brokerfence::FenceError::NotPrimary { hosts: "db2:5432".into() }.is_not_primary());
+    /// ```
+    pub fn is_not_primary(&self) -> bool {
+        match self {
+            FenceError::NotPrimary { .. } => true,
+            FenceError::Database(sqlx::Error::Database(db)) => {
+                db.code().as_deref() == Some("25006") || db.message().contains("recovery is in progress")
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the connection to the server failed (closed, reset, refused, no connection
+    /// free in time, the server shutting down): the statement's fate is unknown, and the same
+    /// statement may succeed on a new connection.
+    ///
+    /// ```
+    /// let err = brokerfence::FenceError::Database(sqlx::Error::PoolTimedOut);
+    /// assert!(err.is_connection_failure());
+    /// ```
+    pub fn is_connection_failure(&self) -> bool {
+        match self {
+            FenceError::Unreachable { .. } => true,
+            FenceError::Database(e) => match e {
+                sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
+                sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => true,
+                // 08: connection exception; 57P01-57P03: admin/crash shutdown, cannot connect now.
+                sqlx::Error::Database(db) => {
+                    db.code().is_some_and(|c| c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03"))
+                }
+                _ => false,
+            },
+            _ => false,
+        }
     }
 
     pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {

@@ -11,6 +11,8 @@ pub struct Guards {
     pub(crate) ledger_check: bool,
     pub(crate) fenced_tx_rollback: bool,
     pub(crate) receiver_ledger_lock: bool,
+    pub(crate) timeline_epochs: bool,
+    pub(crate) ledger_owner_check: bool,
 }
 
 impl Default for Guards {
@@ -22,6 +24,8 @@ impl Default for Guards {
             ledger_check: true,
             fenced_tx_rollback: true,
             receiver_ledger_lock: true,
+            timeline_epochs: true,
+            ledger_owner_check: true,
         }
     }
 }
@@ -50,6 +54,17 @@ impl Guards {
     /// Whether the atomic receiver locks the ledger row inside the handler's transaction.
     pub fn receiver_ledger_lock(&self) -> bool {
         self.receiver_ledger_lock
+    }
+    /// Whether a PostgreSQL claim starts the epoch at the server's timeline base, so that the
+    /// epochs a promoted standby hands out are above every epoch of the timeline it left (see
+    /// [`crate::epoch`]).
+    pub fn timeline_epochs(&self) -> bool {
+        self.timeline_epochs
+    }
+    /// Whether the receiver ledger refuses an equal epoch from another owner (a token handed
+    /// out twice) instead of taking it for the same attempt retrying.
+    pub fn ledger_owner_check(&self) -> bool {
+        self.ledger_owner_check
     }
 }
 
@@ -85,6 +100,17 @@ impl Guards {
     /// (check-then-act, like the check-only guard).
     pub fn without_receiver_ledger_lock(mut self) -> Self {
         self.receiver_ledger_lock = false;
+        self
+    }
+    /// TEST ONLY: PostgreSQL claims increment the epoch whatever the timeline (the fence before
+    /// it survived promotions: a promoted standby hands out epochs the old primary gave already).
+    pub fn without_timeline_epochs(mut self) -> Self {
+        self.timeline_epochs = false;
+        self
+    }
+    /// TEST ONLY: the receiver ledger accepts an equal epoch whoever sends it.
+    pub fn without_ledger_owner_check(mut self) -> Self {
+        self.ledger_owner_check = false;
         self
     }
 }

@@ -27,6 +27,7 @@
 compile_error!("brokerfence: enable a backend feature, `postgres` or `sqlite` (both are on by default)");
 
 pub mod admin;
+pub mod epoch;
 mod error;
 mod group;
 mod guards;
@@ -71,7 +72,7 @@ pub use model::{
 pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;
 #[cfg(feature = "postgres")]
-pub use postgres::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgFence, PgTimeouts};
+pub use postgres::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgFence, PgTarget, PgTimeouts, Pooler};
 pub use retention::{PruneReport, QueueRetention, Retention};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 #[cfg(feature = "sqlite")]

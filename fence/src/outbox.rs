@@ -145,6 +145,7 @@ impl PgFence {
             table(self)
         );
         Ok(sqlx::query_scalar(AssertSqlSafe(sql))
+            .persistent(self.persistent())
             .bind(lease.queue.as_str().to_owned())
             .bind(lease.key.as_str().to_owned())
             .bind(lease.epoch)
@@ -176,8 +177,11 @@ impl PgFence {
              FROM {} WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
             table(self)
         );
-        let rows: Vec<Row> =
-            sqlx::query_as(AssertSqlSafe(sql)).bind(i64::from(limit.max(1))).fetch_all(&mut *conn).await?;
+        let rows: Vec<Row> = sqlx::query_as(AssertSqlSafe(sql))
+            .persistent(self.persistent())
+            .bind(i64::from(limit.max(1)))
+            .fetch_all(&mut *conn)
+            .await?;
         Ok(rows
             .into_iter()
             .map(|(id, queue, key, epoch, owner, destination, payload)| OutboxRow {
@@ -207,7 +211,12 @@ impl PgFence {
         }
         let sql =
             format!("UPDATE {} SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL", table(self));
-        Ok(sqlx::query(AssertSqlSafe(sql)).bind(ids.to_vec()).execute(&mut *conn).await?.rows_affected())
+        Ok(sqlx::query(AssertSqlSafe(sql))
+            .persistent(self.persistent())
+            .bind(ids.to_vec())
+            .execute(&mut *conn)
+            .await?
+            .rows_affected())
     }
 
     /// How many outbox rows are unsent (the relay's backlog).
@@ -219,6 +228,10 @@ impl PgFence {
     /// ```
     pub async fn outbox_unsent(&self) -> Result<i64> {
         let sql = format!("SELECT count(*)::bigint FROM {} WHERE sent_at IS NULL", table(self));
-        Ok(sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(self.pool()).await?)
+        let mut session = self.session(crate::postgres::Lane::Main).await?;
+        let unsent =
+            sqlx::query_scalar(AssertSqlSafe(sql)).persistent(self.persistent()).fetch_one(&mut *session).await?;
+        session.done().await?;
+        Ok(unsent)
     }
 }

@@ -124,7 +124,10 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Stores progress under the lease.
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()>;
 
-    /// Commits the result: the job is completed under this epoch.
+    /// Commits the result: the job is completed under this epoch. A job already completed
+    /// under this very lease with this very result (its own earlier commit, sent again because
+    /// the answer was lost to a failed connection or a failover) is answered `Ok`: a commit may
+    /// be sent again safely. Any other completed job is [`Fenced`](crate::FenceError::Fenced).
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()>;
 
     /// [`complete`](Self::complete) for many leases in one statement (one commit, one fsync):
@@ -162,11 +165,7 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn completed_under(&self, leases: &[Lease]) -> Result<Vec<bool>> {
         let mut out = Vec::with_capacity(leases.len());
         for l in leases {
-            out.push(self.job(&l.queue, &l.key).await?.is_some_and(|job| {
-                job.state == crate::model::JobState::Completed
-                    && job.epoch == l.epoch
-                    && job.owner.as_deref() == Some(l.owner.as_str())
-            }));
+            out.push(self.job(&l.queue, &l.key).await?.is_some_and(|job| completed_under_lease(&job, l)));
         }
         Ok(out)
     }
@@ -308,6 +307,21 @@ pub(crate) fn distinct_keys(keys: &[JobKey]) -> Vec<&JobKey> {
 }
 
 /// The verdict of [`FenceStore::check_schema`] from the newest applied migration version.
+/// Whether `job` is completed under `lease` (its epoch and owner): the lease's own commit.
+pub(crate) fn completed_under_lease(job: &JobRecord, lease: &Lease) -> bool {
+    job.state == crate::model::JobState::Completed
+        && job.epoch == lease.epoch
+        && job.owner.as_deref() == Some(lease.owner.as_str())
+}
+
+/// Whether `job` is completed under `lease` with `result`: the lease's own commit of that
+/// result. A commit sent again after its answer was lost (the connection failed, the server
+/// failed over) finds the row so and is answered as committed, not as fenced; a commit of
+/// another result under the same lease is still fenced.
+pub(crate) fn committed_as(job: &JobRecord, lease: &Lease, result: &[u8]) -> bool {
+    completed_under_lease(job, lease) && job.result.as_deref().unwrap_or_default() == result
+}
+
 pub(crate) fn schema_verdict(found: i64, required: i64) -> Result<()> {
     if found >= required { Ok(()) } else { Err(crate::FenceError::SchemaTooOld { found, required }) }
 }

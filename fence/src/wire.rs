@@ -10,7 +10,7 @@
 //! | `Fence-Queue` | the queue of the job (encoded)          | yes      |
 //! | `Fence-Job`   | the job key (encoded)                   | yes      |
 //! | `Fence-Epoch` | the epoch, a decimal integer `>= 1`     | yes      |
-//! | `Fence-Owner` | the worker that holds the lease (encoded)| no (for logs) |
+//! | `Fence-Owner` | the worker that holds the lease (encoded)| no (logs; lets the ledger tell a retry from a repeated token) |
 //!
 //! Values are *encoded* so that any key fits in an HTTP header: every byte outside the visible
 //! ASCII range (`!`..=`~`), and `%` itself, is written as `%XX` (uppercase hex of the UTF-8 byte).
@@ -298,7 +298,9 @@ impl FenceStamp {
     }
 
     /// Checks this stamp against a receiver's ledger: accepted when its epoch is not older than
-    /// the newest seen for the job (and the ledger now keeps it), stale otherwise.
+    /// the newest seen for the job (and the ledger now keeps it), stale otherwise. A stamp that
+    /// names its owner is refused as [`Verdict::Conflict`] when another owner holds the same
+    /// epoch at the ledger (see [`crate::ledger`]).
     ///
     /// ```no_run
     /// # async fn demo(ledger: brokerfence::Ledger, stamp: brokerfence::wire::FenceStamp) -> brokerfence::Result<()> {
@@ -308,7 +310,10 @@ impl FenceStamp {
     /// # Ok(()) }
     /// ```
     pub async fn accept(&self, ledger: &Ledger) -> crate::Result<Verdict> {
-        ledger.accept(&self.ledger_job(), self.epoch).await
+        match &self.owner {
+            Some(owner) => ledger.accept_by(&self.ledger_job(), self.epoch, owner).await,
+            None => ledger.accept(&self.ledger_job(), self.epoch).await,
+        }
     }
 }
 
@@ -415,6 +420,29 @@ pub fn stale_epoch_json(stamp: &FenceStamp, newest: i64) -> String {
         newest,
         stamp.owner.as_deref().map_or_else(|| "null".to_owned(), json_string),
         json_string(&stale_epoch_message(stamp, newest)),
+    )
+}
+
+/// The JSON body of a `409 Conflict` for an epoch another owner already holds at the receiver
+/// ([`Verdict::Conflict`]: a fencing token handed out twice).
+///
+/// ```
+/// let s = brokerfence::wire::FenceStamp::new("orders", "o-7", 3).with_owner("w2");
+/// let body = brokerfence::wire::epoch_conflict_json(&s);
+/// assert!(body.starts_with(r#"{"error":"epoch_conflict","queue":"orders","job":"o-7","epoch":3,"owner":"w2""#));
+/// ```
+pub fn epoch_conflict_json(stamp: &FenceStamp) -> String {
+    format!(
+        r#"{{"error":"epoch_conflict","queue":{},"job":{},"epoch":{},"owner":{},"message":{}}}"#,
+        json_string(&stamp.queue),
+        json_string(&stamp.job),
+        stamp.epoch,
+        stamp.owner.as_deref().map_or_else(|| "null".to_owned(), json_string),
+        json_string(&format!(
+            "job {}/{}: epoch {} was already accepted from another owner (a fencing token handed out twice); \
+             nothing was applied",
+            stamp.queue, stamp.job, stamp.epoch
+        )),
     )
 }
 

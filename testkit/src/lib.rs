@@ -9,6 +9,8 @@
 //! - [`store`]: fresh PostgreSQL schemas and SQLite files, names, leases, the shared store suite's
 //!   backend trait;
 //! - [`wait`]: the one polling loop (`wait_for`, `eventually`);
+//! - [`pg_topology`]: private PostgreSQL servers on free ports, a primary with a streaming standby
+//!   (async or sync), TCP relays (a VIP, the replication link) and PgBouncer, for failover tests;
 //! - [`process`]: child processes (the test binary re-executed as a worker, signals, built
 //!   examples); [`tree`]: the repository's files, for the layout tests;
 //! - [`receiver`] (feature `receiver`): an HTTP receiver that judges epochs with the ledger;
@@ -19,6 +21,7 @@
 // they hold, and only the items whose use is not obvious carry a doc line.
 
 pub mod localstack;
+pub mod pg_topology;
 pub mod process;
 #[cfg(feature = "receiver")]
 #[allow(missing_docs)]

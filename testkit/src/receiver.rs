@@ -1,5 +1,5 @@
 //! A downstream HTTP service for the tests (feature `receiver`): it judges each call's epoch with
-//! the fence's ledger (newest wins, equal = retry), records what it saw, and can hold calls back
+//! the fence's ledger (newest wins, equal = the same owner retrying), records what it saw, and can hold calls back
 //! to fix the order in which they reach the ledger. [`calling_handler`] is the handler that calls it.
 
 use std::collections::HashMap;
@@ -161,17 +161,26 @@ async fn apply(State(app): State<Arc<App>>, headers: HeaderMap, body: axum::body
     match verdict {
         Verdict::Accepted { .. } => (StatusCode::OK, "applied".into()),
         Verdict::Stale { newest } => (StatusCode::CONFLICT, brokerfence::fence::wire::stale_epoch_json(&stamp, newest)),
+        _ => (StatusCode::CONFLICT, brokerfence::fence::wire::epoch_conflict_json(&stamp)),
     }
 }
 
 /// The handler the in-process workers of the tests run: calls the receiver with the stamp and
 /// commits "owner@epoch" (the same behaviour as `examples/sqs_worker.rs`).
 pub fn calling_handler(receiver_url: String) -> impl brokerfence::adapters::Handler {
-    let http = reqwest::Client::new();
+    calling_handler_after(receiver_url, Duration::ZERO)
+}
+
+/// [`calling_handler`] that first works for `delay` (a sleep), so that attempts are in flight.
+pub fn calling_handler_after(receiver_url: String, delay: Duration) -> impl brokerfence::adapters::Handler {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap_or_default();
     move |ctx: brokerfence::fence::JobContext| {
         let http = http.clone();
         let url = receiver_url.clone();
         async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let mut req = http.post(&url).body(ctx.payload().to_vec());
             for (k, v) in FenceStamp::of_lease(ctx.lease()).to_headers() {
                 req = req.header(k, v);

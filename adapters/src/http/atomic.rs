@@ -220,30 +220,39 @@ impl AtomicEpochGuard {
 
     /// Opens the request's transaction with the ledger row moved to `epoch` (or, guard switched
     /// off, accepts in autocommit first, then opens a transaction for the effect alone).
-    async fn open(&self, job: String, epoch: i64) -> Result<Opened, Response> {
+    async fn open(&self, job: String, epoch: i64, owner: Option<String>) -> Result<Opened, Response> {
         let ledger = self.ledger.clone();
         let locked = ledger.guards().receiver_ledger_lock();
         let opening = async move {
             if !locked {
                 // Guard off (test only): check-then-act, like the check-only guard.
-                let verdict = ledger.accept(&job, epoch).await?;
-                if let Verdict::Stale { newest } = verdict {
-                    return Ok(Opened::Stale { newest });
+                let verdict = match &owner {
+                    Some(owner) => ledger.accept_by(&job, epoch, owner).await?,
+                    None => ledger.accept(&job, epoch).await?,
+                };
+                match verdict {
+                    Verdict::Stale { newest } => return Ok(Opened::Stale { newest }),
+                    Verdict::Conflict { .. } => return Ok(Opened::Conflict),
+                    _ => {}
                 }
             }
-            let mut tx = ledger.pool().begin().await?;
+            let mut tx = ledger.begin().await?;
             if !locked {
                 return Ok(Opened::Accepted { tx, newest: epoch });
             }
-            match ledger.accept_in(&mut tx, &job, epoch).await? {
-                Verdict::Accepted { newest } => Ok(Opened::Accepted { tx, newest }),
-                Verdict::Stale { newest } => {
-                    if let Err(e) = tx.rollback().await {
-                        tracing::warn!(error = %e, "rollback after a stale epoch failed (the connection rolls back on release)");
-                    }
-                    Ok(Opened::Stale { newest })
-                }
+            let verdict = match &owner {
+                Some(owner) => ledger.accept_in_by(&mut tx, &job, epoch, owner).await?,
+                None => ledger.accept_in(&mut tx, &job, epoch).await?,
+            };
+            let refused = match verdict {
+                Verdict::Accepted { newest } => return Ok(Opened::Accepted { tx, newest }),
+                Verdict::Stale { newest } => Opened::Stale { newest },
+                _ => Opened::Conflict,
+            };
+            if let Err(e) = tx.rollback().await {
+                tracing::warn!(error = %e, "rollback after a refused epoch failed (the connection rolls back on release)");
             }
+            Ok(refused)
         };
         match detached(self.db_timeout, opening).await {
             Ok(opened) => Ok(opened),
@@ -259,7 +268,7 @@ impl AtomicEpochGuard {
     }
 
     async fn run(self, stamp: FenceStamp, mut req: Request, next: Next) -> Response {
-        let (tx, newest) = match self.open(stamp.ledger_job(), stamp.epoch).await {
+        let (tx, newest) = match self.open(stamp.ledger_job(), stamp.epoch, stamp.owner.clone()).await {
             Ok(Opened::Accepted { tx, newest }) => (tx, newest),
             Ok(Opened::Stale { newest }) => {
                 tracing::warn!(
@@ -268,6 +277,13 @@ impl AtomicEpochGuard {
                     "stale epoch refused: the caller was superseded"
                 );
                 return stale_response(&stamp, newest);
+            }
+            Ok(Opened::Conflict) => {
+                tracing::error!(
+                    owner = stamp.owner.as_deref().unwrap_or("-"),
+                    "epoch refused: another owner holds the same epoch (a fencing token handed out twice)"
+                );
+                return super::conflict_response(&stamp);
             }
             Err(refusal) => return refusal,
         };
@@ -332,6 +348,7 @@ const LEAKED: &str = "the effect's transaction was still in use when the handler
 enum Opened {
     Accepted { tx: Tx, newest: i64 },
     Stale { newest: i64 },
+    Conflict,
 }
 
 /// Commits only a healthy transaction: PostgreSQL answers the COMMIT of a transaction in which a

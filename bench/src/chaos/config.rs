@@ -102,6 +102,11 @@ pub struct ChaosConfig {
     pub stall: Option<Duration>,
     /// Stop injecting after this many faults (the rest of the run drains in peace).
     pub max_faults: Option<usize>,
+    /// `pg-failover`: a synchronous standby (`synchronous_standby_names`) instead of an
+    /// asynchronous one.
+    pub failover_sync: bool,
+    /// `pg-failover`: how long the primary works alone (replication cut) before it dies.
+    pub failover_alone: Duration,
     /// Seed of the fault schedule.
     pub seed: u64,
     /// PostgreSQL URL.
@@ -139,6 +144,8 @@ impl ChaosConfig {
             faults: FaultKind::CLASSIC.to_vec(),
             stall: None,
             max_faults: None,
+            failover_sync: false,
+            failover_alone: Duration::from_millis(3000),
             seed: rand::random(),
             database_url,
             launcher,
@@ -187,6 +194,28 @@ impl ChaosConfig {
             max_faults: Some(4),
             verbose: false,
             ..Self::new(source, database_url, launcher)
+        }
+    }
+
+    /// A small instance with a failover (table queue through PgBouncer): `pg-failover` after a
+    /// first round of `sigstop`, `pg-terminate` and `sigkill` at short steps, on jobs that take
+    /// about 100 ms each, so that many are claimed and finished by the primary while it is alone
+    /// (and lost with it).
+    pub fn failover(database_url: String, launcher: Launcher) -> Self {
+        Self {
+            workers: 3,
+            jobs: 240,
+            concurrency: 2,
+            batch: 4,
+            work: Duration::from_millis(100),
+            lease_secs: 5,
+            fault_every: Duration::from_millis(800),
+            deadline: Duration::from_secs(50),
+            poison_every: 40,
+            flaky_every: 17,
+            faults: vec![FaultKind::SigStop, FaultKind::SigKill, FaultKind::PgTerminate, FaultKind::PgFailover],
+            verbose: false,
+            ..Self::new(SourceKind::Table, database_url, launcher)
         }
     }
 
@@ -252,6 +281,12 @@ pub(crate) struct RunnerCli {
     /// Most faults to inject
     #[arg(long, value_name = "N")]
     pub(crate) max_faults: Option<usize>,
+    /// pg-failover: a synchronous standby (default: asynchronous)
+    #[arg(long)]
+    pub(crate) failover_sync: bool,
+    /// pg-failover: milliseconds the primary works alone before it dies [default: 3000]
+    #[arg(long = "failover-alone-ms", value_name = "MS")]
+    pub(crate) failover_alone_ms: Option<u64>,
     /// Random seed
     #[arg(long, value_name = "N")]
     pub(crate) seed: Option<u64>,
@@ -341,6 +376,10 @@ pub(crate) fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerAr
     }
     if cli.max_faults.is_some() {
         c.max_faults = cli.max_faults;
+    }
+    c.failover_sync = cli.failover_sync;
+    if let Some(v) = cli.failover_alone_ms {
+        c.failover_alone = Duration::from_millis(v);
     }
     if let Some(v) = cli.seed {
         c.seed = v;

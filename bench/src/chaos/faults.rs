@@ -17,9 +17,10 @@
 //! | fault | excuses a loss of | why |
 //! |---|---|---|
 //! | `sigstop` | the paused worker | its holder was not running |
-//! | `pg-terminate` | the workers whose connections were cut | the database was unreachable for them |
+//! | `pg-terminate` | the workers whose connections were cut (every worker behind PgBouncer: the server connections it cuts are shared) | the database was unreachable for them |
 //! | `pg-lock` | the worker whose running rows were locked, and any worker seen waiting on that lock (`pg_blocking_pids`, from when it was seen) | the heartbeat renews all of a worker's leases in one statement, so one locked row stalls every renewal of that worker until the lock goes; another worker's claim of a locked job whose lease ran out waits on the lock too. Workers not seen waiting are not excused |
-//! | `pg-pause` | the worker whose idle PostgreSQL backends were SIGSTOPped | the database was unreachable for it |
+//! | `pg-pause` | the worker whose idle PostgreSQL backends were SIGSTOPped (every worker behind PgBouncer, whose server connections all workers share) | the database was unreachable for it |
+//! | `pg-failover` | every worker, from the cut of replication until the address (the VIP) leads to the promoted standby | writes the primary took alone are lost with it, and the database is unreachable while the standby is promoted: a lease confirmed by the old primary may not exist on the new one |
 //! | `broker-stall` | nobody | a slow broker may cost a visibility hint, never a healthy lease (issue #12, item 1) |
 //! | `redis-restart` | nobody | the same: the broker is not the authority |
 //! | `sigkill` | nobody (the killed worker reports nothing any more) | |
@@ -50,11 +51,15 @@ pub enum FaultKind {
     PgLock,
     /// The idle PostgreSQL backends of one worker are SIGSTOPped for longer than the lease.
     PgPause,
+    /// The database fails over (table source only): replication to the standby is cut, the
+    /// primary works alone for a while, dies, the standby is promoted and the address the
+    /// workers use (a VIP, behind PgBouncer) is re-pointed to it. Once per run.
+    PgFailover,
 }
 
 impl FaultKind {
     /// Every kind, in the order a run injects its first round.
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::SigStop,
         FaultKind::PgTerminate,
         FaultKind::SigKill,
@@ -62,6 +67,7 @@ impl FaultKind {
         FaultKind::BrokerStall,
         FaultKind::PgLock,
         FaultKind::PgPause,
+        FaultKind::PgFailover,
     ];
 
     /// The faults a run injects when none are named: the four of the original chaos run.
@@ -78,6 +84,7 @@ impl FaultKind {
             FaultKind::BrokerStall => "broker-stall",
             FaultKind::PgLock => "pg-lock",
             FaultKind::PgPause => "pg-pause",
+            FaultKind::PgFailover => "pg-failover",
         }
     }
 
@@ -95,7 +102,7 @@ impl FaultKind {
                     None => {
                         return Err(format!(
                             "unknown fault {other:?} (sigstop, sigkill, pg-terminate, redis-restart, broker-stall, \
-                             pg-lock, pg-pause, pg-stall, classic, all)"
+                             pg-lock, pg-pause, pg-failover, pg-stall, classic, all)"
                         ));
                     }
                 },
@@ -114,7 +121,14 @@ impl FaultKind {
 
     /// Whether a lease lost by a worker this fault targeted (within its window) is excused.
     pub fn excuses(self) -> bool {
-        matches!(self, FaultKind::SigStop | FaultKind::PgTerminate | FaultKind::PgLock | FaultKind::PgPause)
+        matches!(
+            self,
+            FaultKind::SigStop
+                | FaultKind::PgTerminate
+                | FaultKind::PgLock
+                | FaultKind::PgPause
+                | FaultKind::PgFailover
+        )
     }
 }
 

@@ -12,6 +12,12 @@ pub(crate) struct FaultCtx<'a> {
     pub(crate) lease: Duration,
     pub(crate) log: &'a FaultLog,
     pub(crate) proxy: Option<&'a proxy::StallProxy>,
+    /// The workers reach PostgreSQL through PgBouncer in transaction mode (a `pg-failover` run):
+    /// its server connections are shared by every worker, so a fault on connections or backends
+    /// hits them all.
+    pub(crate) pooled: bool,
+    /// The runner's own `application_name` (its connections are never cut or paused).
+    pub(crate) runner_app: &'a str,
 }
 
 pub(crate) async fn inject(
@@ -74,6 +80,30 @@ pub(crate) async fn inject(
             );
             say(format!("restarted worker {index} (pid {new_pid})"));
         }
+        FaultKind::PgTerminate if x.pooled => {
+            // PgBouncer holds the server connections and lends them to every worker in turn (it
+            // sets each client's application_name on the one it lends): cut them all, i.e. every
+            // client backend of this private server but the runner's.
+            let start = now_ms();
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND backend_type = 'client backend' \
+                 AND application_name <> $1 AND pid <> pg_backend_pid()) t",
+            )
+            .bind(x.runner_app.to_owned())
+            .fetch_one(x.store.pool())
+            .await
+            .map_err(|e| format!("pg_terminate_backend: {e}"))?;
+            report.connections_terminated += u64::try_from(n).unwrap_or(0);
+            log.record(
+                FaultKind::PgTerminate,
+                Target::All,
+                start,
+                now_ms(),
+                format!("{n} server connections of PgBouncer cut"),
+            );
+            say(format!("pg_terminate_backend: {n} server connections of PgBouncer"));
+        }
         FaultKind::PgTerminate => {
             let (pattern, target) = if rng.random_bool(0.5) || c.workers == 1 {
                 (format!("chaos-{}-w%", x.run_id), Target::All)
@@ -94,6 +124,8 @@ pub(crate) async fn inject(
             log.record(FaultKind::PgTerminate, target, start, now_ms(), format!("{n} connections cut"));
             say(format!("pg_terminate_backend: {n} connections of {pattern}"));
         }
+        // The run starts it itself, in a task of its own (see `failover.rs`).
+        FaultKind::PgFailover => return Ok(false),
         FaultKind::RedisRestart => {
             let start = now_ms();
             broker.restart_server().await?;
@@ -124,6 +156,34 @@ pub(crate) async fn inject(
             );
             report.broker_stalls += 1;
             say(format!("broker stall for {:.1} s (proxy {})", d.as_secs_f64(), proxy.addr()));
+        }
+        FaultKind::PgPause if x.pooled => {
+            // Behind PgBouncer an idle server backend is no one worker's: the next transaction of
+            // any worker may get it. Pause every idle backend the workers used, for all of them.
+            let in_flight = live_attempts(x, None).await?;
+            if in_flight == 0 {
+                say("pg-pause: no attempt in flight now; later".into());
+                return Ok(false);
+            }
+            let d = c.stall();
+            let pattern = format!("chaos-{}-w%", x.run_id);
+            let id = log.open(FaultKind::PgPause, Target::All, "PgBouncer's server backends:".into());
+            match pg_stall::pause_backends(x.store.pool().clone(), pattern, d, log.clone(), id).await {
+                Ok(n) => {
+                    say(format!("pg-pause: {n} backends behind PgBouncer SIGSTOPped for {:.1} s", d.as_secs_f64()));
+                    if n == 0 {
+                        return Ok(false);
+                    }
+                    report.pg_pauses += 1;
+                    report.pg_paused_backends += n as u64;
+                    report.stalled_attempts += in_flight;
+                }
+                Err(e) => {
+                    log.close(id);
+                    say(format!("pg-pause failed: {e}"));
+                    return Ok(false);
+                }
+            }
         }
         FaultKind::PgLock | FaultKind::PgPause => {
             let Some(i) = pg_victim(x, fleet).await? else {

@@ -1,12 +1,14 @@
-//! PostgreSQL stalls of one worker, on the shared local server, touching only this run's rows
-//! and this run's backends:
+//! PostgreSQL stalls of one worker, on the shared local server (in a `pg-failover` run: on the
+//! private server that is the primary now, which the runner reaches through the VIP), touching
+//! only this run's rows and this run's backends:
 //!
 //! - `pg-lock`: a transaction of the runner takes `FOR UPDATE` locks on the rows one worker is
 //!   running (its owner id, this run's schema), holds them for longer than the lease, and rolls
 //!   back. The worker's heartbeats and commits of those rows wait on the locks.
 //! - `pg-pause`: the worker's PostgreSQL backends (found in `pg_stat_activity` by the
 //!   `application_name` the run gave that worker) are SIGSTOPped for longer than the lease and
-//!   then SIGCONTed. Only backends that are `idle` (waiting for their client, holding no lock)
+//!   then SIGCONTed (behind PgBouncer, which lends its server connections to every worker in
+//!   turn, the idle backends of every worker: `chaos-RUN-w%`). Only backends that are `idle` (waiting for their client, holding no lock)
 //!   are paused, and a backend found active right after the stop is resumed at once, so a paused
 //!   backend never holds a lock or a buffer another session of the shared server needs. Each
 //!   pause also starts a detached `sh -c "sleep …; kill -CONT …"` watchdog, so a runner that dies
@@ -125,9 +127,11 @@ fn signal(pid: i32, sig: i32) {
     }
 }
 
+/// Idle backends whose `application_name` is `LIKE application_name` (a worker's name, or
+/// `chaos-RUN-w%` for all of them).
 async fn idle_backends(pool: &PgPool, application_name: &str) -> Result<Vec<i32>, String> {
     sqlx::query_scalar(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database() \
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 AND datname = current_database() \
          AND state = 'idle' AND pid <> pg_backend_pid()",
     )
     .bind(application_name.to_owned())
@@ -146,7 +150,7 @@ async fn state_of(pool: &PgPool, pid: i32) -> Option<String> {
         .flatten()
 }
 
-/// Starts pausing the idle backends of `application_name` for `hold` (new idle backends of it
+/// Starts pausing the idle backends of `application_name` (a `LIKE` pattern) for `hold` (new idle backends of it
 /// that appear meanwhile are paused too, until the end), in a background task that resumes them
 /// all and closes fault `id`. Returns once the first round is paused, with its count.
 pub async fn pause_backends(

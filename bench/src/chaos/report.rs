@@ -28,6 +28,11 @@ pub struct Report {
     pub committed_twice: usize,
     /// Receiver accepts of an epoch lower than one already accepted for the job.
     pub stale_accepts: usize,
+    /// (job, epoch) pairs the receiver got from more than one owner (accepted or refused): a
+    /// fencing token handed out twice.
+    pub tokens_handed_out_twice: usize,
+    /// A few of them, in words.
+    pub tokens_twice_examples: Vec<String>,
     /// Zombie commits refused by the compare-and-set (summed over worker incarnations).
     pub zombie_commits_rejected: u64,
     /// Handlers cancelled after a lease loss.
@@ -36,6 +41,9 @@ pub struct Report {
     pub receiver_calls: u64,
     /// Receiver calls refused as stale (409).
     pub receiver_refused: u64,
+    /// Receiver calls refused because another owner had called with the same epoch
+    /// (`Verdict::Conflict`, 409).
+    pub receiver_conflicts: u64,
     /// Jobs whose final epoch is above 1 (taken over or retried).
     pub jobs_reclaimed: usize,
     /// Highest epoch seen.
@@ -58,6 +66,13 @@ pub struct Report {
     pub pg_pauses: u64,
     /// Backends paused by them (first round of each).
     pub pg_paused_backends: u64,
+    /// Failovers (`pg-failover`: cut, primary alone, killed, standby promoted, VIP re-pointed).
+    pub pg_failovers: u64,
+    /// The failover's figures (informational), when one happened.
+    pub failover: Option<FailoverFigures>,
+    /// Jobs whose receiver calls span timeline 1 and a later one: work done on the primary that
+    /// failed over (lost with it, or cut short) and done again on the promoted standby.
+    pub jobs_rerun_after_failover: usize,
     /// Attempts in flight (rows `running` under a live lease) when the stalls began, summed:
     /// a stall that finds none cannot cost a lease.
     pub stalled_attempts: u64,
@@ -92,6 +107,29 @@ pub struct Report {
     pub log_dir: Option<PathBuf>,
 }
 
+/// What the failover took (seconds) and what it lost.
+#[derive(Debug, Clone, Default)]
+pub struct FailoverFigures {
+    /// A synchronous standby.
+    pub sync: bool,
+    /// The promoted standby's timeline.
+    pub timeline: u32,
+    /// From the cut of replication to the primary's death.
+    pub alone_secs: f64,
+    /// From the primary's death to the end of the standby's promotion.
+    pub promote_secs: f64,
+    /// From the cut of replication until the VIP led to the promoted standby.
+    pub cut_to_repoint_secs: f64,
+    /// From the end of the promotion to the first commit on the promoted standby (its audit
+    /// table); `None` when none came.
+    pub promotion_to_first_commit_secs: Option<f64>,
+    /// From the end of the promotion to the receiver's first accepted call of a timeline-2 epoch.
+    pub promotion_to_first_promoted_accept_secs: Option<f64>,
+    /// Commits the old primary had recorded just before it died that the promoted standby does
+    /// not have (writes lost with it); `None` when the old primary could not be read.
+    pub commits_lost: Option<usize>,
+}
+
 impl Report {
     /// Every invariant that does not hold, in words. Empty means the run passed.
     pub fn violations(&self) -> Vec<String> {
@@ -108,6 +146,15 @@ impl Report {
         }
         if self.stale_accepts > 0 {
             v.push(format!("receiver accepted a lower epoch {} times", self.stale_accepts));
+        }
+        if self.tokens_handed_out_twice > 0 {
+            v.push(format!(
+                "fencing tokens handed out twice = {} ((job, epoch) pairs that reached the receiver from two owners)",
+                self.tokens_handed_out_twice
+            ));
+        }
+        if self.faults.contains(&FaultKind::PgFailover) && self.source == "table" && self.pg_failovers < 1 {
+            v.push("pg-failover was selected but never injected (the jobs drained first)".into());
         }
         if self.faults.contains(&FaultKind::SigStop) && self.zombie_commits_rejected < 1 {
             v.push("no zombie commit was rejected: the pauses did not bite".into());
@@ -159,8 +206,8 @@ impl std::fmt::Display for Report {
         }
         writeln!(
             f,
-            "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts",
-            self.sigstops, self.sigkills, self.connections_terminated, self.redis_restarts,
+            "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts, {} failovers",
+            self.sigstops, self.sigkills, self.connections_terminated, self.redis_restarts, self.pg_failovers,
         )?;
         let stalls = [FaultKind::BrokerStall, FaultKind::PgLock, FaultKind::PgPause];
         if self.faults.iter().any(|k| stalls.contains(k)) {
@@ -174,6 +221,28 @@ impl std::fmt::Display for Report {
                 self.pg_pauses,
                 self.pg_paused_backends,
                 self.stalled_attempts
+            )?;
+        }
+        if let Some(fo) = &self.failover {
+            let opt = |v: Option<f64>| v.map_or("none".to_owned(), |s| format!("{s:.1} s"));
+            writeln!(
+                f,
+                "  failover ({} standby): primary alone {:.1} s, promoted in {:.1} s (timeline {}), cut to VIP \
+                 re-pointed {:.1} s; promotion to first commit {}, to first timeline-{} accept {}",
+                if fo.sync { "synchronous" } else { "asynchronous" },
+                fo.alone_secs,
+                fo.promote_secs,
+                fo.timeline,
+                fo.cut_to_repoint_secs,
+                opt(fo.promotion_to_first_commit_secs),
+                fo.timeline,
+                opt(fo.promotion_to_first_promoted_accept_secs),
+            )?;
+            writeln!(
+                f,
+                "  failover: {} commits lost with the old primary, {} jobs re-run after it (calls on timelines 1 and 2)",
+                fo.commits_lost.map_or("?".to_owned(), |n| n.to_string()),
+                self.jobs_rerun_after_failover
             )?;
         }
         if !self.timeline.is_empty() {
@@ -194,6 +263,10 @@ impl std::fmt::Display for Report {
         writeln!(f, "  jobs lost                          = {}", self.lost())?;
         writeln!(f, "  results committed twice            = {}", self.committed_twice)?;
         writeln!(f, "  receiver accepts of a lower epoch  = {}", self.stale_accepts)?;
+        writeln!(f, "  tokens handed out twice            = {}", self.tokens_handed_out_twice)?;
+        for e in &self.tokens_twice_examples {
+            writeln!(f, "    e.g. {e}")?;
+        }
         writeln!(f, "  healthy cancellations              = {}", self.losses.healthy)?;
         let excused: Vec<String> = self.losses.excused.iter().map(|(k, n)| format!("{k} {n}")).collect();
         writeln!(
@@ -215,8 +288,14 @@ impl std::fmt::Display for Report {
         }
         writeln!(
             f,
-            "  lease losses {}, receiver calls {} ({} refused as stale), jobs reclaimed {}, max epoch {}",
-            self.lease_losses, self.receiver_calls, self.receiver_refused, self.jobs_reclaimed, self.max_epoch
+            "  lease losses {}, receiver calls {} ({} refused as stale, {} as another owner's epoch), jobs \
+             reclaimed {}, max epoch {}",
+            self.lease_losses,
+            self.receiver_calls,
+            self.receiver_refused,
+            self.receiver_conflicts,
+            self.jobs_reclaimed,
+            self.max_epoch
         )?;
         write!(f, "  drained in {:.1} s, {:.1} s in all", self.drain_secs, self.total_secs)?;
         if let Some(dir) = &self.log_dir {

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How long the runner's store may fail (while the database fails over and its pool reconnects)
+/// before the run gives up.
+const STORE_PATIENCE: Duration = Duration::from_secs(60);
+
 /// Runs one chaos instance and returns what it found (it does not judge: see
 /// [`Report::violations`]).
 pub async fn run(c: ChaosConfig) -> Result<Report, String> {
@@ -10,14 +14,40 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let t0_ms = now_ms();
     let run_id = format!("{:08x}", rand::random::<u32>());
     let schema = SchemaName::new(format!("chaos_{run_id}")).map_err(|e| e.to_string())?;
+    let runner_app = format!("chaos-{run_id}-runner");
+    // pg-failover (table queue only): the jobs live on a private primary with a standby, which
+    // the runner reaches through the VIP and the workers through PgBouncer (see failover.rs).
+    let topology = if c.injects(FaultKind::PgFailover) && c.source == SourceKind::Table {
+        Some(failover::Topology::start(c.failover_sync).await?)
+    } else {
+        None
+    };
+    let jobs_url = topology.as_ref().map_or_else(|| c.database_url.clone(), |t| t.vip_url());
     let options: sqlx::postgres::PgConnectOptions =
-        c.database_url.parse().map_err(|e: sqlx::Error| format!("DATABASE_URL: {e}"))?;
-    let store = PgFence::connect_with(options.application_name(&format!("chaos-{run_id}-runner")))
+        jobs_url.parse().map_err(|e: sqlx::Error| format!("DATABASE_URL: {e}"))?;
+    let store = PgFence::connect_with(options.application_name(&runner_app))
         .await
         .map_err(|e| format!("connect to PostgreSQL (run `bash localstack/up`): {e}"))?
         .with_schema(schema.clone());
     store.migrate().await.map_err(|e| format!("migrate: {e}"))?;
+    // The audit trigger lives with the jobs: in a failover run it counts the commits that
+    // survived on the promoted standby.
     install_audit(&store).await?;
+    // The receiver's ledger must outlive a failover: on the shared server, in a schema of its own.
+    let ledger_store = match &topology {
+        None => store.clone(),
+        Some(_) => {
+            let options: sqlx::postgres::PgConnectOptions =
+                c.database_url.parse().map_err(|e: sqlx::Error| format!("DATABASE_URL: {e}"))?;
+            let rx_schema = SchemaName::new(format!("chaos_{run_id}_rx")).map_err(|e| e.to_string())?;
+            let rx = PgFence::connect_with(options.application_name(&format!("chaos-{run_id}-receiver")))
+                .await
+                .map_err(|e| format!("connect to PostgreSQL for the receiver (run `bash localstack/up`): {e}"))?
+                .with_schema(rx_schema);
+            rx.migrate().await.map_err(|e| format!("migrate the receiver's schema: {e}"))?;
+            rx
+        }
+    };
 
     let queue = QueueName::new(format!("chaos-{}-{run_id}", c.source.name())).map_err(|e| e.to_string())?;
     let jobs = job_kinds(&c);
@@ -36,6 +66,14 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
                     .to_owned(),
                 _ => "broker-stall: the broker endpoint is not a plain address on 127.0.0.1".to_owned(),
             }),
+            FaultKind::PgFailover if c.source != SourceKind::Table => not_applicable.push(
+                "pg-failover: the table queue only (its jobs, claims and commits all live in the database that \
+                 fails over; an SQS or Redis source keeps its deliveries in the broker, which the failover does \
+                 not touch)"
+                    .to_owned(),
+            ),
+            // Once per run, started by the loop below in a task of its own.
+            FaultKind::PgFailover => {}
             k => kinds.push(k),
         }
     }
@@ -45,15 +83,7 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     };
     let proxy_addr = proxy.as_ref().map(|p| p.addr());
 
-    let receiver = Arc::new(Receiver {
-        ledger: PgLedger::new(&store, "chaos-receiver"),
-        log: Mutex::default(),
-        locks: Mutex::default(),
-        calls: AtomicU64::new(0),
-        refused: AtomicU64::new(0),
-        stale_accepts: AtomicU64::new(0),
-        errors: AtomicU64::new(0),
-    });
+    let receiver = Arc::new(Receiver::new(PgLedger::new(&ledger_store, "chaos-receiver")));
     let (receiver_url, receiver_task) = start_receiver(Arc::clone(&receiver)).await?;
 
     let log_dir = std::env::temp_dir().join("brokerfence-chaos").join(&run_id);
@@ -62,7 +92,7 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         "--source".into(),
         c.source.name().into(),
         "--db".into(),
-        c.database_url.clone(),
+        topology.as_ref().map_or_else(|| c.database_url.clone(), |t| t.bouncer_url()),
         "--app".into(),
         format!("chaos-{run_id}-w"),
         "--schema".into(),
@@ -105,6 +135,9 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     if let Some(p) = &proxy {
         say(format!("workers reach the broker through the stall proxy on {}", p.addr()));
     }
+    if let Some(t) = &topology {
+        say(format!("pg-failover topology: {}", t.describe()));
+    }
     let first_start = Instant::now();
     for i in 0..c.workers {
         let w = fleet.spawn(i, 0).await?;
@@ -127,8 +160,17 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         ..Default::default()
     };
     let log = FaultLog::default();
-    let ctx =
-        FaultCtx { c: &c, store: &store, queue: &queue, run_id: &run_id, lease, log: &log, proxy: proxy.as_ref() };
+    let ctx = FaultCtx {
+        c: &c,
+        store: &store,
+        queue: &queue,
+        run_id: &run_id,
+        lease,
+        log: &log,
+        proxy: proxy.as_ref(),
+        pooled: topology.is_some(),
+        runner_app: &runner_app,
+    };
     // Every kind of fault early on (a second SIGSTOP at the end of the round), then at random.
     let mut schedule: Vec<FaultKind> = FaultKind::ALL.iter().copied().filter(|k| kinds.contains(k)).collect();
     if kinds.contains(&FaultKind::SigStop) {
@@ -139,6 +181,13 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let deadline = first_start + c.deadline;
     let mut drained_at = None;
     let mut last_progress = Instant::now();
+    // The failover: once, in a task of its own; its result when it is over.
+    let mut failover_due = topology.is_some();
+    let mut failover_task: Option<tokio::task::JoinHandle<Result<failover::FailoverTimes, String>>> = None;
+    let mut failover_times: Option<failover::FailoverTimes> = None;
+    // The runner's store loses its connections in a failover: how long it has been failing.
+    let mut store_failing_since: Option<Instant> = None;
+    let mut finished = 0;
     loop {
         let now = Instant::now();
         // Resume paused workers whose pause is over.
@@ -152,7 +201,35 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
                 say(format!("SIGCONT worker {} (pid {})", w.index, w.pid));
             }
         }
-        let finished = count_finished(&store, &queue).await?;
+        if failover_task.as_ref().is_some_and(|t| t.is_finished())
+            && let Some(task) = failover_task.take()
+        {
+            let t = task.await.map_err(|e| format!("pg-failover task: {e}"))??;
+            say(format!(
+                "pg-failover done: VIP re-pointed to the promoted standby (timeline {}) {:.1} s after the cut",
+                t.timeline,
+                t.repointed_ms.saturating_sub(t.cut_ms) as f64 / 1000.0
+            ));
+            failover_times = Some(t);
+            report.pg_failovers += 1;
+            next_fault = Instant::now() + c.fault_every;
+        }
+        let failing_over = failover_task.is_some();
+        match count_finished(&store, &queue).await {
+            Ok(n) => {
+                finished = n;
+                store_failing_since = None;
+            }
+            // While the database fails over (and a little after) the runner's store cannot
+            // count; the workers go on.
+            Err(e) if topology.is_some() => {
+                let since = *store_failing_since.get_or_insert(now);
+                if now.duration_since(since) > STORE_PATIENCE {
+                    return Err(format!("{e} (for {STORE_PATIENCE:?})"));
+                }
+            }
+            Err(e) => return Err(e),
+        }
         if c.verbose && now.duration_since(last_progress) > Duration::from_secs(2) {
             last_progress = now;
             say(format!(
@@ -162,7 +239,8 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
                 fleet.metric("lease_losses")
             ));
         }
-        if finished >= c.jobs {
+        // Jobs finished on a primary that is failing over may be lost with it: not drained yet.
+        if finished >= c.jobs && !failing_over {
             drained_at = Some(Instant::now());
             break;
         }
@@ -170,8 +248,28 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             say("deadline reached with jobs unfinished".into());
             break;
         }
+        // The failover once every other kind had its first round and about a quarter of the jobs
+        // are finished; at half of them whatever the round (fast jobs drain before a round is
+        // over), so that many jobs remain. Other faults wait while it is under way.
+        let round_over = schedule.is_empty() && now >= next_fault;
+        if let Some(t) = &topology
+            && failover_due
+            && ((round_over && finished >= c.jobs / 4) || finished >= c.jobs / 2)
+        {
+            failover_due = false;
+            report.faults_injected += 1;
+            say(format!(
+                "pg-failover: replication cut at {finished}/{} finished; the primary alone for {:.1} s",
+                c.jobs,
+                c.failover_alone.as_secs_f64()
+            ));
+            failover_task =
+                Some(failover::fail_over(Arc::clone(t), c.failover_alone, log.clone(), store.clone(), queue.clone()));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
         let injected = report.faults_injected;
-        if now >= next_fault && !kinds.is_empty() && c.max_faults.is_none_or(|m| injected < m) {
+        if now >= next_fault && !failing_over && !kinds.is_empty() && c.max_faults.is_none_or(|m| injected < m) {
             let fault = schedule.pop().unwrap_or_else(|| {
                 let mut weighted = kinds.clone();
                 if kinds.contains(&FaultKind::SigStop) {
@@ -179,7 +277,16 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
                 }
                 weighted[rng.random_range(0..weighted.len())]
             });
-            if inject(&ctx, fault, &mut fleet, &mut broker, &mut rng, &mut report, &say).await? {
+            let done = match inject(&ctx, fault, &mut fleet, &mut broker, &mut rng, &mut report, &say).await {
+                Ok(done) => done,
+                // Right after a failover the runner's store may still be reconnecting: later.
+                Err(e) if topology.is_some() => {
+                    say(format!("{}: {e}; later", fault.name()));
+                    false
+                }
+                Err(e) => return Err(e),
+            };
+            if done {
                 report.faults_injected += 1;
                 // The first round comes at even steps, so every kind is injected early on.
                 let jitter = if schedule.is_empty() { rng.random_range(0.5..1.5) } else { 1.0 };
@@ -198,6 +305,12 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     report.drain_secs = drained_at.unwrap_or_else(Instant::now).duration_since(first_start).as_secs_f64();
+    // A failover still under way (the deadline came first) ends before the workers stop.
+    if let Some(task) = failover_task.take() {
+        let t = task.await.map_err(|e| format!("pg-failover task: {e}"))??;
+        failover_times = Some(t);
+        report.pg_failovers += 1;
+    }
     // A broker stall still in force ends now: the workers need their broker to stop cleanly.
     if let Some(p) = &proxy {
         p.resume();
@@ -242,8 +355,10 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     }
 
     // ---- checks ----
-    let rows = final_rows(&store, &queue).await?;
-    let commits = commit_counts(&store, &queue).await?;
+    // After a failover the runner's store may need a moment to reach the promoted standby.
+    let patience = if topology.is_some() { STORE_PATIENCE } else { Duration::ZERO };
+    let rows = failover::retrying(patience, || final_rows(&store, &queue)).await?;
+    let commits = failover::retrying(patience, || commit_counts(&store, &queue)).await?;
     let accepted: HashMap<String, Vec<i64>> = receiver
         .log
         .lock()
@@ -294,6 +409,46 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     report.stale_accepts = receiver.stale_accepts.load(Ordering::Relaxed) as usize;
     report.receiver_calls = receiver.calls.load(Ordering::Relaxed);
     report.receiver_refused = receiver.refused.load(Ordering::Relaxed);
+    report.receiver_conflicts = receiver.conflicts.load(Ordering::Relaxed);
+    let twice = receiver.tokens_handed_out_twice();
+    report.tokens_handed_out_twice = twice.len();
+    report.tokens_twice_examples = twice
+        .iter()
+        .take(5)
+        .map(|(job, epoch, owners)| {
+            format!(
+                "{job} epoch {epoch} (timeline {}) from {}",
+                brokerfence::epoch::timeline_of(*epoch),
+                owners.join(" and ")
+            )
+        })
+        .collect();
+    report.jobs_rerun_after_failover = receiver.jobs_rerun_after_failover();
+    if let Some(t) = &failover_times {
+        let after = |ms: u64| ms.saturating_sub(t.promoted_ms) as f64 / 1000.0;
+        let first_commit = failover::retrying(patience, || failover::first_commit_since(&store, &queue, t.promoted_ms))
+            .await
+            .ok()
+            .flatten();
+        let commits_lost = match &t.commits_before_kill {
+            Some(before) => {
+                let now = failover::retrying(patience, || failover::commit_keys(&store, &queue)).await?;
+                Some(before.difference(&now).count())
+            }
+            None => None,
+        };
+        let first_accept = receiver.first_promoted_accept_ms.load(Ordering::Relaxed);
+        report.failover = Some(FailoverFigures {
+            sync: c.failover_sync,
+            timeline: t.timeline,
+            alone_secs: t.killed_ms.saturating_sub(t.cut_ms) as f64 / 1000.0,
+            promote_secs: t.promoted_ms.saturating_sub(t.killed_ms) as f64 / 1000.0,
+            cut_to_repoint_secs: t.repointed_ms.saturating_sub(t.cut_ms) as f64 / 1000.0,
+            promotion_to_first_commit_secs: first_commit.map(after),
+            promotion_to_first_promoted_accept_secs: (first_accept > 0).then(|| after(first_accept)),
+            commits_lost,
+        });
+    }
     report.zombie_commits_rejected = fleet.metric("fenced_rejections");
     report.lease_losses = fleet.metric("lease_losses");
 
@@ -323,9 +478,21 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let keep = c.keep_logs || (c.keep_on_failure && !report.violations().is_empty());
     if keep {
         report.log_dir = Some(log_dir);
+        if topology.is_some() {
+            say(format!(
+                "kept: the receiver's ledger in schema {} of DATABASE_URL (the jobs' schema goes with the private \
+                 servers)",
+                ledger_store.schema().as_str()
+            ));
+        }
     } else {
         let _ = std::fs::remove_dir_all(&log_dir);
-        drop_schema(&store).await;
+        // In a failover run the jobs' schema goes with the private servers.
+        drop_schema(&ledger_store).await;
+    }
+    if let Some(t) = topology {
+        drop(store);
+        failover::Topology::teardown(t).await;
     }
     Ok(report)
 }

@@ -284,6 +284,7 @@ pub(crate) fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence
             "no-epoch-increment" => guards.without_epoch_increment(),
             "no-commit-cas" => guards.without_commit_cas(),
             "no-heartbeat-cas" => guards.without_heartbeat_cas(),
+            "no-timeline-epochs" => guards.without_timeline_epochs(),
             other => return Err(format!("unknown guard switch {other}")),
         };
     }

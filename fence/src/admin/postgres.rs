@@ -35,11 +35,12 @@ async fn begin(
     timeout: Duration,
     report: bool,
 ) -> Result<sqlx::Transaction<'static, Postgres>, AdminError> {
-    let mut tx = pg.pool().begin().await?;
+    let mut tx = pg.begin().await?;
     let statement = ms(timeout).max(1).to_string();
     // Below the statement limit, so that a call stuck on a lock says so.
     let lock = ms((timeout / 2).min(Duration::from_secs(3))).max(1).to_string();
     sqlx::query("SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $2, true)")
+        .persistent(false)
         .bind(statement)
         .bind(lock)
         .execute(&mut *tx)
@@ -49,6 +50,7 @@ async fn begin(
             "SELECT set_config('enable_seqscan', 'on', true), set_config('enable_hashjoin', 'on', true), \
              set_config('enable_mergejoin', 'on', true), set_config('plan_cache_mode', 'auto', true)",
         )
+        .persistent(false)
         .execute(&mut *tx)
         .await?;
     }
@@ -81,6 +83,7 @@ pub(super) async fn status(
     let q = queue.map(|q| q.as_str().to_owned());
     let mut tx = begin(pg, timeout, true).await?;
     let now: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT {}", epoch_ms("clock_timestamp()"))))
+        .persistent(false)
         .fetch_one(&mut *tx)
         .await?;
     let counts: Vec<(String, String, i64, i64)> = sqlx::query_as(AssertSqlSafe(format!(
@@ -88,10 +91,12 @@ pub(super) async fn status(
            (count(*) FILTER (WHERE t.state = 'running' AND t.lease_until < clock_timestamp()))::bigint \
          FROM {s}.jobs t WHERE {f} GROUP BY t.queue, t.state ORDER BY 1, 2"
     )))
+    .persistent(false)
     .bind(q.clone())
     .fetch_all(&mut *tx)
     .await?;
     let oldest: Vec<RunningRow> = sqlx::query_as(AssertSqlSafe(running_select(s, f, "", "t.run_at")))
+        .persistent(false)
         .bind(q.clone())
         .bind(1i64)
         .fetch_all(&mut *tx)
@@ -102,6 +107,7 @@ pub(super) async fn status(
         "AND t.lease_until < clock_timestamp() + $3::bigint * interval '1 millisecond'",
         "t.lease_until",
     )))
+    .persistent(false)
     .bind(q)
     .bind(i64::from(limit))
     .bind(ms(within))
@@ -123,6 +129,7 @@ pub(super) async fn queues(pg: &PgFence, timeout: Duration) -> Result<Vec<String
            FROM q WHERE q.name IS NOT NULL) \
          SELECT q.name COLLATE \"C\" FROM q WHERE q.name IS NOT NULL"
     )))
+    .persistent(false)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -148,6 +155,7 @@ pub(super) async fn job(
         ua = epoch_ms("t.updated_at"),
         now = epoch_ms("clock_timestamp()"),
     )))
+    .persistent(false)
     .bind(queue.as_str().to_owned())
     .bind(key.as_str().to_owned())
     .fetch_optional(&mut *tx)
@@ -174,6 +182,7 @@ pub(super) async fn dead(
         ua = epoch_ms("t.updated_at"),
         age = epoch_ms("(clock_timestamp() - t.updated_at)"),
     )))
+    .persistent(false)
     .bind(queue.map(|q| q.as_str().to_owned()))
     .bind(i64::from(limit))
     .fetch_all(&mut *tx)
@@ -209,6 +218,7 @@ pub(super) async fn requeue(
             for chunk in key_chunks(keys, batch) {
                 let mut tx = begin(pg, timeout, false).await?;
                 let rows: Vec<(String, Option<i64>, Option<String>)> = sqlx::query_as(AssertSqlSafe(statement.clone()))
+                    .persistent(false)
                     .bind(queue.as_str().to_owned())
                     .bind(chunk)
                     .fetch_all(&mut *tx)
@@ -218,7 +228,10 @@ pub(super) async fn requeue(
             }
         }
         Requeue::AllDead => {
-            let cutoff: String = sqlx::query_scalar("SELECT clock_timestamp()::text").fetch_one(pg.pool()).await?;
+            let mut tx = begin(pg, timeout, false).await?;
+            let cutoff: String =
+                sqlx::query_scalar("SELECT clock_timestamp()::text").persistent(false).fetch_one(&mut *tx).await?;
+            tx.commit().await?;
             // The oldest dead rows by the `jobs_finished` index, rows another transaction holds
             // (a pruner's batch) skipped, changed by their row address.
             let statement = format!(
@@ -231,6 +244,7 @@ pub(super) async fn requeue(
             loop {
                 let mut tx = begin(pg, timeout, false).await?;
                 let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(statement.clone()))
+                    .persistent(false)
                     .bind(queue.as_str().to_owned())
                     .bind(cutoff.clone())
                     .bind(i64::from(batch))

@@ -4,12 +4,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::Connection;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use super::cursor::{ClaimCursors, DEFAULT_RESCAN};
+use super::locate::Locator;
+use super::probe::{connect_options, find_primary};
+use super::route::{self, Lane, PrimaryWatch, Route};
+use super::target::{PgTarget, Pooler};
 use super::{MigrationLimits, PgFence, Statements};
-use crate::error::{FenceError, Result};
+use crate::error::Result;
 use crate::guards::Guards;
 use crate::schema::SchemaName;
 use crate::store::default_max_claims;
@@ -38,58 +41,14 @@ use crate::store::default_max_claims;
 pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
                                      SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
 
-/// The schemes [`PgFence::connect`] accepts, as its [`FenceError::UnsupportedScheme`] names them.
-const PG_SCHEMES: &str = "postgres:// or postgresql:// (PostgreSQL; for SQLite use SqliteFence::open with sqlite:PATH)";
+/// The schemes [`PgFence::connect`] accepts, as its [`FenceError::UnsupportedScheme`](crate::FenceError::UnsupportedScheme) names them.
+pub(super) const PG_SCHEMES: &str =
+    "postgres:// or postgresql:// (PostgreSQL; for SQLite use SqliteFence::open with sqlite:PATH)";
 
 /// How long the one direct connection attempt [`PgFence::connect`] and
 /// [`PgFence::connect_with`] make before building their pool may take (10 s, the pool's acquire
-/// timeout): past it the connect fails with [`FenceError::Unreachable`].
+/// timeout): past it the connect fails with [`FenceError::Unreachable`](crate::FenceError::Unreachable).
 pub const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// One direct connection to `options`, closed at once: the real cause when the server cannot be
-/// reached or refuses the connection (a pool only says that it timed out).
-async fn probe(options: &sqlx::postgres::PgConnectOptions) -> Result<()> {
-    let unreachable = |cause: String| FenceError::Unreachable {
-        host: options.get_host().to_owned(),
-        port: options.get_port(),
-        cause,
-    };
-    match tokio::time::timeout(CONNECT_PROBE_TIMEOUT, PgConnection::connect_with(options)).await {
-        Err(_) => Err(unreachable(format!("no answer within {} s", CONNECT_PROBE_TIMEOUT.as_secs()))),
-        Ok(Ok(conn)) => {
-            // Terminate politely, but never wait long for it.
-            let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
-            Ok(())
-        }
-        // A certificate that does not verify is an I/O error of kind InvalidData: keep it as it
-        // is (`FenceError::Database`), like every TLS failure.
-        Ok(Err(sqlx::Error::Io(io))) if io.kind() != std::io::ErrorKind::InvalidData => {
-            Err(unreachable(lowercase_first(&io.to_string())))
-        }
-        // 28xxx: authentication; 3D000: no such database; 53300: too many connections.
-        Ok(Err(sqlx::Error::Database(db)))
-            if db.code().is_some_and(|c| c.starts_with("28") || c == "3D000" || c == "53300") =>
-        {
-            Err(FenceError::ConnectRejected {
-                host: options.get_host().to_owned(),
-                port: options.get_port(),
-                user: options.get_username().to_owned(),
-                database: options.get_database().unwrap_or(options.get_username()).to_owned(),
-                cause: db.message().to_owned(),
-            })
-        }
-        Ok(Err(e)) => Err(e.into()),
-    }
-}
-
-/// `s` with its first letter in lower case ("Connection refused" reads as a cause in a sentence).
-fn lowercase_first(s: &str) -> String {
-    let mut chars = s.chars();
-    match chars.next() {
-        Some(c) => c.to_lowercase().chain(chars).collect(),
-        None => String::new(),
-    }
-}
 
 /// Server-side time limits of a fence's connections, sent as startup options of each connection
 /// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra
@@ -97,7 +56,7 @@ fn lowercase_first(s: &str) -> String {
 ///
 /// Fence statements touch a few rows by key and take milliseconds; one that waits longer for a
 /// lock (a row held by a stalled transaction, a table lock queued by a migration) or runs longer
-/// gives up with [`FenceError::LockTimeout`] or [`FenceError::StatementTimeout`] instead of
+/// gives up with [`FenceError::LockTimeout`](crate::FenceError::LockTimeout) or [`FenceError::StatementTimeout`](crate::FenceError::StatementTimeout) instead of
 /// hanging past the lease it serves. Nothing the statement wrote is kept; the caller retries.
 ///
 /// The defaults fit the shortest lease ([`MIN_LEASE`](crate::MIN_LEASE), 3 s, renewed every
@@ -173,8 +132,8 @@ impl PgTimeouts {
 
     /// The pool of reserved heartbeat connections: opened on first use (then kept while in use, like any pool's), each with
     /// [`PG_SESSION_SETUP`] and the heartbeat limits.
-    fn heartbeat_pool(&self, options: sqlx::postgres::PgConnectOptions) -> PgPool {
-        PgFence::pool_options()
+    fn heartbeat_pool(&self, options: sqlx::postgres::PgConnectOptions, watch: &Arc<PrimaryWatch>) -> PgPool {
+        route::pool_options(false, watch)
             .max_connections(self.heartbeat_connections.max(1))
             .connect_lazy_with(self.apply_heartbeat(options))
     }
@@ -204,22 +163,21 @@ impl PgFence {
     /// let fence = brokerfence::PgFence::new(pool);
     /// # let _ = fence; Ok(()) }
     /// ```
+    ///
+    /// A connection that opens on a standby or a read-only server is closed (the pool connects
+    /// again), so a pool behind an address that an HA manager re-points only ever hands out
+    /// sessions of the primary.
     pub fn pool_options() -> PgPoolOptions {
-        PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(10)).after_connect(|conn, _| {
-            Box::pin(async move {
-                sqlx::Executor::execute(&mut *conn, PG_SESSION_SETUP).await?;
-                Ok(())
-            })
-        })
+        route::pool_options(false, &PrimaryWatch::new(None))
     }
 
     /// Connects a pool of up to 16 connections to `url` ([`pool_options`](Self::pool_options)),
     /// with the default [`PgTimeouts`] and their reserved heartbeat connections.
     ///
     /// `url` must be a PostgreSQL URL (`postgres://` or `postgresql://`): any other scheme fails
-    /// at once with [`FenceError::UnsupportedScheme`]. A server that cannot be reached fails
-    /// with [`FenceError::Unreachable`] (host, port and cause), one that refuses the user or
-    /// database with [`FenceError::ConnectRejected`]; see [`connect_with`](Self::connect_with).
+    /// at once with [`FenceError::UnsupportedScheme`](crate::FenceError::UnsupportedScheme). A server that cannot be reached fails
+    /// with [`FenceError::Unreachable`](crate::FenceError::Unreachable) (host, port and cause), one that refuses the user or
+    /// database with [`FenceError::ConnectRejected`](crate::FenceError::ConnectRejected); see [`connect_with`](Self::connect_with).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -227,10 +185,13 @@ impl PgFence {
     /// assert!(matches!(err, brokerfence::FenceError::UnsupportedScheme { ref scheme, .. } if scheme == "mysql"));
     /// # }
     /// ```
+    ///
+    /// `url` may list several hosts (`postgres://app@db1:5432,db2:5432/jobs`): the fence uses
+    /// the first that is a primary and follows the primary when it moves; and it may go through
+    /// a transaction-mode pooler such as PgBouncer (found out when connecting, or
+    /// `?pooler=transaction`). See [`PgTarget`] and [`Pooler`].
     pub async fn connect(url: &str) -> Result<Self> {
-        crate::error::require_scheme(url, &["postgres", "postgresql"], PG_SCHEMES)?;
-        let options: sqlx::postgres::PgConnectOptions = url.parse()?;
-        Self::connect_with_timeouts(options, PgTimeouts::default()).await
+        Self::connect_to(PgTarget::parse(url)?).await
     }
 
     /// [`connect_with`](Self::connect_with) with other time limits (see [`PgTimeouts`]).
@@ -238,9 +199,78 @@ impl PgFence {
         options: sqlx::postgres::PgConnectOptions,
         timeouts: PgTimeouts,
     ) -> Result<Self> {
-        probe(&timeouts.apply(options.clone())).await?;
-        let pool = Self::pool_options().connect_with(timeouts.apply(options.clone())).await?;
-        Ok(Self::new(pool).with_heartbeat_pool(timeouts.heartbeat_pool(options)))
+        Self::connect_to(PgTarget::from_options(options).timeouts(timeouts)).await
+    }
+
+    /// Connects to `target`: the first of its hosts that is a primary (one direct connection
+    /// attempt per host, each bounded by the target's connect timeout, 10 s by default), through
+    /// a transaction-mode pooler or not ([`Pooler`]), with the target's [`PgTimeouts`] and their
+    /// reserved heartbeat connections. With several hosts, a task follows the primary: when a
+    /// statement finds the server gone or read-only, or a new connection lands on a standby, it
+    /// looks through the hosts again and moves both pools to the primary it finds.
+    ///
+    /// Errors as [`connect_with`](Self::connect_with); with every host a standby,
+    /// [`FenceError::NotPrimary`](crate::FenceError::NotPrimary).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use brokerfence::{PgFence, PgTarget};
+    /// let target = PgTarget::parse("postgres://app@db1:5432,db2:5432/jobs?target_session_attrs=read-write")?
+    ///     .application_name("billing-worker");
+    /// let fence = PgFence::connect_to(target).await?;
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub async fn connect_to(target: PgTarget) -> Result<Self> {
+        let (host, pooled) = find_primary(&target).await?;
+        let notify = (target.hosts.len() > 1).then(|| Arc::new(tokio::sync::Notify::new()));
+        let watch = PrimaryWatch::new(notify.clone());
+        let route = if pooled {
+            Route::pooled(&target.timeouts, Arc::clone(&watch))
+        } else {
+            Route::direct(Arc::clone(&watch))
+        };
+        let pool = route::pool_options(pooled, &watch)
+            .connect_with(connect_options(&target, host, pooled, Lane::Main))
+            .await?;
+        let heartbeat_pool = route::pool_options(pooled, &watch)
+            .max_connections(target.timeouts.heartbeat_connections.max(1))
+            .connect_lazy_with(connect_options(&target, host, pooled, Lane::Heartbeat));
+        let locator = notify.map(|notify| {
+            Arc::new(Locator::spawn(target, host, pooled, pool.clone(), heartbeat_pool.clone(), watch, notify))
+        });
+        let mut fence = Self::new(pool).with_heartbeat_pool(heartbeat_pool);
+        fence.route = route;
+        fence.locator = locator;
+        Ok(fence)
+    }
+
+    /// Tells a fence built on your own pool ([`new`](Self::new)) that a transaction-mode pooler
+    /// is in front of PostgreSQL ([`Pooler::Transaction`]): its statements then run in
+    /// transactions that carry the default [`PgTimeouts`] and the planner settings, and prepare
+    /// no named statements. (Give the pool's connect options `extra_float_digits(None)` for
+    /// PgBouncer.) [`Pooler::None`] and [`Pooler::Auto`] leave the pool's sessions as they are.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// use brokerfence::{PgFence, Pooler};
+    /// let options: sqlx::postgres::PgConnectOptions = "postgres://app@pgbouncer:6432/jobs".parse()?;
+    /// let pool = sqlx::postgres::PgPoolOptions::new().connect_with(options.extra_float_digits(None)).await?;
+    /// let fence = PgFence::new(pool).with_pooler(Pooler::Transaction);
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub fn with_pooler(mut self, pooler: Pooler) -> Self {
+        let watch = Arc::clone(&self.route.watch);
+        self.route = match pooler {
+            Pooler::Transaction => Route::pooled(&PgTimeouts::default(), watch),
+            _ => Route::direct(watch),
+        };
+        self
+    }
+
+    /// Whether statements run behind a transaction-mode pooler ([`Pooler::Transaction`]: found
+    /// out when connecting, or asked for).
+    pub fn pooler(&self) -> Pooler {
+        if self.route.is_pooled() { Pooler::Transaction } else { Pooler::None }
     }
 
     /// Connects a pool of up to 16 connections ([`pool_options`](Self::pool_options)) with options
@@ -249,16 +279,16 @@ impl PgFence {
     ///
     /// TLS needs the `tls` feature (rustls on *ring*, the system's root certificates). A mode that
     /// insists on TLS (`Require`, `VerifyCa`, `VerifyFull`) fails with
-    /// [`FenceError::Database`]`(sqlx::Error::Tls(..))` when the server offers no TLS, or when the
+    /// [`FenceError::Database`](crate::FenceError::Database)`(sqlx::Error::Tls(..))` when the server offers no TLS, or when the
     /// crate was built without the feature; a certificate that does not verify (`VerifyCa`,
     /// `VerifyFull`) fails with `FenceError::Database(sqlx::Error::Io(..))` of kind `InvalidData`
     /// naming the certificate problem. `Prefer` falls back to plain TCP.
     ///
     /// Before the pool is built, one direct connection is opened (and closed) with a bound of
     /// [`CONNECT_PROBE_TIMEOUT`]: a server that cannot be reached fails at once with
-    /// [`FenceError::Unreachable`] naming the host, port and cause (connection refused, a name
+    /// [`FenceError::Unreachable`](crate::FenceError::Unreachable) naming the host, port and cause (connection refused, a name
     /// that does not resolve, no answer in time), and one that answers but refuses the user or
-    /// database fails with [`FenceError::ConnectRejected`] and the server's message, rather
+    /// database fails with [`FenceError::ConnectRejected`](crate::FenceError::ConnectRejected) and the server's message, rather
     /// than the pool's "timed out while waiting for an open connection" after its acquire timeout.
     ///
     /// Note: sqlx's `PgConnectOptions` prints its password in `Debug`; never log the options.
@@ -297,8 +327,9 @@ impl PgFence {
         let schema = SchemaName::default();
         let guards = Guards::default();
         let stmts = Arc::new(Statements::new(&schema, guards));
+        let watch = PrimaryWatch::new(None);
         let heartbeat_pool = if tokio::runtime::Handle::try_current().is_ok() {
-            PgTimeouts::default().heartbeat_pool((*pool.connect_options()).clone())
+            PgTimeouts::default().heartbeat_pool((*pool.connect_options()).clone(), &watch)
         } else {
             pool.clone()
         };
@@ -311,6 +342,8 @@ impl PgFence {
             max_claims: default_max_claims(),
             migration: MigrationLimits::default(),
             cursors: Arc::new(ClaimCursors::new(DEFAULT_RESCAN)),
+            route: Route::direct(watch),
+            locator: None,
         }
     }
 

@@ -247,6 +247,20 @@ pub(super) const MIGRATIONS: &[Migration] = &[
          FOR EACH ROW WHEN (NEW.epoch < OLD.epoch) EXECUTE FUNCTION {s}.epoch_never_decreases()",
         ],
     },
+    Migration {
+        version: 10,
+        name: "ledger owners",
+        // Who sent the newest epoch of each ledger entry, so that an equal epoch from another
+        // owner is refused (a fencing token handed out twice, see `crate::ledger`). A nullable
+        // column without a default: a catalog change under a lock held for milliseconds, no
+        // rewrite. Entries written before it have no owner and accept an equal epoch from
+        // anyone, as they did.
+        //
+        // The epochs themselves need nothing: a claim starts a job's epoch at the timeline base
+        // (`crate::epoch`), which is 0 on a server never promoted, so existing rows and the
+        // epochs receivers keep stay valid as they are.
+        statements: &["ALTER TABLE {s}.ledger ADD COLUMN IF NOT EXISTS owner text"],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
@@ -303,38 +317,48 @@ impl PgFence {
             "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true), \
              set_config('client_min_messages', 'warning', true)",
         )
+        .persistent(false)
         .execute(&mut *tx)
         .await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
+            .persistent(false)
             .bind(s.to_owned())
             .execute(&mut *tx)
             .await?;
         // Every lock on a fence table from here on: wait briefly, or let go and retry.
         sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .persistent(false)
             .bind(pg_ms(self.migration.lock_timeout).to_string())
             .execute(&mut *tx)
             .await?;
-        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}"))).execute(&mut *tx).await?;
+        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}")))
+            .persistent(false)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(AssertSqlSafe(format!(
             "CREATE TABLE IF NOT EXISTS {s}._migrations (version bigint PRIMARY KEY, name text NOT NULL, \
              applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )))
+        .persistent(false)
         .execute(&mut *tx)
         .await?;
         if let Some(m) = m {
             let applied: Option<i64> =
                 sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
+                    .persistent(false)
                     .bind(m.version)
                     .fetch_optional(&mut *tx)
                     .await?;
             if applied.is_none() {
                 for stmt in m.statements {
                     sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
+                        .persistent(false)
                         .execute(&mut *tx)
                         .await
                         .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
                 }
                 sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
+                    .persistent(false)
                     .bind(m.version)
                     .bind(m.name)
                     .execute(&mut *tx)

@@ -20,14 +20,20 @@ macro_rules! ms {
 
 mod connect;
 mod cursor;
+mod locate;
 mod migrations;
+mod probe;
 mod prune;
+mod route;
 mod statements;
 mod store;
+mod target;
 
 pub use connect::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgTimeouts};
+pub(crate) use route::{Lane, Session};
 pub(crate) use statements::Statements;
 use statements::{ABORT_FENCED_TX, sql};
+pub use target::{PgTarget, Pooler};
 
 /// The fence on PostgreSQL.
 ///
@@ -52,6 +58,10 @@ pub struct PgFence {
     migration: MigrationLimits,
     /// Where the next `claim_next` of each queue starts reading (see [`cursor`]).
     cursors: Arc<cursor::ClaimCursors>,
+    /// How statements reach the server (straight, or behind a transaction-mode pooler).
+    route: route::Route,
+    /// Follows the primary of a multi-host target (none for one host).
+    locator: Option<Arc<locate::Locator>>,
 }
 
 /// How [`PgFence::migrate`](crate::FenceStore::migrate) waits for its locks.
@@ -74,6 +84,48 @@ impl std::fmt::Debug for PgFence {
 }
 
 impl PgFence {
+    /// A session on the pool of `lane` (see [`Session`]): a connection, or behind a pooler a
+    /// transaction that carries the fence's settings. Errors are shown to the primary watch.
+    pub(crate) async fn session(&self, lane: Lane) -> Result<Session> {
+        let pool = match lane {
+            Lane::Main => &self.pool,
+            Lane::Heartbeat => &self.heartbeat_pool,
+        };
+        self.route.session(pool, lane).await
+    }
+
+    /// Whether statements may be prepared once per session: not behind a transaction-mode pooler.
+    pub(crate) fn persistent(&self) -> bool {
+        self.route.persistent()
+    }
+
+    /// Shows an error of a fence statement to the primary watch (see `route::PrimaryWatch`).
+    pub(crate) fn seen(&self, e: FenceError) -> FenceError {
+        self.route.watch.seen(e)
+    }
+
+    /// Begins a transaction on the fence's pool that carries the fence's time limits, for a
+    /// handler's own writes with [`complete_in`](Self::complete_in) or
+    /// [`enqueue_in`](Self::enqueue_in). Straight to PostgreSQL that is a plain `BEGIN` (the
+    /// sessions have the limits); behind a transaction-mode pooler ([`Pooler::Transaction`]) it
+    /// is `BEGIN READ WRITE` plus `SET LOCAL` of the limits and planner settings, which is the
+    /// only way they reach the server there. (Behind such a pooler, prepare your own statements
+    /// unnamed, `sqlx::query(..).persistent(false)`, or use a pooler that keeps prepared
+    /// statements, PgBouncer 1.21+ with `max_prepared_statements`.)
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::PgFence, lease: brokerfence::Lease) -> brokerfence::Result<()> {
+    /// let mut tx = fence.begin().await?;
+    /// sqlx::query("INSERT INTO receipts (id) VALUES ($1)").bind("r-1").persistent(false).execute(&mut *tx).await?;
+    /// fence.complete_in(&mut tx, &lease, b"done").await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        let text = self.route.begin_text(Lane::Main);
+        self.pool.begin_with(sqlx::AssertSqlSafe(text.to_string())).await.map_err(|e| self.seen(e.into()))
+    }
+
     /// [`complete`](crate::FenceStore::complete) inside the caller's transaction, so that the caller's own
     /// rows (business data, outbox) commit together with the result or not at all. Inside a
     /// supervised handler, call [`JobContext::complete_in`](crate::JobContext::complete_in)
@@ -161,6 +213,7 @@ impl PgFence {
         let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
         let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
         let done = sqlx::query(sql(&self.stmts.enqueue))
+            .persistent(self.persistent())
             .bind(queue.as_str().to_owned())
             .bind(keys)
             .bind(payloads)
@@ -183,6 +236,7 @@ impl PgFence {
         ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, FencedRow, sqlx::postgres::PgArguments>,
     {
         let q = sqlx::query_as::<_, FencedRow>(sql(stmt))
+            .persistent(self.persistent())
             .bind(lease.queue.as_str().to_owned())
             .bind(lease.key.as_str().to_owned())
             .bind(lease.owner.as_str().to_owned())

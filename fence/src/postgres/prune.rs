@@ -24,8 +24,9 @@ impl PgFence {
     /// Begins a pruning transaction holding the schema's pruner lock, or `None` when another
     /// pruner holds it (never waits for it).
     async fn begin_prune(&self) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
+            .persistent(false)
             .bind(format!("brokerfence.pruner.{}", self.schema.as_str()))
             .fetch_one(&mut *tx)
             .await?;
@@ -40,8 +41,13 @@ impl PgFence {
     /// (exclusive, see migration 5), then one statement that deletes and raises the floor.
     async fn prune_jobs_batch(&self, queue: &QueueName, state: &str, age: Duration, batch: u32) -> Result<PruneBatch> {
         let Some(mut tx) = self.begin_prune().await? else { return Ok(PruneBatch::Contended) };
-        sqlx::query("SELECT set_config('lock_timeout', $1, true)").bind(FLOOR_LOCK_WAIT_MS).execute(&mut *tx).await?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .persistent(false)
+            .bind(FLOOR_LOCK_WAIT_MS)
+            .execute(&mut *tx)
+            .await?;
         let floor_lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+            .persistent(false)
             .bind(format!("brokerfence.floor.{}.{}", self.schema.as_str(), queue.as_str()))
             .execute(&mut *tx)
             .await;
@@ -55,6 +61,7 @@ impl PgFence {
             Err(e) => return Err(e),
         }
         let (n, floor): (i64, Option<i64>) = sqlx::query_as(sql(&self.stmts.prune_jobs))
+            .persistent(false)
             .bind(queue.as_str().to_owned())
             .bind(state.to_owned())
             .bind(crate::retention::age_ms(age))
@@ -73,6 +80,7 @@ impl PgFence {
     async fn prune_ledger_batch(&self, scope: &str, age: Duration, batch: u32) -> Result<Option<u64>> {
         let Some(mut tx) = self.begin_prune().await? else { return Ok(None) };
         let done = sqlx::query(sql(&self.stmts.prune_ledger))
+            .persistent(false)
             .bind(scope.to_owned())
             .bind(crate::retention::age_ms(age))
             .bind(i64::from(batch))

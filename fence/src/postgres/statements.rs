@@ -39,6 +39,17 @@ pub(crate) struct Statements {
 pub(super) const ABORT_FENCED_TX: &str = "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'BF409', \
     MESSAGE = 'brokerfence: complete_in was fenced (a newer epoch holds the job); this transaction cannot commit'; END $$";
 
+/// The epoch base of the server's current timeline, `(timeline - 1) × 2^32`, read once per
+/// statement (an init plan): 0 on a server that was never promoted (timeline 1), so epochs there
+/// are what they always were. The timeline is the first 8 hex digits of the name of the WAL file
+/// being written; that name changes the moment a promoted server starts writing (the control
+/// file's `pg_control_checkpoint()` still names the old timeline until the next checkpoint).
+/// `pg_walfile_name` fails on a server in recovery, so a claim never runs there. The
+/// multiplication (not a shift) fails with "bigint out of range" instead of wrapping, past
+/// timeline 2^31. See [`crate::epoch`].
+pub(super) const TIMELINE_BASE: &str = "(SELECT (('x' || left(pg_walfile_name(pg_current_wal_insert_lsn()), 8))\
+    ::bit(32)::bigint - 1) * 4294967296)";
+
 /// The compare-and-set every write on behalf of a lease carries ($1 queue, $2 key, $3 owner, $4 epoch).
 const CAS: &str = "t.queue = $1 AND t.key = $2 AND t.owner = $3 AND t.epoch = $4 AND t.state = 'running'";
 /// What is left of it when the commit guard is switched off (tests only).
@@ -74,6 +85,10 @@ fn locked_by_key(s: &str) -> String {
 /// (`cap`, a parameter): a claim that would exceed it makes the job dead instead (epoch and
 /// owner kept, so the last holder stays fenced), naming the cap in `last_error`.
 ///
+/// The new epoch is the row's plus one, and at least the server's timeline base plus one
+/// (`base`, [`TIMELINE_BASE`]): the first claim of a job on a promoted server jumps above every
+/// epoch of the timeline the server left.
+///
 /// A claim that makes the job running changes no indexed column (migration 8): it is a HOT
 /// update, with no index entry written (`finished` stays NULL).
 ///
@@ -83,12 +98,12 @@ fn locked_by_key(s: &str) -> String {
 /// byte to its last, and `updated_at` is the last column but one, so a claim that set it logged
 /// `run_at`, the payload and `created_at` as well (24-34 bytes per claim in
 /// `tests/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
-fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str) -> String {
+fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str, base: &str) -> String {
     let over = format!("t.attempts >= {cap}::bigint");
     format!(
         "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \
          finished = CASE WHEN {over} THEN 'dead' ELSE t.finished END, \
-         epoch = CASE WHEN {over} THEN t.epoch ELSE t.epoch + {inc} END, \
+         epoch = CASE WHEN {over} THEN t.epoch ELSE greatest(t.epoch + {inc}, {base} + {inc}) END, \
          owner = CASE WHEN {over} THEN t.owner ELSE {owner} END, \
          lease_until = CASE WHEN {over} THEN NULL ELSE {lease_end} END, \
          attempts = CASE WHEN {over} THEN t.attempts ELSE t.attempts + 1 END, \
@@ -102,6 +117,7 @@ impl Statements {
     pub(crate) fn new(schema: &SchemaName, guards: Guards) -> Self {
         let s = schema.as_str();
         let inc = if guards.epoch_increment { "1" } else { "0" };
+        let base = if guards.timeline_epochs { TIMELINE_BASE } else { "0" };
         let cas = if guards.commit_cas { CAS } else { NO_CAS };
         let hb_cas = if guards.heartbeat_cas {
             "c.cur_epoch = c.epoch AND c.cur_owner = c.owner AND c.cur_state = 'running'"
@@ -109,7 +125,16 @@ impl Statements {
             "true"
         };
         let (hb_epoch, hb_owner) = if guards.heartbeat_cas { ("t.epoch", "t.owner") } else { ("c.epoch", "c.owner") };
-        let ledger_where = if guards.ledger_check { "WHERE l.epoch <= EXCLUDED.epoch" } else { "" };
+        // Newer wins; an equal epoch is the same claim retrying unless both calls name owners
+        // and they differ (a token handed out twice: refused, see `crate::ledger`).
+        let ledger_where = match (guards.ledger_check, guards.ledger_owner_check) {
+            (false, _) => "",
+            (true, false) => "WHERE l.epoch <= EXCLUDED.epoch",
+            (true, true) => {
+                "WHERE l.epoch < EXCLUDED.epoch OR (l.epoch = EXCLUDED.epoch \
+                 AND (l.owner IS NULL OR EXCLUDED.owner IS NULL OR l.owner = EXCLUDED.owner))"
+            }
+        };
         let lease_end = "clock_timestamp() + $LEASE::bigint * interval '1 millisecond'";
         // The lease of a taken-over row is computed in the SET, i.e. after the row lock was
         // granted and the WHERE passed: a claim that waited for a lock still gets its full lease,
@@ -125,7 +150,8 @@ impl Statements {
             "WITH input AS (SELECT k AS key FROM unnest($2::text[]) AS u(k)), \
              claimed AS ( \
                INSERT INTO {s}.jobs AS t (queue, key, state, epoch, owner, lease_until, attempts, run_at) \
-               SELECT $1, i.key, 'running', (SELECT {s}.epoch_floor($1)) + 1, $3, {lease}, 1, clock_timestamp() \
+               SELECT $1, i.key, 'running', greatest((SELECT {s}.epoch_floor($1)), {base}) + 1, $3, {lease}, 1, \
+                   clock_timestamp() \
                FROM input i ORDER BY i.key \
                ON CONFLICT (queue, key) DO UPDATE SET {capped} \
                WHERE t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
@@ -140,7 +166,7 @@ impl Statements {
              WHERE NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
             lease = lease_end.replace("$LEASE", "$4"),
-            capped = capped_claim("EXCLUDED.owner", &lease_end.replace("$LEASE", "$4"), "$5", inc),
+            capped = capped_claim("EXCLUDED.owner", &lease_end.replace("$LEASE", "$4"), "$5", inc, base),
             lu = ms!("c.lease_until"),
             ttl = ms!("(c.lease_until - clock_timestamp())"),
             ra = ms!("(c.run_at - clock_timestamp())"),
@@ -177,7 +203,7 @@ impl Statements {
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
              RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress, \
                  floor(extract(epoch from t.run_at) * 1000000)::bigint",
-            capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc),
+            capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc, base),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );
@@ -292,11 +318,13 @@ impl Statements {
         // No row back means refused. The newest epoch is then read by a second statement: the
         // statement snapshot of this one may predate the row that refused it.
         let ledger_accept = format!(
-            "INSERT INTO {s}.ledger AS l (scope, job, epoch) VALUES ($1, $2, $3) \
-             ON CONFLICT (scope, job) DO UPDATE SET epoch = EXCLUDED.epoch, updated_at = clock_timestamp() \
+            "INSERT INTO {s}.ledger AS l (scope, job, epoch, owner) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (scope, job) DO UPDATE SET epoch = EXCLUDED.epoch, \
+             owner = CASE WHEN l.epoch = EXCLUDED.epoch THEN coalesce(l.owner, EXCLUDED.owner) ELSE EXCLUDED.owner END, \
+             updated_at = clock_timestamp() \
              {ledger_where} RETURNING l.epoch"
         );
-        let ledger_current = format!("SELECT epoch FROM {s}.ledger WHERE scope = $1 AND job = $2");
+        let ledger_current = format!("SELECT epoch, owner FROM {s}.ledger WHERE scope = $1 AND job = $2");
         // One batch of pruning ($1 queue, $2 state, $3 age in ms, $4 rows): the oldest finished
         // rows by the `jobs_finished` index (queue, finished, updated_at), rows another
         // transaction holds skipped, deleted by their row address (a tid scan: the rows are

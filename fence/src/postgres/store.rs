@@ -4,17 +4,17 @@ use async_trait::async_trait;
 use sqlx::AssertSqlSafe;
 use tracing::Instrument;
 
-use super::PgFence;
 use super::migrations::{MIGRATIONS, REQUIRED_VERSION};
 use super::statements::{detached, lease_columns, sql};
+use super::{Lane, PgFence};
 use crate::error::{FenceError, Result};
 use crate::key::{JobKey, Owner, QueueName};
 use crate::model::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::store::{
-    FenceStore, JobRow, backoff_ms, claim_outcome, distinct_keys, fail_outcome, job_record, schema_verdict,
-    split_heartbeat,
+    FenceStore, JobRow, backoff_ms, claim_outcome, committed_as, distinct_keys, fail_outcome, job_record,
+    schema_verdict, split_heartbeat,
 };
 
 impl PgFence {
@@ -24,17 +24,21 @@ impl PgFence {
             return Ok(Heartbeat::default());
         }
         let (queues, keys, epochs, owners) = lease_columns(leases);
-        let (pool, statement, ms) = (self.heartbeat_pool.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
+        let (fence, statement, ms) = (self.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
         type Row = (String, String, i64, String, Option<i64>, Option<i64>, bool);
         let rows: Vec<Row> = detached(async move {
-            Ok(sqlx::query_as(statement)
+            let mut session = fence.session(Lane::Heartbeat).await?;
+            let rows = sqlx::query_as(statement)
+                .persistent(fence.persistent())
                 .bind(queues)
                 .bind(keys)
                 .bind(epochs)
                 .bind(owners)
                 .bind(ms)
-                .fetch_all(&pool)
-                .await?)
+                .fetch_all(&mut *session)
+                .await?;
+            session.done().await?;
+            Ok(rows)
         })
         .await?;
         let (mut renewed, mut held) = (Vec::with_capacity(rows.len()), Vec::new());
@@ -47,6 +51,12 @@ impl PgFence {
         Ok(split_heartbeat(leases, renewed, held))
     }
 
+    /// Whether the job of `lease` is completed under it with `result` (its own commit, whose
+    /// answer was lost: see [`FenceStore::complete`]).
+    async fn committed_as(&self, lease: &Lease, result: &[u8]) -> Result<bool> {
+        Ok(FenceStore::job(self, &lease.queue, &lease.key).await?.is_some_and(|job| committed_as(&job, lease, result)))
+    }
+
     async fn claim_round(
         &self,
         queue: &QueueName,
@@ -54,14 +64,18 @@ impl PgFence {
         owner: &Owner,
         lease: LeaseDuration,
     ) -> Result<Vec<ClaimRow>> {
-        Ok(sqlx::query_as::<_, ClaimRow>(sql(&self.stmts.claim))
+        let mut session = self.session(Lane::Main).await?;
+        let rows = sqlx::query_as::<_, ClaimRow>(sql(&self.stmts.claim))
+            .persistent(self.persistent())
             .bind(queue.as_str().to_owned())
             .bind(keys.to_vec())
             .bind(owner.as_str().to_owned())
             .bind(lease.as_millis_i64())
             .bind(self.max_claims)
-            .fetch_all(&self.pool)
-            .await?)
+            .fetch_all(&mut *session)
+            .await?;
+        session.done().await?;
+        Ok(rows)
     }
 
     /// One `claim_next` statement for up to `n` jobs of `queue`, reading from `from` (the claim
@@ -74,15 +88,18 @@ impl PgFence {
         n: u32,
         from: Option<i64>,
     ) -> Result<Vec<NextRow>> {
+        let mut session = self.session(Lane::Main).await?;
         let rows: Vec<NextRow> = sqlx::query_as(sql(&self.stmts.claim_next))
+            .persistent(self.persistent())
             .bind(queue.as_str().to_owned())
             .bind(owner.as_str().to_owned())
             .bind(lease.as_millis_i64())
             .bind(i64::from(n))
             .bind(self.max_claims)
             .bind(from)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *session)
             .await?;
+        session.done().await?;
         let run_at: Vec<i64> = rows.iter().map(|row| row.8).collect();
         self.cursors.claimed(queue.as_str(), from, n, &run_at);
         Ok(rows)
@@ -159,41 +176,56 @@ impl FenceStore for PgFence {
     /// stop (or restart) such workers around a migration from version 1. This release's
     /// statements return key columns as `COLLATE "C"` and are not affected.
     async fn migrate(&self) -> Result<()> {
-        let s = self.schema.as_str();
-        let mut conn = self.pool.acquire().await?;
-        // Fast path, and the one a role without CREATE on the database takes: when every
-        // migration is recorded already there is nothing to lock or create. A role that may not
-        // read the record falls through and gets the database's permission error below.
-        let recorded: std::result::Result<Vec<i64>, _> =
-            sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations")))
-                .fetch_all(&mut *conn)
-                .await;
-        if let Ok(applied) = recorded
-            && MIGRATIONS.iter().all(|m| applied.contains(&m.version))
-        {
-            return Ok(());
+        let answer: Result<_> = async {
+            let s = self.schema.as_str();
+            // Fast path, and the one a role without CREATE on the database takes: when every
+            // migration is recorded already there is nothing to lock or create. A role that may not
+            // read the record falls through and gets the database's permission error below.
+            let mut session = self.session(Lane::Main).await?;
+            let recorded: std::result::Result<Vec<i64>, _> =
+                sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations")))
+                    .persistent(false)
+                    .fetch_all(&mut *session)
+                    .await;
+            drop(session);
+            let mut conn = self.pool.acquire().await?;
+            if let Ok(applied) = recorded
+                && MIGRATIONS.iter().all(|m| applied.contains(&m.version))
+            {
+                return Ok(());
+            }
+            // The schema and the record first (an empty step), then each migration.
+            self.migration_step(&mut conn, None).await?;
+            for m in MIGRATIONS {
+                self.migration_step(&mut conn, Some(m)).await?;
+            }
+            Ok(())
         }
-        // The schema and the record first (an empty step), then each migration.
-        self.migration_step(&mut conn, None).await?;
-        for m in MIGRATIONS {
-            self.migration_step(&mut conn, Some(m)).await?;
-        }
-        Ok(())
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn check_schema(&self) -> Result<()> {
-        let s = self.schema.as_str();
-        let found: std::result::Result<i64, sqlx::Error> =
-            sqlx::query_scalar(AssertSqlSafe(format!("SELECT coalesce(max(version), 0)::bigint FROM {s}._migrations")))
-                .fetch_one(&self.pool)
-                .await;
-        let found = match found {
-            Ok(v) => v,
-            // 42P01 undefined_table, 3F000 invalid_schema_name: no schema yet.
-            Err(sqlx::Error::Database(db)) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => 0,
-            Err(e) => return Err(e.into()),
-        };
-        schema_verdict(found, REQUIRED_VERSION)
+        let answer: Result<_> = async {
+            let s = self.schema.as_str();
+            let mut session = self.session(Lane::Main).await?;
+            let found: std::result::Result<i64, sqlx::Error> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT coalesce(max(version), 0)::bigint FROM {s}._migrations"
+            )))
+            .persistent(false)
+            .fetch_one(&mut *session)
+            .await;
+            drop(session);
+            let found = match found {
+                Ok(v) => v,
+                // 42P01 undefined_table, 3F000 invalid_schema_name: no schema yet.
+                Err(sqlx::Error::Database(db)) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => 0,
+                Err(e) => return Err(e.into()),
+            };
+            schema_verdict(found, REQUIRED_VERSION)
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn claim_batch(
@@ -203,11 +235,23 @@ impl FenceStore for PgFence {
         owner: &Owner,
         lease: LeaseDuration,
     ) -> Result<Vec<Claim>> {
-        claim_rounds(queue, keys, owner, |todo| async move { self.claim_round(queue, &todo, owner, lease).await }).await
+        let answer: Result<_> = async {
+            claim_rounds(queue, keys, owner, |todo| async move { self.claim_round(queue, &todo, owner, lease).await })
+                .await
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
-        self.enqueue_on(&self.pool, queue, jobs).await
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let new = self.enqueue_on(&mut *session, queue, jobs).await?;
+            session.done().await?;
+            Ok(new)
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn claim_next(
@@ -217,173 +261,261 @@ impl FenceStore for PgFence {
         lease: LeaseDuration,
         n: u32,
     ) -> Result<Vec<ClaimedJob>> {
-        let from = self.cursors.start(queue.as_str());
-        let mut rows = self.claim_next_from(queue, owner, lease, n, from).await?;
-        // Fewer than asked from the cursor: the rest may be behind it (a lease that ran out, a
-        // row skipped while locked). Scan from the start for them in the same call, so that a
-        // claim that answers fewer than `n` has looked at the whole queue. The jobs claimed so
-        // far are the caller's either way: a failure of this second statement is logged, not
-        // returned (their leases would otherwise run out unused).
-        let got = u32::try_from(rows.len()).unwrap_or(u32::MAX);
-        if from.is_some() && got < n {
-            match self.claim_next_from(queue, owner, lease, n - got, None).await {
-                Ok(more) => rows.extend(more),
-                Err(e) if rows.is_empty() => return Err(e),
-                Err(e) => tracing::warn!(error = %e, queue = queue.as_str(), "claim from the queue's start failed"),
+        let answer: Result<_> = async {
+            let from = self.cursors.start(queue.as_str());
+            let mut rows = self.claim_next_from(queue, owner, lease, n, from).await?;
+            // Fewer than asked from the cursor: the rest may be behind it (a lease that ran out, a
+            // row skipped while locked). Scan from the start for them in the same call, so that a
+            // claim that answers fewer than `n` has looked at the whole queue. The jobs claimed so
+            // far are the caller's either way: a failure of this second statement is logged, not
+            // returned (their leases would otherwise run out unused).
+            let got = u32::try_from(rows.len()).unwrap_or(u32::MAX);
+            if from.is_some() && got < n {
+                match self.claim_next_from(queue, owner, lease, n - got, None).await {
+                    Ok(more) => rows.extend(more),
+                    Err(e) if rows.is_empty() => return Err(e),
+                    Err(e) => tracing::warn!(error = %e, queue = queue.as_str(), "claim from the queue's start failed"),
+                }
             }
-        }
-        // Rows over the cap on claims were made dead, not claimed.
-        rows.into_iter()
-            .filter(|row| row.1 == "running")
-            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress, _)| {
-                Ok(ClaimedJob {
-                    lease: Lease {
-                        queue: queue.clone(),
-                        key: JobKey::new(key)?,
-                        epoch,
-                        owner: owner.clone(),
-                        lease_until: DbTime(lease_until.unwrap_or(0)),
-                        ttl: millis(ttl.unwrap_or(0)),
-                        attempts,
-                    },
-                    payload: payload.unwrap_or_default(),
-                    progress,
+            // Rows over the cap on claims were made dead, not claimed.
+            rows.into_iter()
+                .filter(|row| row.1 == "running")
+                .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress, _)| {
+                    Ok(ClaimedJob {
+                        lease: Lease {
+                            queue: queue.clone(),
+                            key: JobKey::new(key)?,
+                            epoch,
+                            owner: owner.clone(),
+                            lease_until: DbTime(lease_until.unwrap_or(0)),
+                            ttl: millis(ttl.unwrap_or(0)),
+                            attempts,
+                        },
+                        payload: payload.unwrap_or_default(),
+                        progress,
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     /// Never waits on a row lock: see [`Heartbeat::held`].
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
-        self.renew(leases, lease).await
+        self.renew(leases, lease).await.map_err(|e| self.seen(e))
     }
 
     async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> Result<()> {
-        self.fenced_write(&self.pool, &self.stmts.checkpoint, lease, |q| q.bind(progress.to_vec())).await.map(drop)
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            self.fenced_write(&mut *session, &self.stmts.checkpoint, lease, |q| q.bind(progress.to_vec())).await?;
+            session.done().await
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()> {
-        self.fenced_write(&self.pool, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let answer =
+                self.fenced_write(&mut *session, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await;
+            session.done().await?;
+            match answer {
+                Err(FenceError::Fenced { .. }) if self.committed_as(lease, result).await? => Ok(()),
+                other => other.map(drop),
+            }
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> Result<Vec<Result<()>>> {
-        if items.is_empty() {
-            return Ok(Vec::new());
+        let answer: Result<_> = async {
+            if items.is_empty() {
+                return Ok(Vec::new());
+            }
+            // A key twice in one statement would make the UPDATE ambiguous: batch the first of each,
+            // send any repeat on its own.
+            let mut seen = std::collections::HashSet::with_capacity(items.len());
+            let (first, repeats): (Vec<usize>, Vec<usize>) =
+                (0..items.len()).partition(|&i| seen.insert((items[i].0.queue.as_str(), items[i].0.key.as_str())));
+            let pick = |f: fn(&(Lease, Vec<u8>)) -> String| first.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
+            let mut session = self.session(Lane::Main).await?;
+            let committed: Vec<(i64,)> = sqlx::query_as(sql(&self.stmts.complete_batch))
+                .persistent(self.persistent())
+                .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
+                .bind(pick(|(l, _)| l.key.as_str().to_owned()))
+                .bind(pick(|(l, _)| l.owner.as_str().to_owned()))
+                .bind(first.iter().map(|&i| items[i].0.epoch).collect::<Vec<i64>>())
+                .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
+                .fetch_all(&mut *session)
+                .await?;
+            session.done().await?;
+            // The statement answers the ordinals (from 1, in the order of `first`) it committed.
+            let mut done = vec![false; first.len()];
+            for (ordinal,) in committed {
+                let slot = usize::try_from(ordinal - 1).ok().and_then(|j| done.get_mut(j));
+                *slot.ok_or_else(|| FenceError::Corrupt(format!("batch completion answered ordinal {ordinal}")))? = true;
+            }
+            let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
+            for (&i, committed) in first.iter().zip(done) {
+                let lease = &items[i].0;
+                out[i] = Some(if committed {
+                    Ok(())
+                } else {
+                    // Refused: name the job's holder now, read after the statement (a row the
+                    // statement waited for was compared in its newest version, so the refusal names
+                    // the takeover that beat it). The verdict stands either way; a read that fails
+                    // (the other items are committed already) names no holder.
+                    // A row completed under this very lease is this lease's own earlier commit
+                    // (a commit sent again after its answer was lost to a failed connection):
+                    // committed, not fenced.
+                    let (epoch, owner) = match self.job(&lease.queue, &lease.key).await {
+                        Ok(Some(job)) if committed_as(&job, lease, &items[i].1) => {
+                            out[i] = Some(Ok(()));
+                            continue;
+                        }
+                        Ok(Some(job)) => (job.epoch, job.owner),
+                        Ok(None) => (0, None),
+                        Err(e) => {
+                            tracing::warn!(error = %e, key = lease.key.as_str(), "could not read the new holder of a fenced job");
+                            (0, None)
+                        }
+                    };
+                    Err(FenceError::Fenced {
+                        key: lease.key.as_str().to_owned(),
+                        epoch: lease.epoch,
+                        current_epoch: epoch,
+                        current_owner: owner,
+                    })
+                });
+            }
+            for &i in &repeats {
+                out[i] = Some(match self.complete(&items[i].0, &items[i].1).await {
+                    Err(e) if !e.is_fenced() => return Err(e),
+                    other => other,
+                });
+            }
+            Ok(out
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|| Err(FenceError::Corrupt("missing batch answer".into()))))
+                .collect())
         }
-        // A key twice in one statement would make the UPDATE ambiguous: batch the first of each,
-        // send any repeat on its own.
-        let mut seen = std::collections::HashSet::with_capacity(items.len());
-        let (first, repeats): (Vec<usize>, Vec<usize>) =
-            (0..items.len()).partition(|&i| seen.insert((items[i].0.queue.as_str(), items[i].0.key.as_str())));
-        let pick = |f: fn(&(Lease, Vec<u8>)) -> String| first.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
-        let committed: Vec<(i64,)> = sqlx::query_as(sql(&self.stmts.complete_batch))
-            .bind(pick(|(l, _)| l.queue.as_str().to_owned()))
-            .bind(pick(|(l, _)| l.key.as_str().to_owned()))
-            .bind(pick(|(l, _)| l.owner.as_str().to_owned()))
-            .bind(first.iter().map(|&i| items[i].0.epoch).collect::<Vec<i64>>())
-            .bind(first.iter().map(|&i| items[i].1.clone()).collect::<Vec<Vec<u8>>>())
-            .fetch_all(&self.pool)
-            .await?;
-        // The statement answers the ordinals (from 1, in the order of `first`) it committed.
-        let mut done = vec![false; first.len()];
-        for (ordinal,) in committed {
-            let slot = usize::try_from(ordinal - 1).ok().and_then(|j| done.get_mut(j));
-            *slot.ok_or_else(|| FenceError::Corrupt(format!("batch completion answered ordinal {ordinal}")))? = true;
-        }
-        let mut out: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
-        for (&i, committed) in first.iter().zip(done) {
-            let lease = &items[i].0;
-            out[i] = Some(if committed {
-                Ok(())
-            } else {
-                // Refused: name the job's holder now, read after the statement (a row the
-                // statement waited for was compared in its newest version, so the refusal names
-                // the takeover that beat it). The verdict stands either way; a read that fails
-                // (the other items are committed already) names no holder.
-                let (epoch, owner) = match self.job(&lease.queue, &lease.key).await {
-                    Ok(Some(job)) => (job.epoch, job.owner),
-                    Ok(None) => (0, None),
-                    Err(e) => {
-                        tracing::warn!(error = %e, key = lease.key.as_str(), "could not read the new holder of a fenced job");
-                        (0, None)
-                    }
-                };
-                Err(FenceError::Fenced {
-                    key: lease.key.as_str().to_owned(),
-                    epoch: lease.epoch,
-                    current_epoch: epoch,
-                    current_owner: owner,
-                })
-            });
-        }
-        for &i in &repeats {
-            out[i] = Some(match self.complete(&items[i].0, &items[i].1).await {
-                Err(e) if !e.is_fenced() => return Err(e),
-                other => other,
-            });
-        }
-        Ok(out
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(FenceError::Corrupt("missing batch answer".into()))))
-            .collect())
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome> {
-        let (base_ms, max_ms) = backoff_ms(policy);
-        let error: String = error.replace('\0', "\u{FFFD}");
-        let answer = self
-            .fenced_write(&self.pool, &self.stmts.fail, lease, |q| {
-                q.bind(retry).bind(policy.max_attempts).bind(base_ms).bind(error).bind(max_ms)
-            })
-            .await?;
-        fail_outcome(answer.as_deref().unwrap_or_default())
+        let answer: Result<_> = async {
+            let (base_ms, max_ms) = backoff_ms(policy);
+            let error: String = error.replace('\0', "\u{FFFD}");
+            let mut session = self.session(Lane::Main).await?;
+            let answer = self
+                .fenced_write(&mut *session, &self.stmts.fail, lease, |q| {
+                    q.bind(retry).bind(policy.max_attempts).bind(base_ms).bind(error).bind(max_ms)
+                })
+                .await?;
+            session.done().await?;
+            fail_outcome(answer.as_deref().unwrap_or_default())
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        self.fenced_write(&self.pool, &self.stmts.release, lease, |q| q).await.map(drop)
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            self.fenced_write(&mut *session, &self.stmts.release, lease, |q| q).await?;
+            session.done().await
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {
-        let (pool, statement) = (self.pool.clone(), sql(&self.stmts.job));
-        let (q, k) = (queue.as_str().to_owned(), key.as_str().to_owned());
-        let row: Option<JobRow> =
-            detached(async move { Ok(sqlx::query_as(statement).bind(q).bind(k).fetch_optional(&pool).await?) }).await?;
-        row.map(|row| job_record(queue, key, row)).transpose()
+        let answer: Result<_> = async {
+            let (fence, statement) = (self.clone(), sql(&self.stmts.job));
+            let (q, k) = (queue.as_str().to_owned(), key.as_str().to_owned());
+            let row: Option<JobRow> = detached(async move {
+                let mut session = fence.session(Lane::Main).await?;
+                let row = sqlx::query_as(statement)
+                    .persistent(fence.persistent())
+                    .bind(q)
+                    .bind(k)
+                    .fetch_optional(&mut *session)
+                    .await?;
+                session.done().await?;
+                Ok(row)
+            })
+            .await?;
+            row.map(|row| job_record(queue, key, row)).transpose()
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     /// One statement for every lease.
     async fn completed_under(&self, leases: &[Lease]) -> Result<Vec<bool>> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (queues, keys, epochs, owners) = lease_columns(leases);
-        let (pool, statement) = (self.pool.clone(), sql(&self.stmts.completed_under));
-        let rows: Vec<(i64, bool)> = detached(async move {
-            Ok(sqlx::query_as(statement).bind(queues).bind(keys).bind(epochs).bind(owners).fetch_all(&pool).await?)
-        })
-        .await?;
-        let mut out = vec![false; leases.len()];
-        for (i, completed) in rows {
-            let slot = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i));
-            match slot {
-                Some(slot) => *slot = completed,
-                None => return Err(FenceError::Corrupt(format!("completed_under answered for item {i}"))),
+        let answer: Result<_> = async {
+            if leases.is_empty() {
+                return Ok(Vec::new());
             }
+            let (queues, keys, epochs, owners) = lease_columns(leases);
+            let (fence, statement) = (self.clone(), sql(&self.stmts.completed_under));
+            let rows: Vec<(i64, bool)> = detached(async move {
+                let mut session = fence.session(Lane::Main).await?;
+                let rows = sqlx::query_as(statement)
+                    .persistent(fence.persistent())
+                    .bind(queues)
+                    .bind(keys)
+                    .bind(epochs)
+                    .bind(owners)
+                    .fetch_all(&mut *session)
+                    .await?;
+                session.done().await?;
+                Ok(rows)
+            })
+            .await?;
+            let mut out = vec![false; leases.len()];
+            for (i, completed) in rows {
+                let slot = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i));
+                match slot {
+                    Some(slot) => *slot = completed,
+                    None => return Err(FenceError::Corrupt(format!("completed_under answered for item {i}"))),
+                }
+            }
+            Ok(out)
         }
-        Ok(out)
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn prune(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
-        let span = tracing::info_span!("fence.prune", backend = "postgres", schema = self.schema.as_str());
-        let started = std::time::Instant::now();
-        let report = self.prune_all(retention).instrument(span.clone()).await?;
-        span.in_scope(|| tracing::info!(?report, elapsed = ?started.elapsed(), "prune run"));
-        Ok(report)
+        let answer: Result<_> = async {
+            let span = tracing::info_span!("fence.prune", backend = "postgres", schema = self.schema.as_str());
+            let started = std::time::Instant::now();
+            let report = self.prune_all(retention).instrument(span.clone()).await?;
+            span.in_scope(|| tracing::info!(?report, elapsed = ?started.elapsed(), "prune run"));
+            Ok(report)
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     async fn db_now(&self) -> Result<DbTime> {
-        let ms: i64 = sqlx::query_scalar(concat!("SELECT ", ms!("clock_timestamp()"))).fetch_one(&self.pool).await?;
-        Ok(DbTime(ms))
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let ms: i64 = sqlx::query_scalar(concat!("SELECT ", ms!("clock_timestamp()")))
+                .persistent(self.persistent())
+                .fetch_one(&mut *session)
+                .await?;
+            session.done().await?;
+            Ok(DbTime(ms))
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     fn backend(&self) -> &'static str {

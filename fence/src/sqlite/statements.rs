@@ -71,6 +71,14 @@ pub(super) const MIGRATIONS: &[Migration] = &[
             "CREATE INDEX IF NOT EXISTS {s}_ledger_age ON {s}_ledger (scope, updated_at)",
         ],
     },
+    Migration {
+        version: 4,
+        name: "ledger owners",
+        // Who sent the newest epoch, so that an equal epoch from another owner is refused (see
+        // `crate::ledger`). A nullable column: the schema text only; existing rows have no owner
+        // and accept an equal epoch from anyone, as before.
+        statements: &["ALTER TABLE {s}_ledger ADD COLUMN owner TEXT"],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
@@ -128,7 +136,15 @@ impl Statements {
         } else {
             "queue = ?1 AND key = ?2"
         };
-        let ledger_where = if guards.ledger_check { "WHERE epoch <= excluded.epoch" } else { "" };
+        // As on PostgreSQL: newer wins, an equal epoch from another named owner is refused.
+        let ledger_where = match (guards.ledger_check, guards.ledger_owner_check) {
+            (false, _) => "",
+            (true, false) => "WHERE epoch <= excluded.epoch",
+            (true, true) => {
+                "WHERE epoch < excluded.epoch OR (epoch = excluded.epoch \
+                 AND (owner IS NULL OR excluded.owner IS NULL OR owner = excluded.owner))"
+            }
+        };
         // The queue's epoch floor (0 without a row): one primary-key probe.
         let floor = format!("coalesce((SELECT f.floor FROM {s}_epoch_floors f WHERE f.queue = ?1), 0)");
         let claim = format!(
@@ -188,11 +204,13 @@ impl Statements {
              FROM {s}_jobs WHERE queue = ?1 AND key = ?2"
         );
         let ledger_accept = format!(
-            "INSERT INTO {s}_ledger (scope, job, epoch, updated_at) VALUES (?1, ?2, ?3, {NOW}) \
-             ON CONFLICT (scope, job) DO UPDATE SET epoch = excluded.epoch, updated_at = excluded.updated_at \
+            "INSERT INTO {s}_ledger (scope, job, epoch, owner, updated_at) VALUES (?1, ?2, ?3, ?4, {NOW}) \
+             ON CONFLICT (scope, job) DO UPDATE SET epoch = excluded.epoch, \
+             owner = CASE WHEN epoch = excluded.epoch THEN coalesce(owner, excluded.owner) ELSE excluded.owner END, \
+             updated_at = excluded.updated_at \
              {ledger_where} RETURNING epoch"
         );
-        let ledger_current = format!("SELECT epoch FROM {s}_ledger WHERE scope = ?1 AND job = ?2");
+        let ledger_current = format!("SELECT epoch, owner FROM {s}_ledger WHERE scope = ?1 AND job = ?2");
         // ?1 queue, ?2 state, ?3 age ms, ?4 rows: the oldest finished rows by `jobs_finished`
         // (the literal state list lets the planner use the partial index).
         let prune_jobs = format!(

@@ -15,7 +15,8 @@ use crate::model::{
 use crate::schema::render;
 use crate::store::claim_outcome;
 use crate::store::{
-    FenceStore, JobRow, backoff_ms, distinct_keys, fail_outcome, job_record, schema_verdict, split_heartbeat,
+    FenceStore, JobRow, backoff_ms, committed_as, distinct_keys, fail_outcome, job_record, schema_verdict,
+    split_heartbeat,
 };
 
 type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
@@ -187,7 +188,16 @@ impl FenceStore for SqliteFence {
     }
 
     async fn complete(&self, lease: &Lease, result: &[u8]) -> Result<()> {
-        self.fenced(&self.stmts.complete, lease, |q| q.bind(result.to_vec())).await.map(drop)
+        match self.fenced(&self.stmts.complete, lease, |q| q.bind(result.to_vec())).await {
+            // Completed under this lease already: its own earlier commit (see `complete_batch`).
+            Err(e)
+                if e.is_fenced()
+                    && self.job(&lease.queue, &lease.key).await?.is_some_and(|j| committed_as(&j, lease, result)) =>
+            {
+                Ok(())
+            }
+            other => other.map(drop),
+        }
     }
 
     async fn complete_batch(&self, items: &[(Lease, Vec<u8>)]) -> Result<Vec<Result<()>>> {
@@ -203,6 +213,15 @@ impl FenceStore for SqliteFence {
             });
         }
         tx.commit().await?;
+        // A refused lease whose job is completed under it committed before (a commit sent again
+        // after its answer was lost): committed, not fenced.
+        for (i, (lease, result)) in items.iter().enumerate() {
+            if out[i].is_err()
+                && self.job(&lease.queue, &lease.key).await?.is_some_and(|j| committed_as(&j, lease, result))
+            {
+                out[i] = Ok(());
+            }
+        }
         Ok(out)
     }
 

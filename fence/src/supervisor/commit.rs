@@ -62,11 +62,70 @@ pub(super) async fn commit_loop(store: Arc<dyn FenceStore>, metrics: Arc<Metrics
     }
 }
 
-/// Commits one group and answers each of its completions.
+/// The first pause before a statement is sent again after its connection failed; it doubles
+/// up to [`RESEND_MAX_PAUSE`].
+const RESEND_FIRST_PAUSE: Duration = Duration::from_millis(100);
+/// The longest pause between two sends of a statement whose connection failed.
+const RESEND_MAX_PAUSE: Duration = Duration::from_secs(1);
+
+/// Whether a statement that failed with `e` may be sent again for a verdict: its connection
+/// failed (closed, reset, no connection in time: its fate is unknown) or it reached a server
+/// that is not the primary (it wrote nothing). A failover looks like that until the new primary
+/// answers.
+fn worth_resending(e: &FenceError) -> bool {
+    e.is_connection_failure() || e.is_not_primary()
+}
+
+/// Runs `statement` until it answers, sending it again (after a pause: 100 ms doubling to 1 s)
+/// while it fails with [`worth_resending`], for at most `budget` (the attempts' lease: a
+/// failover shorter than that costs a delay, not a re-run) and only while `waiting()` says
+/// someone still waits for the verdict: nothing is sent once every caller has stopped waiting.
+/// A commit may be sent again safely: one whose first send did commit is answered as committed
+/// ([`FenceStore::complete`]), and a superseded one is fenced either way.
+async fn until_answered<T, F, Fut>(
+    what: &str,
+    budget: Duration,
+    mut statement: F,
+    waiting: impl Fn() -> bool,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let started = Instant::now();
+    let mut pause = RESEND_FIRST_PAUSE;
+    let mut sends = 1u32;
+    loop {
+        let answer = statement().await;
+        match &answer {
+            Err(e) if worth_resending(e) && started.elapsed() + pause < budget && waiting() => {
+                tracing::warn!(error = %e, sends, retry_in = ?pause, "{what}: no verdict (connection failed or not a primary); sending again");
+                tokio::time::sleep(pause).await;
+                if !waiting() {
+                    return answer;
+                }
+                pause = (pause * 2).min(RESEND_MAX_PAUSE);
+                sends += 1;
+            }
+            _ => return answer,
+        }
+    }
+}
+
+/// The longest lease among `leases`: how long a statement for them is sent again.
+fn resend_budget<'a>(leases: impl Iterator<Item = &'a Lease>) -> Duration {
+    leases.map(|l| l.ttl).max().unwrap_or_default()
+}
+
+/// Commits one group and answers each of its completions. A statement whose connection failed
+/// is sent again for up to a lease while any of its attempts still waits for the verdict (see
+/// [`until_answered`]).
 async fn commit_batch(store: &dyn FenceStore, batch: Vec<CommitRequest>) {
     let (items, replies): (Vec<(Lease, Vec<u8>)>, Vec<_>) =
         batch.into_iter().map(|(lease, result, reply)| ((lease, result), reply)).unzip();
-    match store.complete_batch(&items).await {
+    let waiting = || replies.iter().any(|r| !r.is_closed());
+    let budget = resend_budget(items.iter().map(|(lease, _)| lease));
+    match until_answered("batched commit", budget, || store.complete_batch(&items), waiting).await {
         Ok(answers) => {
             for (reply, answer) in replies.into_iter().zip(answers) {
                 let _ = reply.send(answer);
@@ -93,7 +152,10 @@ pub(super) async fn verify_loop(store: Arc<dyn FenceStore>, mut groups: Grouper<
         let store = Arc::clone(&store);
         tokio::spawn(async move {
             let (leases, replies): (Vec<Lease>, Vec<_>) = batch.into_iter().unzip();
-            match store.completed_under(&leases).await {
+            let waiting = || replies.iter().any(|r: &tokio::sync::oneshot::Sender<_>| !r.is_closed());
+            let budget = resend_budget(leases.iter());
+            let read = || store.completed_under(&leases);
+            match until_answered("reading the handlers' own commits", budget, read, waiting).await {
                 Ok(answers) => {
                     for (reply, answer) in replies.into_iter().zip(answers) {
                         let _ = reply.send(Ok(answer));
