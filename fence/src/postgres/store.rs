@@ -23,24 +23,9 @@ impl PgFence {
         if leases.is_empty() {
             return Ok(Heartbeat::default());
         }
-        let (queues, keys, epochs, owners) = lease_columns(leases);
-        let (fence, statement, ms) = (self.clone(), sql(&self.stmts.heartbeat), lease.as_millis_i64());
         type Row = (String, String, i64, String, Option<i64>, Option<i64>, bool);
-        let rows: Vec<Row> = detached(async move {
-            let mut session = fence.session(Lane::Heartbeat).await?;
-            let rows = sqlx::query_as(statement)
-                .persistent(fence.persistent())
-                .bind(queues)
-                .bind(keys)
-                .bind(epochs)
-                .bind(owners)
-                .bind(ms)
-                .fetch_all(&mut *session)
-                .await?;
-            session.done().await?;
-            Ok(rows)
-        })
-        .await?;
+        let ms = Some(lease.as_millis_i64());
+        let rows: Vec<Row> = self.lease_statement(Lane::Heartbeat, &self.stmts.heartbeat, leases, ms).await?;
         let (mut renewed, mut held) = (Vec::with_capacity(rows.len()), Vec::new());
         for (queue, key, epoch, owner, until, ttl, was_renewed) in rows {
             match (was_renewed, until, ttl) {
@@ -49,6 +34,39 @@ impl PgFence {
             }
         }
         Ok(split_heartbeat(leases, renewed, held))
+    }
+
+    /// The rows of `statement` run with the identity columns of `leases` (`$1`–`$4`: queues,
+    /// keys, epochs, owners) and, when given, `lease_ms` (`$5`), on a session of `lane`, in a task
+    /// of its own (see [`detached`]).
+    async fn lease_statement<R>(
+        &self,
+        lane: Lane,
+        statement: &std::sync::Arc<str>,
+        leases: &[Lease],
+        lease_ms: Option<i64>,
+    ) -> Result<Vec<R>>
+    where
+        R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin + 'static,
+    {
+        let (queues, keys, epochs, owners) = lease_columns(leases);
+        let (fence, statement) = (self.clone(), sql(statement));
+        detached(async move {
+            let mut session = fence.session(lane).await?;
+            let mut query = sqlx::query_as(statement)
+                .persistent(fence.persistent())
+                .bind(queues)
+                .bind(keys)
+                .bind(epochs)
+                .bind(owners);
+            if let Some(ms) = lease_ms {
+                query = query.bind(ms);
+            }
+            let rows = query.fetch_all(&mut *session).await?;
+            session.done().await?;
+            Ok(rows)
+        })
+        .await
     }
 
     /// Whether the job of `lease` is completed under it with `result` (its own commit, whose
@@ -462,22 +480,8 @@ impl FenceStore for PgFence {
             if leases.is_empty() {
                 return Ok(Vec::new());
             }
-            let (queues, keys, epochs, owners) = lease_columns(leases);
-            let (fence, statement) = (self.clone(), sql(&self.stmts.completed_under));
-            let rows: Vec<(i64, bool)> = detached(async move {
-                let mut session = fence.session(Lane::Main).await?;
-                let rows = sqlx::query_as(statement)
-                    .persistent(fence.persistent())
-                    .bind(queues)
-                    .bind(keys)
-                    .bind(epochs)
-                    .bind(owners)
-                    .fetch_all(&mut *session)
-                    .await?;
-                session.done().await?;
-                Ok(rows)
-            })
-            .await?;
+            let rows: Vec<(i64, bool)> =
+                self.lease_statement(Lane::Main, &self.stmts.completed_under, leases, None).await?;
             let mut out = vec![false; leases.len()];
             for (i, completed) in rows {
                 let slot = usize::try_from(i - 1).ok().and_then(|i| out.get_mut(i));
