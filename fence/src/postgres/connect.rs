@@ -70,8 +70,9 @@ pub const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The main pool's limits also apply to what a caller runs on [`PgFence::pool`] connections (for
 /// example the business statements of a [`complete_in`](PgFence::complete_in) transaction).
 /// Migrations override both per transaction (see [`PgFence::with_migration_lock_timeout`]).
-/// Connection poolers that drop startup options (PgBouncer in transaction mode) need the limits set
-/// on the database role instead (`ALTER ROLE … SET lock_timeout = …`).
+/// Behind a transaction-mode pooler (PgBouncer), which refuses or drops startup options, the
+/// fence sets the same limits at the start of every transaction instead (`SET LOCAL`, see
+/// [`Pooler`]); they hold there too.
 ///
 /// ```no_run
 /// # async fn demo() -> brokerfence::Result<()> {
