@@ -165,25 +165,9 @@ pub(crate) async fn inject(
                 say("pg-pause: no attempt in flight now; later".into());
                 return Ok(false);
             }
-            let d = c.stall();
             let pattern = format!("chaos-{}-w%", x.run_id);
-            let id = log.open(FaultKind::PgPause, Target::All, "PgBouncer's server backends:".into());
-            match pg_stall::pause_backends(x.store.pool().clone(), pattern, d, log.clone(), id).await {
-                Ok(n) => {
-                    say(format!("pg-pause: {n} backends behind PgBouncer SIGSTOPped for {:.1} s", d.as_secs_f64()));
-                    if n == 0 {
-                        return Ok(false);
-                    }
-                    report.pg_pauses += 1;
-                    report.pg_paused_backends += n as u64;
-                    report.stalled_attempts += in_flight;
-                }
-                Err(e) => {
-                    log.close(id);
-                    say(format!("pg-pause failed: {e}"));
-                    return Ok(false);
-                }
-            }
+            let what = ("PgBouncer's server backends:".to_owned(), "backends behind PgBouncer".to_owned());
+            return pause(x, pattern, Target::All, what, in_flight, report, say).await;
         }
         FaultKind::PgLock | FaultKind::PgPause => {
             let Some(i) = pg_victim(x, fleet).await? else {
@@ -222,27 +206,8 @@ pub(crate) async fn inject(
                 }
             } else {
                 let app = format!("chaos-{}-w{index}", x.run_id);
-                let id = log.open(FaultKind::PgPause, Target::Worker(index), format!("backends of {app}:"));
-                match pg_stall::pause_backends(x.store.pool().clone(), app, d, log.clone(), id).await {
-                    Ok(n) => {
-                        say(format!(
-                            "pg-pause: {n} backends of worker {index} SIGSTOPped for {:.1} s",
-                            d.as_secs_f64()
-                        ));
-                        if n == 0 {
-                            // The task ends the (empty) pause by itself; try again soon.
-                            return Ok(false);
-                        }
-                        report.pg_pauses += 1;
-                        report.pg_paused_backends += n as u64;
-                        report.stalled_attempts += in_flight;
-                    }
-                    Err(e) => {
-                        log.close(id);
-                        say(format!("pg-pause failed: {e}"));
-                        return Ok(false);
-                    }
-                }
+                let what = (format!("backends of {app}:"), format!("backends of worker {index}"));
+                return pause(x, app, Target::Worker(index), what, in_flight, report, say).await;
             }
         }
     }
@@ -250,6 +215,40 @@ pub(crate) async fn inject(
 }
 
 /// Rows `running` under a live lease (of owners starting with `owner_prefix`, when given).
+/// `pg-pause`: SIGSTOPs the idle backends whose `application_name` is `LIKE pattern` for the
+/// stall, recorded against `target`; `what` is (the fault log's opening, the progress line's
+/// subject). False (try again soon) when none was paused or the pause failed.
+async fn pause(
+    x: &FaultCtx<'_>,
+    pattern: String,
+    target: Target,
+    (opening, subject): (String, String),
+    in_flight: u64,
+    report: &mut Report,
+    say: &(impl Fn(String) + ?Sized),
+) -> Result<bool, String> {
+    let d = x.c.stall();
+    let id = x.log.open(FaultKind::PgPause, target, opening);
+    match pg_stall::pause_backends(x.store.pool().clone(), pattern, d, x.log.clone(), id).await {
+        Ok(n) => {
+            say(format!("pg-pause: {n} {subject} SIGSTOPped for {:.1} s", d.as_secs_f64()));
+            if n == 0 {
+                // The task ends the (empty) pause by itself; try again soon.
+                return Ok(false);
+            }
+            report.pg_pauses += 1;
+            report.pg_paused_backends += n as u64;
+            report.stalled_attempts += in_flight;
+            Ok(true)
+        }
+        Err(e) => {
+            x.log.close(id);
+            say(format!("pg-pause failed: {e}"));
+            Ok(false)
+        }
+    }
+}
+
 pub(crate) async fn live_attempts(x: &FaultCtx<'_>, owner_prefix: Option<&str>) -> Result<u64, String> {
     let s = x.store.schema().as_str();
     let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
