@@ -1,0 +1,1 @@
+//! Issue #30 (see main.rs for the items of this module).
