@@ -86,6 +86,27 @@ pub enum FenceError {
         /// The migration version this build needs.
         required: i64,
     },
+    /// [`complete_in`](crate::JobContext::complete_in) was given a connection that is not in
+    /// exactly one (top-level) transaction: at depth 0 (a pooled connection in autocommit) the
+    /// caller's rows and the completion do not commit together; inside a savepoint (depth 2 and
+    /// more) a fenced answer could be rolled back to the savepoint and the outer `COMMIT` would
+    /// commit a zombie's rows. Nothing was written. Pass `&mut *tx` of a `pool.begin()` (or
+    /// [`PgFence::begin`](crate::PgFence::begin)) transaction (issue #30, item 6).
+    ///
+    /// ```
+    /// use brokerfence::FenceError;
+    /// let err = FenceError::TransactionDepth { depth: 2 };
+    /// assert!(err.to_string().contains("savepoint"));
+    /// ```
+    #[error(
+        "complete_in needs a connection in one top-level transaction (depth 1), found depth {depth}: {}",
+        if *depth == 0 { "no transaction (autocommit), so the rows would not commit together with the result" }
+        else { "inside a savepoint, whose rollback would clear the fenced abort" }
+    )]
+    TransactionDepth {
+        /// sqlx's transaction depth of the connection (0: none, 1: a transaction, 2+: savepoints).
+        depth: usize,
+    },
     /// The store does not implement an optional operation (for example a wrapper that does not
     /// delegate it to the store it wraps).
     #[error("not supported by this store: {0}")]

@@ -13,6 +13,7 @@ pub struct Guards {
     pub(crate) receiver_ledger_lock: bool,
     pub(crate) timeline_epochs: bool,
     pub(crate) ledger_owner_check: bool,
+    pub(crate) own_tx_depth_check: bool,
 }
 
 impl Default for Guards {
@@ -26,6 +27,7 @@ impl Default for Guards {
             receiver_ledger_lock: true,
             timeline_epochs: true,
             ledger_owner_check: true,
+            own_tx_depth_check: true,
         }
     }
 }
@@ -65,6 +67,11 @@ impl Guards {
     /// out twice) instead of taking it for the same attempt retrying.
     pub fn ledger_owner_check(&self) -> bool {
         self.ledger_owner_check
+    }
+    /// Whether `complete_in` refuses a connection outside one top-level transaction (autocommit,
+    /// or a savepoint whose rollback would clear the fenced abort).
+    pub fn own_tx_depth_check(&self) -> bool {
+        self.own_tx_depth_check
     }
 }
 
@@ -111,6 +118,12 @@ impl Guards {
     /// TEST ONLY: the receiver ledger accepts an equal epoch whoever sends it.
     pub fn without_ledger_owner_check(mut self) -> Self {
         self.ledger_owner_check = false;
+        self
+    }
+    /// TEST ONLY: `complete_in` takes any connection, in a savepoint or in autocommit too (the
+    /// fence before issue #30, item 6).
+    pub fn without_own_tx_depth_check(mut self) -> Self {
+        self.own_tx_depth_check = false;
         self
     }
 }

@@ -4,7 +4,7 @@
 //! leases it renewed, the leases it found lost) into the hook's mailbox and goes on: its cadence
 //! does not depend on any broker's latency. The task calls the hook with what is pending, one call
 //! at a time, each cut after the hook timeout (at most lease/3). While a call is out, newer
-//! answers replace older ones: per job (queue, key) only the newest confirmed lease waits, so the
+//! answers are merged into what waits: per job (queue, key) only the newest confirmed lease waits, so the
 //! pending work is bounded by the leases in flight, never by how long a broker hangs.
 //!
 //! Right before a `confirmed` call goes out, every lease is checked against the supervisor's
@@ -118,25 +118,28 @@ impl HookRunner {
         Self { mailbox }
     }
 
-    /// Posts one heartbeat's answer: `confirmed` is every lease it renewed (the whole registry
-    /// apart from `lost`), sent at `sent`. It replaces the renewals still waiting, keeping the
-    /// newest (highest epoch, then latest `lease_until`) per job, so what waits is never more than
-    /// one lease per job in flight. Lost leases wait until delivered. Never blocks on the hook.
+    /// Posts one renewal statement's answer: `confirmed` is every lease it renewed, sent at
+    /// `sent`. A heartbeat posts once per statement — the running attempts' and the settling
+    /// attempts' renewals arrive as two posts of one tick — so each post is merged into what
+    /// waits, never put in its place: per job the newest renewal (highest epoch, then latest
+    /// `lease_until`) waits, so what waits is never more than one lease per job in flight (plus
+    /// the jobs that ended since the last call went out, which the live check leaves out). Lost
+    /// leases wait until delivered. Never blocks on the hook.
     pub(crate) fn submit(&self, sent: Instant, confirmed: &[Lease], lost: &[Lease]) {
         if confirmed.is_empty() && lost.is_empty() {
             return;
         }
         let Ok(mut pending) = self.mailbox.pending.lock() else { return };
-        let mut newest: HashMap<(QueueName, JobKey), Renewed> = HashMap::with_capacity(confirmed.len());
         for l in confirmed {
             let id = (l.queue.clone(), l.key.clone());
-            let newer =
-                newest.get(&id).is_none_or(|r| (l.epoch, l.lease_until) >= (r.lease.epoch, r.lease.lease_until));
+            let newer = pending
+                .confirmed
+                .get(&id)
+                .is_none_or(|r| (l.epoch, l.lease_until) >= (r.lease.epoch, r.lease.lease_until));
             if newer {
-                newest.insert(id, Renewed { lease: l.clone(), sent });
+                pending.confirmed.insert(id, Renewed { lease: l.clone(), sent });
             }
         }
-        pending.confirmed = newest;
         for l in lost {
             let id = (l.queue.clone(), l.key.clone());
             if pending.confirmed.get(&id).is_some_and(|r| r.lease.epoch <= l.epoch) {
@@ -378,6 +381,34 @@ mod edges {
         assert_eq!(ids(&confirmed[1]), vec![("a".into(), 1, 150), ("b".into(), 2, 150)]);
         let lost = hook.lost.lock().expect("lock").clone();
         assert_eq!(lost.iter().map(|l| ids(l)).collect::<Vec<_>>(), vec![vec![("c".to_string(), 1, 90)]]);
+        assert_eq!(runner.pending(), (0, 0));
+        stop.cancel();
+    }
+
+    /// Issue #30, item 1 ("broker extensions dropped under a slow broker"): a tick renews the
+    /// running attempts and the settling attempts with two statements, and each posts its answer.
+    /// Both posts land while a hook call is out (a slow broker): the next call must extend both
+    /// sets. Fails without the merge in `submit` (the second post replaced the first: the call
+    /// carried only the settling attempt, "running" got no extension that tick).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hardening_item1_two_posts_of_one_tick_both_reach_a_slow_hook() {
+        let hook = Recorder::new(false);
+        let (runner, _metrics, stop) = runner(&hook, Duration::from_secs(30), all_live());
+        runner.submit(Instant::now(), &[lease("first", 1, 100)], &[]);
+        wait_for(|| hook.calls.load(Ordering::SeqCst) == 1).await;
+        // One tick while that call is out: the running attempts' statement, then the settling's.
+        runner.submit(Instant::now(), &[lease("running", 1, 110), lease("first", 1, 110)], &[]);
+        runner.submit(Instant::now(), &[lease("settling", 3, 110)], &[lease("gone", 1, 90)]);
+        // An older answer for a job never replaces a newer one already waiting.
+        runner.submit(Instant::now(), &[lease("running", 1, 105)], &[]);
+        hook.gate.add_permits(1);
+        wait_for(|| hook.calls.load(Ordering::SeqCst) == 2).await;
+        let confirmed = hook.confirmed.lock().expect("lock").clone();
+        assert_eq!(
+            ids(&confirmed[1]),
+            vec![("first".into(), 1, 110), ("running".into(), 1, 110), ("settling".into(), 3, 110)],
+            "the second call must extend every lease renewed while the first was out"
+        );
         assert_eq!(runner.pending(), (0, 0));
         stop.cancel();
     }

@@ -16,7 +16,11 @@ use crate::store::Backend;
 
 /// A connection a handler's own transaction runs on: `sqlx::PgConnection` for a
 /// [`PgFence`](crate::PgFence), `sqlx::SqliteConnection` for a [`SqliteFence`](crate::SqliteFence).
-/// Pass `&mut *tx` for a `sqlx::Transaction`, or `&mut *conn` for a pooled connection.
+/// Pass `&mut *tx` of a top-level `sqlx::Transaction` (`pool.begin()`): a connection in
+/// autocommit or inside a savepoint (a nested `tx.begin()`) is refused with
+/// [`FenceError::TransactionDepth`] before anything is written (issue #30, item 6). Savepoints
+/// and transactions opened with raw SQL (`SAVEPOINT …`) are not seen by sqlx: do not use them
+/// around `complete_in`.
 ///
 /// Sealed: the statements it runs are the fence's own.
 ///
@@ -82,6 +86,17 @@ impl FencedConnection for SqliteConnection {
                 _ => Err(mismatch("a SQLite connection", store)),
             }
         })
+    }
+}
+
+/// Refuses a connection outside a transaction or inside a savepoint: the fenced abort (BF409 on
+/// PostgreSQL, the deferred-FK trap on SQLite) holds only for a top-level transaction; a
+/// savepoint's rollback clears it and autocommit has nothing to abort.
+pub(crate) fn top_level<DB: sqlx::Database>(conn: &DB::Connection) -> Result<()> {
+    use sqlx_core::transaction::TransactionManager;
+    match DB::TransactionManager::get_transaction_depth(conn) {
+        1 => Ok(()),
+        depth => Err(FenceError::TransactionDepth { depth }),
     }
 }
 

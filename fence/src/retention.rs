@@ -227,6 +227,10 @@ pub struct PruneReport {
     /// True when another pruner was at work (PostgreSQL: it held the pruner lock), so this call
     /// stopped without finishing; the next run carries on.
     pub contended: bool,
+    /// Queues left for the next run because their floor lock stayed held past the pruner's wait
+    /// (PostgreSQL, 100 ms): a claim of the queue kept it (claims hold it for their short
+    /// transaction). Each is also logged as a warning; the run goes on with the next queue.
+    pub floor_busy: u64,
 }
 
 impl PruneReport {

@@ -5,7 +5,7 @@
 //!
 //! | module | items |
 //! |---|---|
-//! | [`hook_renewals`] | 1 broker extensions merged, not replaced, under a slow broker |
+//! | `fence` unit test `hook_runner::edges::hardening_item1_…` | 1 broker extensions merged, not replaced, under a slow broker (the hook runner is internal to the fence) |
 //! | [`migrations`] | 2 online migrations · 7 a bad key row does not poison a claim batch |
 //! | [`retrofits`] | 3 nothing popped is lost · 9 (Redis) dead letters once, `dead requeue` on broker jobs · 11 retrofits check the schema · 12 a panicking handler is a failed attempt |
 //! | [`runtime`] | 4 `attempt_timeout` starts with the handler |
@@ -16,7 +16,6 @@
 
 // A module that needs more features than its line here says gates itself with `#![cfg(…)]`.
 mod ergonomics;
-mod hook_renewals;
 mod migrations;
 mod own_tx;
 mod prune_lock;

@@ -134,7 +134,10 @@ impl PgFence {
     ///
     /// A [`Fenced`](FenceError::Fenced) answer also **aborts the caller's transaction** (an error
     /// raised on its connection): its rows can no longer commit, every later statement in it
-    /// fails, and `COMMIT` rolls it back, even if the caller ignores the answer. Call it last,
+    /// fails, and `COMMIT` rolls it back, even if the caller ignores the answer. That holds for
+    /// a top-level transaction only: a connection in autocommit or inside a savepoint (a nested
+    /// `tx.begin()`) is refused with [`TransactionDepth`](FenceError::TransactionDepth) before
+    /// anything is written. Call it last,
     /// right before `COMMIT`: from here on the transaction holds the job's row lock (see
     /// [`Heartbeat::held`](crate::Heartbeat::held)).
     ///
@@ -147,6 +150,9 @@ impl PgFence {
     /// # Ok(()) }
     /// ```
     pub async fn complete_in(&self, conn: &mut PgConnection, lease: &Lease, result: &[u8]) -> Result<()> {
+        if self.guards.own_tx_depth_check() {
+            crate::own_tx::top_level::<sqlx::Postgres>(conn)?;
+        }
         let answer = self.fenced_write(&mut *conn, &self.stmts.complete, lease, |q| q.bind(result.to_vec())).await;
         if let Err(FenceError::Fenced { .. }) = &answer
             && self.guards.fenced_tx_rollback()

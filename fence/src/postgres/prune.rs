@@ -8,16 +8,19 @@ use crate::error::{FenceError, Result};
 use crate::key::QueueName;
 
 /// What one pruning transaction did: rows deleted, or nothing because another pruner held the
-/// pruner lock (or claims kept the queue's floor lock for longer than the pruner waits).
+/// pruner lock, or because claims kept the queue's floor lock for longer than the pruner waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PruneBatch {
     Deleted(u64),
     Contended,
+    FloorBusy,
 }
 
 /// How long a pruning batch waits for a queue's floor lock. Claims of the queue that come
-/// meanwhile wait behind it, so this is short; a pruner that does not get it ends its run
-/// (contended) and the next run tries again.
+/// meanwhile wait behind it, so this is short. Only claims take the lock (shared, for their own
+/// short transaction; an enqueue reads no floor, so a caller's transaction around `enqueue_in`
+/// never holds it): a pruner that does not get it in time warns, counts the queue in
+/// [`PruneReport::floor_busy`](crate::PruneReport::floor_busy) and goes on with the next queue.
 const FLOOR_LOCK_WAIT_MS: &str = "100";
 
 impl PgFence {
@@ -55,8 +58,13 @@ impl PgFence {
             Ok(_) => {}
             Err(FenceError::LockTimeout(_)) => {
                 tx.rollback().await?;
-                tracing::debug!(queue = %queue, "pruner did not get the queue's floor lock in time; stopping this run");
-                return Ok(PruneBatch::Contended);
+                tracing::warn!(
+                    queue = %queue,
+                    wait_ms = FLOOR_LOCK_WAIT_MS,
+                    "pruner did not get the queue's floor lock in time (claims of the queue held it); \
+                     the queue is left for the next run"
+                );
+                return Ok(PruneBatch::FloorBusy);
             }
             Err(e) => return Err(e),
         }
@@ -120,12 +128,21 @@ impl PgFence {
     pub(super) async fn prune_all(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
         let mut report = crate::PruneReport::default();
         let batch = retention.batch();
+        let mut floor_busy: Vec<&QueueName> = Vec::new();
         for (queue, state, age) in retention.targets() {
+            if floor_busy.contains(&queue) {
+                continue;
+            }
             loop {
                 match self.prune_jobs_batch(queue, state, age, batch).await? {
                     PruneBatch::Contended => {
                         report.contended = true;
                         return Ok(report);
+                    }
+                    PruneBatch::FloorBusy => {
+                        floor_busy.push(queue);
+                        report.floor_busy += 1;
+                        break;
                     }
                     PruneBatch::Deleted(n) => {
                         if state == "completed" {

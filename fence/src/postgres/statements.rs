@@ -89,6 +89,13 @@ fn locked_by_key(s: &str) -> String {
 /// (`base`, [`TIMELINE_BASE`]): the first claim of a job on a promoted server jumps above every
 /// epoch of the timeline the server left.
 ///
+/// A row never claimed (`attempts = 0`: enqueued, or released before its first claim counted)
+/// starts above the queue's epoch floor too (`floor`, read once per statement, under the floor
+/// lock, in a short fence transaction): an enqueue does not read the floor, so that it takes no
+/// lock the pruner waits for until the caller's COMMIT (issue #30, item 8). That is enough: a
+/// key's old row is deleted, with the floor raised, before an enqueue can insert the key again
+/// (the insert waits for a delete in progress), and the claim reads the floor after that.
+///
 /// A claim that makes the job running changes no indexed column (migration 8): it is a HOT
 /// update, with no index entry written (`finished` stays NULL).
 ///
@@ -98,12 +105,13 @@ fn locked_by_key(s: &str) -> String {
 /// byte to its last, and `updated_at` is the last column but one, so a claim that set it logged
 /// `run_at`, the payload and `created_at` as well (24-34 bytes per claim in
 /// `tests/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
-fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str, base: &str) -> String {
+fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str, base: &str, floor: &str) -> String {
     let over = format!("t.attempts >= {cap}::bigint");
     format!(
         "state = CASE WHEN {over} THEN 'dead' ELSE 'running' END, \
          finished = CASE WHEN {over} THEN 'dead' ELSE t.finished END, \
-         epoch = CASE WHEN {over} THEN t.epoch ELSE greatest(t.epoch + {inc}, {base} + {inc}) END, \
+         epoch = CASE WHEN {over} THEN t.epoch ELSE greatest(t.epoch + {inc}, {base} + {inc}, \
+           CASE WHEN t.attempts = 0 THEN {floor} + {inc} ELSE 0 END) END, \
          owner = CASE WHEN {over} THEN t.owner ELSE {owner} END, \
          lease_until = CASE WHEN {over} THEN NULL ELSE {lease_end} END, \
          attempts = CASE WHEN {over} THEN t.attempts ELSE t.attempts + 1 END, \
@@ -136,6 +144,8 @@ impl Statements {
             }
         };
         let lease_end = "clock_timestamp() + $LEASE::bigint * interval '1 millisecond'";
+        // The queue's epoch floor for a row's first claim ($1 is the queue in both claims).
+        let floor = format!("(SELECT {s}.epoch_floor($1))");
         // The lease of a taken-over row is computed in the SET, i.e. after the row lock was
         // granted and the WHERE passed: a claim that waited for a lock still gets its full lease,
         // and its lease starts after the previous one ended. The second branch reads the
@@ -166,7 +176,7 @@ impl Statements {
              WHERE NOT (t.state = 'pending' OR (t.state = 'failed' AND t.run_at <= clock_timestamp()) \
                  OR (t.state = 'running' AND t.lease_until < clock_timestamp()))",
             lease = lease_end.replace("$LEASE", "$4"),
-            capped = capped_claim("EXCLUDED.owner", &lease_end.replace("$LEASE", "$4"), "$5", inc, base),
+            capped = capped_claim("EXCLUDED.owner", &lease_end.replace("$LEASE", "$4"), "$5", inc, base, &floor),
             lu = ms!("c.lease_until"),
             ttl = ms!("(c.lease_until - clock_timestamp())"),
             ra = ms!("(c.run_at - clock_timestamp())"),
@@ -174,9 +184,12 @@ impl Statements {
             tttl = ms!("(t.lease_until - clock_timestamp())"),
             tra = ms!("(t.run_at - clock_timestamp())"),
         );
+        // Epoch 0 and no floor read: the row's first claim starts above the floor (see
+        // `capped_claim`), so an enqueue inside a caller's long transaction holds no floor lock
+        // the pruner would wait for (issue #30, item 8).
         let enqueue = format!(
             "INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
-             SELECT $1, u.k, 'pending', (SELECT {s}.epoch_floor($1)), u.p, clock_timestamp() \
+             SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
              FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
              ON CONFLICT (queue, key) DO NOTHING"
         );
@@ -203,7 +216,7 @@ impl Statements {
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
              RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress, \
                  floor(extract(epoch from t.run_at) * 1000000)::bigint",
-            capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc, base),
+            capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc, base, &floor),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),
         );

@@ -196,7 +196,9 @@ impl SqliteFence {
     ///
     /// A [`Fenced`](crate::FenceError::Fenced) answer also makes the caller's transaction unable
     /// to commit: a deferred foreign-key violation is left in it, so `COMMIT` fails ("FOREIGN KEY
-    /// constraint failed") and dropping the transaction rolls it back. On a connection with
+    /// constraint failed") and dropping the transaction rolls it back. A connection in
+    /// autocommit or inside a savepoint (a nested `tx.begin()`) is refused with
+    /// [`TransactionDepth`](crate::FenceError::TransactionDepth) before anything is written. On a connection with
     /// `PRAGMA foreign_keys = OFF` (sqlx turns it on by default) the transaction is rolled back
     /// at once instead, and statements the caller runs after ignoring the answer are outside any
     /// transaction. SQLite has one writer at a time: from the caller's first write on, its
@@ -211,6 +213,9 @@ impl SqliteFence {
     /// # Ok(()) }
     /// ```
     pub async fn complete_in(&self, conn: &mut SqliteConnection, lease: &Lease, result: &[u8]) -> Result<()> {
+        if self.guards.own_tx_depth_check() {
+            crate::own_tx::top_level::<sqlx::Sqlite>(conn)?;
+        }
         let q = self.cas_query(&self.stmts.complete, lease).bind(result.to_vec());
         let row = q.fetch_optional(&mut *conn).await?;
         let answer = self.fenced_outcome(&mut *conn, lease, row).await.map(drop);

@@ -360,6 +360,7 @@ async fn edges_a_hook_never_sees_a_lease_past_its_deadline_or_ended() {
                 loss: Mutex::new(None),
                 settling: AtomicBool::new(false),
                 own_commit: AtomicBool::new(false),
+                committed: AtomicBool::new(false),
                 #[cfg(feature = "metrics")]
                 lost_at: std::sync::OnceLock::new(),
             });

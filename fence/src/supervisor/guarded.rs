@@ -49,7 +49,8 @@ impl<F: Future> Future for Guarded<F> {
         if watch && this.cancelled.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(this.state.reason()));
         }
-        if this.enforce {
+        // A result its own transaction committed has nothing left to fence: no deadline.
+        if this.enforce && !this.state.committed.load(Ordering::Acquire) {
             loop {
                 let deadline = this.state.deadline.load(Ordering::Acquire);
                 if Instant::now() >= this.base + Duration::from_nanos(deadline) {

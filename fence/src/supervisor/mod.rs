@@ -289,6 +289,7 @@ impl Supervisor {
             loss: Mutex::new(None),
             settling: AtomicBool::new(false),
             own_commit: AtomicBool::new(false),
+            committed: AtomicBool::new(false),
             #[cfg(feature = "metrics")]
             lost_at: std::sync::OnceLock::new(),
         });

@@ -28,6 +28,11 @@ pub(super) struct SlotState {
     /// The handler sent its own fenced completion ([`JobContext::complete_in`]): once it returns,
     /// the job row, not the handler's answer, says whether the result committed.
     pub(super) own_commit: AtomicBool,
+    /// The handler's own transaction committed this attempt's result (the job row says
+    /// completed under this lease, read after a heartbeat found the lease gone): nothing is left
+    /// to fence, so the handler runs on past the lease, uncancelled, and its return is
+    /// acknowledged once (issue #30, item 5).
+    pub(super) committed: AtomicBool,
     /// When the loss was found (`brokerfence_lease_loss_to_cancel_seconds`).
     #[cfg(feature = "metrics")]
     pub(super) lost_at: std::sync::OnceLock<Instant>,
@@ -186,6 +191,7 @@ impl Inner {
                 // An attempt awaiting its verdict has no handler left to stop: its commit decides.
                 if !slot.state.token.is_cancelled()
                     && !slot.state.settling.load(Ordering::Acquire)
+                    && !slot.state.committed.load(Ordering::Acquire)
                     && slot.state.deadline.load(Ordering::Acquire) <= now
                 {
                     tracing::warn!(key = %slot.lease.key, epoch = slot.lease.epoch, "lease unconfirmed past its deadline; cancelling");

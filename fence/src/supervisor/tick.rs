@@ -18,7 +18,12 @@ impl Inner {
     /// database could not confirm (so the next tick comes sooner).
     async fn tick(self: &Arc<Self>) -> bool {
         let snapshot: Vec<(u64, Lease, Arc<SlotState>)> = match self.inflight.lock() {
-            Ok(map) => map.iter().map(|(id, s)| (*id, s.lease.clone(), Arc::clone(&s.state))).collect(),
+            // A result committed in the handler's own transaction needs no lease any more.
+            Ok(map) => map
+                .iter()
+                .filter(|(_, s)| !s.state.committed.load(Ordering::Acquire))
+                .map(|(id, s)| (*id, s.lease.clone(), Arc::clone(&s.state)))
+                .collect(),
             Err(_) => return false,
         };
         if snapshot.is_empty() {
@@ -68,7 +73,7 @@ impl Inner {
     /// Applies one renewal statement's answer for the attempts of `snapshot`: moves the
     /// deadlines of the renewed, cancels the lost that still run, and posts both to the hooks.
     fn apply_renewals(
-        &self,
+        self: &Arc<Self>,
         snapshot: &[(u64, Lease, Arc<SlotState>)],
         sent: Instant,
         renewed: Vec<Lease>,
@@ -86,12 +91,20 @@ impl Inner {
         }
         self.metrics.add(Counter::Renewals, renewed.len() as u64);
         let mut gone = Vec::with_capacity(lost.len());
+        let mut own = Vec::new();
         for l in lost {
             if let Some((_, s)) = by_id.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)) {
                 if s.settling.load(Ordering::Acquire) {
                     // Usually its own commit landed first; otherwise the commit is fenced. Either
                     // way the verdict decides, and the source hears of it through the outcome.
                     tracing::debug!(queue = %l.queue, key = %l.key, epoch = l.epoch, "lease ended while its verdict was pending");
+                    continue;
+                }
+                if s.own_commit.load(Ordering::Acquire) {
+                    // The handler sent its own completion: the row is gone from `running`
+                    // because its transaction committed, or because a newer epoch took over
+                    // after it rolled back. The row tells which, before anything is cancelled.
+                    own.push((l.clone(), Arc::clone(s)));
                     continue;
                 }
                 tracing::warn!(queue = %l.queue, key = %l.key, epoch = l.epoch, "heartbeat found lease lost; cancelling");
@@ -114,6 +127,49 @@ impl Inner {
         if let Ok(hooks) = self.hooks.read() {
             for hook in hooks.iter() {
                 hook.submit(sent, &renewed, &gone);
+            }
+        }
+        if !own.is_empty() {
+            let me = Arc::clone(self);
+            tokio::spawn(async move { me.settle_own_commits(sent, own).await });
+        }
+    }
+
+    /// Attempts whose handler committed in its own transaction and whose lease a heartbeat found
+    /// gone: completed under their lease means the commit landed — the handler runs on, no
+    /// longer fenced, and its return is acknowledged once (issue #30, item 5); otherwise a newer
+    /// epoch holds the job, and the attempt is cancelled like any superseded one. No answer
+    /// within the heartbeat interval decides nothing: the next tick asks again.
+    async fn settle_own_commits(self: Arc<Self>, sent: Instant, own: Vec<(Lease, Arc<SlotState>)>) {
+        let leases: Vec<Lease> = own.iter().map(|(l, _)| l.clone()).collect();
+        let interval = self.config.lease.heartbeat_interval();
+        let answer = match tokio::time::timeout(interval, self.store.completed_under(&leases)).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, leases = leases.len(), "could not read rows of handlers that committed on their own");
+                return;
+            }
+            Err(_) => return,
+        };
+        let mut gone = Vec::new();
+        for ((l, s), committed) in own.into_iter().zip(answer.into_iter().chain(std::iter::repeat(false))) {
+            if committed {
+                s.committed.store(true, Ordering::Release);
+                tracing::debug!(queue = %l.queue, key = %l.key, epoch = l.epoch, "result committed in the handler's transaction; the handler runs on unfenced");
+                continue;
+            }
+            tracing::warn!(queue = %l.queue, key = %l.key, epoch = l.epoch, "heartbeat found lease lost; cancelling");
+            if self.config.cancel_on_loss {
+                s.lose(LossReason::Superseded);
+            }
+            gone.push(l);
+        }
+        if gone.is_empty() {
+            return;
+        }
+        if let Ok(hooks) = self.hooks.read() {
+            for hook in hooks.iter() {
+                hook.submit(sent, &[], &gone);
             }
         }
     }

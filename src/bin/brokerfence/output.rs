@@ -281,6 +281,7 @@ pub(crate) fn prune_json(queues: &[QueueName], r: &PruneReport) -> Value {
         "ledger": r.ledger,
         "batches": r.batches,
         "contended": r.contended,
+        "floor_busy": r.floor_busy,
     })
 }
 
@@ -296,6 +297,12 @@ pub(crate) fn prune_text(queues: &[QueueName], r: &PruneReport) -> String {
     );
     if r.contended {
         out.push_str("another pruner was at work: this run stopped early; the next one carries on\n");
+    }
+    if r.floor_busy > 0 {
+        out.push_str(&format!(
+            "{} queue(s) left for the next run: their claims held the floor lock past the pruner's wait\n",
+            r.floor_busy
+        ));
     }
     out
 }
