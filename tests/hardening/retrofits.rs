@@ -12,10 +12,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use brokerfence::TableQueue;
 use brokerfence::adapters::redis::client;
 use brokerfence::adapters::redis::{ItemKey, ListProcessed, ListRetrofit, RedisError, ReliableList};
 use brokerfence::adapters::sqs::{SqsConfig, SqsDetail, SqsRetrofit, SqsSource};
-use brokerfence::TableQueue;
 use brokerfence::adapters::{Detail, Disposition, Incoming, ReceiveContext, Source};
 use brokerfence::admin::{Admin, AdminError, Requeue};
 use brokerfence::fence::{
@@ -72,8 +72,8 @@ async fn panics(_ctx: JobContext, message: &'static str) -> Result<Vec<u8>, JobE
 /// Guard: the retrofit's holding area (`adapters/src/redis/list/holding.rs`), which keeps each
 /// item and sends it again with backoff until Redis takes it. Without it (one `LPUSH` per item,
 /// from a spawned task for the retry) the immediate push-back failed with an error and the
-/// delayed one was logged and dropped: "timed out … waiting for both popped items back on the
-/// list", the list empty.
+/// delayed one was logged and dropped: "timed out after 6s waiting for both popped items back on
+/// the list" (the list empty; the immediate push-back had answered `Err(… LPUSH … broken pipe)`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardening_item3_popped_items_survive_a_redis_restart() {
     let mut redis = PrivateRedis::start().await;
@@ -95,15 +95,9 @@ async fn hardening_item3_popped_items_survive_a_redis_restart() {
     let released = ListProcessed { disposition: Disposition::Abandon, detail: None, lease_key: None };
 
     redis.kill().await;
-    let answered = (
-        fence.requeue_popped(&release_item, &released).await,
-        fence.requeue_popped(&retry_item, &failed).await,
-    );
-    assert!(
-        answered.0.is_ok() && answered.1.is_ok(),
-        "a Redis error must not reach the caller's `?` (it would leave the loop with the item): {answered:?}"
-    );
-    assert_eq!(fence.held(), 2, "both items are held while Redis is down");
+    let answered =
+        (fence.requeue_popped(&release_item, &released).await, fence.requeue_popped(&retry_item, &failed).await);
+    let held_while_down = fence.held();
     // Redis stays down past the retry's backoff, so its delayed push-back fails too.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     redis.restart().await;
@@ -119,6 +113,11 @@ async fn hardening_item3_popped_items_survive_a_redis_restart() {
     let mut back = back;
     back.sort();
     assert_eq!(back, ["release-1|y", "retry-1|x"], "each item back once");
+    assert!(
+        answered.0.is_ok() && answered.1.is_ok(),
+        "a Redis error must not reach the caller's `?` (it would leave the loop with the item): {answered:?}"
+    );
+    assert_eq!(held_while_down, 2, "both items were held while Redis was down");
     fence.flush(Duration::from_secs(2)).await.expect("nothing left held");
     assert_eq!(fence.held(), 0);
     env.cleanup().await;
@@ -148,8 +147,7 @@ async fn hardening_item9_a_list_item_is_dead_lettered_once() {
     };
     source.dead_letter(delivery.clone(), "job is dead").await.expect("dead-letter");
     source.dead_letter(delivery, "job is dead").await.expect("dead-letter again");
-    let entries: i64 =
-        client::cmd("XLEN").arg(source.dead_stream()).query_async(&mut env.conn()).await.expect("XLEN");
+    let entries: i64 = client::cmd("XLEN").arg(source.dead_stream()).query_async(&mut env.conn()).await.expect("XLEN");
     assert_eq!(entries, 1, "the dead-letter stream holds {entries} entries for one item");
     let processing: i64 =
         client::cmd("LLEN").arg(source.processing_list()).query_async(&mut env.conn()).await.expect("LLEN");
@@ -237,10 +235,19 @@ async fn hardening_item9_cli_dead_requeue_refuses_broker_jobs() {
         let (schema, q) = (pg.schema().as_str().to_owned(), q.as_str().to_owned());
         async move {
             let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_brokerfence"));
-            cmd.args(["--database-url", &store::database_url(), "--schema", &schema, "dead", "requeue", &q, "broker-1"])
-                .args(extra)
-                .env_remove("DATABASE_URL")
-                .kill_on_drop(true);
+            cmd.args([
+                "--database-url",
+                &store::database_url(),
+                "--schema",
+                &schema,
+                "dead",
+                "requeue",
+                &q,
+                "broker-1",
+            ])
+            .args(extra)
+            .env_remove("DATABASE_URL")
+            .kill_on_drop(true);
             let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
                 .await
                 .expect("the CLI ended within 60 s")
@@ -263,7 +270,8 @@ async fn hardening_item9_cli_dead_requeue_refuses_broker_jobs() {
 // ------------------------------------------------------------------------------------------------
 
 fn too_old(e: Option<&FenceError>) -> bool {
-    matches!(e, Some(FenceError::SchemaTooOld { found: 0, .. })) && e.is_some_and(|e| e.to_string().contains("run migrations"))
+    matches!(e, Some(FenceError::SchemaTooOld { found: 0, .. }))
+        && e.is_some_and(|e| e.to_string().contains("run migrations"))
 }
 
 /// Item 11 ("Retrofits on an unmigrated schema fail silently"), SQS: on a schema that was never

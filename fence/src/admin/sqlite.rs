@@ -136,9 +136,8 @@ pub(super) async fn broker_jobs(
     let shown = i64::try_from(super::BROKER_KEYS_SHOWN).unwrap_or(10);
     match which {
         Requeue::Keys(keys) => {
-            let probe = format!(
-                "SELECT 1 FROM {s}_jobs WHERE queue = ?1 AND key = ?2 AND state = 'dead' AND payload IS NULL"
-            );
+            let probe =
+                format!("SELECT 1 FROM {s}_jobs WHERE queue = ?1 AND key = ?2 AND state = 'dead' AND payload IS NULL");
             let mut found = Vec::new();
             for chunk in key_chunks(keys, 500) {
                 for key in chunk {
@@ -186,8 +185,9 @@ pub(super) async fn requeue(
     let mut report = RequeueReport::default();
     match which {
         Requeue::Keys(keys) => {
-            let update =
-                format!("UPDATE {s}_jobs SET {set} WHERE queue = ?1 AND key = ?2 AND state = 'dead' {only} RETURNING epoch");
+            let update = format!(
+                "UPDATE {s}_jobs SET {set} WHERE queue = ?1 AND key = ?2 AND state = 'dead' {only} RETURNING epoch"
+            );
             let seen = format!("SELECT state FROM {s}_jobs WHERE queue = ?1 AND key = ?2");
             for chunk in key_chunks(keys, batch) {
                 // One writer at a time: the chunk is one IMMEDIATE transaction.

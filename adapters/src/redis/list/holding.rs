@@ -27,7 +27,7 @@ use crate::redis::scripts::SCRIPTS;
 pub(super) const DEFAULT_HOLDING: usize = 1024;
 
 /// The first pause after a failed send; it doubles per failure up to [`MAX_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(50);
+pub(super) const FIRST_PAUSE: Duration = Duration::from_millis(50);
 
 /// The longest pause between two sends of one item: an item lands within about this long of
 /// Redis answering again.
@@ -110,7 +110,10 @@ impl Target {
 /// The holding area, shared by every clone of one retrofit and its task.
 pub(super) struct Holding {
     items: Mutex<Vec<Held>>,
+    /// One place per item held, taken until Redis took the item (so an item the task is sending
+    /// right now still counts).
     places: Arc<Semaphore>,
+    capacity: usize,
     /// Wakes the task: an item was added, or a flush made every item due.
     wake: Notify,
     /// Wakes flushes: an item landed.
@@ -122,9 +125,11 @@ pub(super) struct Holding {
 impl Holding {
     /// An area of `capacity` places, and its task sending to `target`.
     pub(super) fn start(capacity: usize, target: Target) -> Arc<Holding> {
+        let capacity = capacity.max(1);
         let holding = Arc::new(Holding {
             items: Mutex::new(Vec::new()),
-            places: Arc::new(Semaphore::new(capacity.max(1))),
+            places: Arc::new(Semaphore::new(capacity)),
+            capacity,
             wake: Notify::new(),
             landed: Notify::new(),
             closed: CancellationToken::new(),
@@ -133,9 +138,9 @@ impl Holding {
         holding
     }
 
-    /// Items held now.
+    /// Items held now (waiting, or being sent).
     pub(super) fn len(&self) -> usize {
-        self.items.lock().map(|v| v.len()).unwrap_or(0)
+        self.capacity.saturating_sub(self.places.available_permits())
     }
 
     /// Keeps `item` until it is sent, first at `due`. Waits for a place when the area is full.
@@ -250,7 +255,7 @@ impl std::fmt::Debug for Target {
 
 impl std::fmt::Debug for Holding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Holding").field("held", &self.len()).finish()
+        f.debug_struct("Holding").field("held", &self.len()).field("capacity", &self.capacity).finish()
     }
 }
 

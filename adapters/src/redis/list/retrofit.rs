@@ -19,7 +19,7 @@ use crate::redis::keys::{sibling_key, token};
 use crate::redis::lease::{LeaseKeyHook, LeaseKeys};
 
 use super::ItemKey;
-use super::holding::{CloseOnDrop, DEFAULT_HOLDING, Holding, Route, Target};
+use super::holding::{CloseOnDrop, DEFAULT_HOLDING, FIRST_PAUSE, Holding, Route, Target};
 
 /// What [`ListRetrofit::process`] did with one item.
 #[derive(Debug)]
@@ -112,7 +112,6 @@ pub struct ListRetrofit {
     /// left and ends).
     _close: Arc<CloseOnDrop>,
 }
-
 
 impl ListRetrofit {
     /// The fence for items of `list`, fenced under `queue`, with a fresh owner id; `item_key` maps
@@ -374,7 +373,7 @@ impl ListRetrofit {
         if delay.is_zero() {
             if let Err(e) = self.target.send(item, &route).await {
                 tracing::warn!(error = %e, ?route, "Redis did not take the popped item; it is held and sent again until Redis does");
-                self.holding.hold(item.to_vec(), route, Instant::now(), 1).await;
+                self.holding.hold(item.to_vec(), route, Instant::now() + FIRST_PAUSE, 1).await;
             }
         } else {
             self.holding.hold(item.to_vec(), route, Instant::now() + delay, 0).await;
