@@ -127,6 +127,11 @@ async fn seed(store: &dyn FenceStore) -> Seeded {
     store.complete(&c1, b"done!!").await.expect("complete");
     let f1 = claim("f1", 30).await;
     store.fail(&f1, "try again", true, &RetryPolicy::default()).await.expect("fail, retry");
+    // The dead jobs are table-queue jobs (enqueued with a payload): `dead requeue` refuses jobs
+    // claimed from a broker (issue #30 item 9).
+    for k in ["d1", "d2"] {
+        assert!(store.enqueue(&q, &key(k), b"work").await.expect("enqueue"));
+    }
     let d1 = claim("d1", 30).await;
     store.fail(&d1, "boom: disk full", false, &RetryPolicy::default()).await.expect("fail, dead");
     pause().await;
@@ -419,6 +424,8 @@ async fn requeue_all_case(t: Target) {
     let me = Owner::new(OWNER).expect("owner");
     let mut buried = Vec::new();
     for (queue, k) in (0..5).map(|i| (&q, format!("k{i}"))).chain([(&other, "o1".to_owned())]) {
+        // Table-queue jobs: `dead requeue` refuses jobs claimed from a broker (issue #30 item 9).
+        assert!(store.enqueue(queue, &key(&k), b"work").await.expect("enqueue"));
         let Claim::Claimed(l) = store.claim(queue, &key(&k), &me, lease(30)).await.expect("claim") else {
             panic!("claim {k}")
         };

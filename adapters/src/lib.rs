@@ -18,6 +18,7 @@
 compile_error!("brokerfence: enable a backend feature, `postgres` or `sqlite` (both are on by default)");
 
 mod builder;
+mod caught;
 mod disposition;
 mod handler;
 mod middleware;

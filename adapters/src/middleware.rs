@@ -3,14 +3,25 @@
 //! fence tells you what to do with each delivery.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use fence::{
     Claim, Counter, Distribution, FenceError, FenceStore, IntoJobResult, JobContext, JobError, JobKey, Lease, Metrics,
     Outcome, Owner, QueueName, Supervisor, SupervisorConfig,
 };
+use tokio::time::Instant;
 
+use crate::caught::run_caught;
 use crate::disposition::Disposition;
+
+/// How long a retrofit waits for the store's schema check (the consumer runtime's bound too).
+const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a "schema too old" verdict stands before a retrofit asks again: a worker started
+/// before the migration ran picks the new schema up without a restart, and a loop that keeps
+/// calling costs at most one check per interval, not one per delivery.
+const SCHEMA_RECHECK: Duration = Duration::from_secs(5);
 
 /// What happened to one delivery, and what to tell your broker.
 #[derive(Debug)]
@@ -28,8 +39,21 @@ pub enum Detail {
     NotClaimed(Claim),
     /// The attempt ran; its outcome.
     Ran(Outcome),
-    /// The claim itself failed (database unreachable): leave the delivery to the broker.
+    /// The claim itself failed (database unreachable): leave the delivery to the broker. Also
+    /// the fence's refusal to claim on a schema older than this build needs
+    /// ([`FenceError::SchemaTooOld`], see [`Processed::refused`]).
     ClaimFailed(FenceError),
+}
+
+impl Detail {
+    /// The schema check's refusal, when the fence refused to claim because the schema is older
+    /// than this build needs ([`FenceError::SchemaTooOld`], whose message says to run migrations).
+    pub fn refused(&self) -> Option<&FenceError> {
+        match self {
+            Detail::ClaimFailed(e @ FenceError::SchemaTooOld { .. }) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 impl Processed {
@@ -37,6 +61,35 @@ impl Processed {
     pub fn should_ack(&self) -> bool {
         self.disposition == Disposition::Ack
     }
+
+    /// `Some` when the fence refused to run the delivery because the schema is older than this
+    /// build needs: nothing was claimed, the disposition is [`Disposition::Abandon`] (give the
+    /// delivery back), and your loop should stop with this error, as
+    /// [`Consumer::run`](crate::Consumer::run) does (its message says to run migrations).
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::Retrofit, key: brokerfence::JobKey) -> Result<(), Box<dyn std::error::Error>> {
+    /// let done = fence.process(&key, b"body".to_vec(), |_ctx| async move { Ok(()) }).await;
+    /// if let Some(e) = done.refused() {
+    ///     return Err(e.to_string().into()); // give the delivery back first
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn refused(&self) -> Option<&FenceError> {
+        self.detail.refused()
+    }
+}
+
+/// What a retrofit knows of its store's schema (checked on first use).
+#[derive(Debug, Clone, Copy)]
+enum SchemaVerdict {
+    /// Not asked yet, or the store could not answer.
+    Unknown,
+    /// At least the version this build needs (or the store cannot tell: a wrapper that does not
+    /// delegate the check).
+    Current,
+    /// Too old, as found at that instant.
+    TooOld { found: i64, required: i64, at: Instant },
 }
 
 /// The fence as middleware: one per worker process (it owns the heartbeat task).
@@ -57,6 +110,7 @@ impl Processed {
 pub struct Retrofit {
     supervisor: Supervisor,
     queue: QueueName,
+    schema: Arc<Mutex<SchemaVerdict>>,
 }
 
 impl Retrofit {
@@ -68,7 +122,90 @@ impl Retrofit {
     /// Middleware with the given owner id.
     pub fn with_owner(store: Arc<dyn FenceStore>, queue: QueueName, owner: Owner, config: SupervisorConfig) -> Self {
         let metrics = Arc::new(Metrics::labelled(queue.as_str(), "middleware"));
-        Self { supervisor: Supervisor::with_metrics(store, owner, config, metrics), queue }
+        Self {
+            supervisor: Supervisor::with_metrics(store, owner, config, metrics),
+            queue,
+            schema: Arc::new(Mutex::new(SchemaVerdict::Unknown)),
+        }
+    }
+
+    /// Checks that the store's schema is at least at the migration version this build needs
+    /// ([`FenceStore::check_schema`]), as [`Consumer::run`](crate::Consumer::run) does before it
+    /// receives anything: call it before your loop. A schema that is too old (or missing) is
+    /// [`FenceError::SchemaTooOld`], whose message says to run migrations; a store that does not
+    /// answer within 5 s is [`FenceError::StatementAborted`]. A pass is remembered, so
+    /// [`process`](Self::process) does not ask again.
+    ///
+    /// [`process`](Self::process) runs the same check on first use whether or not you call this:
+    /// on a schema too old it claims nothing and answers [`Processed::refused`].
+    ///
+    /// ```no_run
+    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
+    /// use brokerfence::{LeaseDuration, QueueName, Retrofit, SupervisorConfig};
+    /// // Migrations are a deploy step (`brokerfence migrate`, or `store.migrate()`); a worker checks:
+    /// let fence = Retrofit::new(store, QueueName::new("orders")?, SupervisorConfig::new(LeaseDuration::from_secs(30)?));
+    /// fence.check_schema().await?; // "… run migrations …" on a schema this build cannot use
+    /// # Ok(()) }
+    /// ```
+    pub async fn check_schema(&self) -> Result<(), FenceError> {
+        match self.ask_schema().await {
+            Ok(()) => Ok(()),
+            Err(Some(e)) => Err(e),
+            Err(None) => Err(FenceError::StatementAborted(format!(
+                "the schema check did not answer within {SCHEMA_CHECK_TIMEOUT:?}"
+            ))),
+        }
+    }
+
+    /// Asks the store (bounded) and records the verdict. `Err(None)`: no answer in time.
+    async fn ask_schema(&self) -> Result<(), Option<FenceError>> {
+        let store = self.supervisor.store();
+        let answer = tokio::time::timeout(SCHEMA_CHECK_TIMEOUT, store.check_schema()).await;
+        let verdict = match &answer {
+            Ok(Ok(())) | Ok(Err(FenceError::Unsupported(_))) => SchemaVerdict::Current,
+            Ok(Err(FenceError::SchemaTooOld { found, required })) => {
+                SchemaVerdict::TooOld { found: *found, required: *required, at: Instant::now() }
+            }
+            Ok(Err(_)) | Err(_) => SchemaVerdict::Unknown,
+        };
+        if let Ok(mut v) = self.schema.lock() {
+            *v = verdict;
+        }
+        match answer {
+            Ok(Ok(())) | Ok(Err(FenceError::Unsupported(_))) => Ok(()),
+            Ok(Err(e)) => Err(Some(e)),
+            Err(_) => Err(None),
+        }
+    }
+
+    /// The schema check of [`process`](Self::process): `Some` refusal when the schema is too old
+    /// (asked on first use, again at most every [`SCHEMA_RECHECK`] while it is). A store that
+    /// cannot answer is no reason to refuse (the claim that follows says what is wrong), as for
+    /// the consumer runtime.
+    async fn schema_refusal(&self) -> Option<FenceError> {
+        let known = self.schema.lock().map(|v| *v).unwrap_or(SchemaVerdict::Unknown);
+        match known {
+            SchemaVerdict::Current => return None,
+            SchemaVerdict::TooOld { found, required, at } if at.elapsed() < SCHEMA_RECHECK => {
+                return Some(FenceError::SchemaTooOld { found, required });
+            }
+            _ => {}
+        }
+        match self.ask_schema().await {
+            Ok(()) => None,
+            Err(Some(e @ FenceError::SchemaTooOld { .. })) => {
+                tracing::error!(queue = %self.queue, error = %e, "schema too old: the retrofit claims nothing");
+                Some(e)
+            }
+            Err(Some(e)) => {
+                tracing::warn!(queue = %self.queue, error = %e, "could not check the schema; claiming anyway");
+                None
+            }
+            Err(None) => {
+                tracing::warn!(queue = %self.queue, timeout = ?SCHEMA_CHECK_TIMEOUT, "schema check timed out; claiming anyway");
+                None
+            }
+        }
     }
 
     /// The supervisor (add a [`LeaseHook`](fence::LeaseHook) to extend your broker's visibility).
@@ -88,6 +225,14 @@ impl Retrofit {
 
     /// Claims `key`, runs `handler` under the lease, commits through the fence, and says what to
     /// tell the broker.
+    ///
+    /// On first use it checks the schema ([`check_schema`](Self::check_schema)): on a schema
+    /// older than this build needs it claims nothing and answers [`Disposition::Abandon`] with
+    /// [`Processed::refused`] set (its message says to run migrations); stop your loop then.
+    ///
+    /// A handler that panics is a failed attempt: the panic's message is the job's `last_error`
+    /// (`"handler panicked: …"`) and the job is retried by its policy; the panic does not reach
+    /// your loop.
     ///
     /// Cancellation-safe: when the caller drops the returned future (a `select!` on shutdown, a
     /// timeout), nothing stays claimed. A claim the database already made is released (the job
@@ -122,6 +267,9 @@ impl Retrofit {
         Fut: Future<Output = Result<R, JobError>>,
         R: IntoJobResult,
     {
+        if let Some(refusal) = self.schema_refusal().await {
+            return Processed { disposition: Disposition::Abandon, detail: Detail::ClaimFailed(refusal) };
+        }
         let claim_sent = std::time::Instant::now();
         let claim = match self.claim_detached(key).await {
             Ok(c) => c,
@@ -139,6 +287,7 @@ impl Retrofit {
                     metrics: Arc::clone(self.metrics()),
                     lease: Some(lease.clone()),
                 };
+                let handler = move |ctx: JobContext| run_caught(handler, ctx);
                 let outcome = self.supervisor.run_claimed_at(lease, claim_sent, payload, None, handler).await;
                 guard.lease = None;
                 Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }

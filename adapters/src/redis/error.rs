@@ -80,6 +80,42 @@ pub enum RedisError {
         #[source]
         source: Box<RedisError>,
     },
+    /// The fence refused to claim a popped item because the schema is older than this build
+    /// needs ([`FenceError::SchemaTooOld`](fence::FenceError::SchemaTooOld), whose message says
+    /// to run migrations). [`ListRetrofit::requeue_popped`](super::ListRetrofit::requeue_popped)
+    /// answers it once the item is back on the list, so that your loop's `?` ends the loop, as
+    /// [`Consumer::run`](crate::Consumer::run) ends on such a schema.
+    ///
+    /// ```
+    /// use brokerfence::redis::RedisError;
+    /// let e = RedisError::Refused(brokerfence::FenceError::SchemaTooOld { found: 0, required: 9 });
+    /// assert!(e.to_string().starts_with("the fence refused to claim: the fence schema is at migration version 0"));
+    /// assert!(e.to_string().contains("run migrations"));
+    /// assert!(e.is_fatal());
+    /// ```
+    #[error("the fence refused to claim: {0}")]
+    Refused(#[source] fence::FenceError),
+    /// Popped items that Redis has not taken back yet when a flush gave up
+    /// ([`ListRetrofit::flush`](super::ListRetrofit::flush)): they stay in the retrofit's holding
+    /// area, sent again until Redis takes them, for as long as this process runs.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use brokerfence::redis::RedisError;
+    /// let e = RedisError::StillHeld { held: 2, after: Duration::from_secs(5) };
+    /// assert!(e.to_string().starts_with("2 popped item(s) still held after 5s"));
+    /// assert!(!e.is_fatal());
+    /// ```
+    #[error(
+        "{held} popped item(s) still held after {after:?}: Redis has not taken them back; they are sent again \
+         until it does, for as long as this process runs"
+    )]
+    StillHeld {
+        /// Items still held.
+        held: usize,
+        /// How long the flush waited.
+        after: Duration,
+    },
 }
 
 /// The cause of a failed connect, without repeating "connect".
@@ -135,9 +171,9 @@ impl RedisError {
     /// of the wrong type.
     pub fn is_fatal(&self) -> bool {
         match self {
-            RedisError::Config(_) | RedisError::UnsupportedScheme { .. } => true,
+            RedisError::Config(_) | RedisError::UnsupportedScheme { .. } | RedisError::Refused(_) => true,
             RedisError::Unreachable { source, .. } => source.is_fatal(),
-            RedisError::Reply { .. } | RedisError::Timeout { .. } => false,
+            RedisError::Reply { .. } | RedisError::Timeout { .. } | RedisError::StillHeld { .. } => false,
             RedisError::Command { source, .. } => {
                 matches!(
                     source.kind(),

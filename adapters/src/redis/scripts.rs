@@ -189,16 +189,31 @@ if redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
 return moved
 ";
 
-/// Dead-letter a list item: remove one copy from the processing list, add it to the dead-letter
-/// stream with the reason, release the lease key if it is ours.
+/// Dead-letter a list item: remove one copy from the processing list and, only if that removed
+/// it (the item is moved once, however many deliveries of it are dead-lettered: a second call for
+/// an item already moved, or reaped back to the queue, adds nothing), add it to the dead-letter
+/// stream with the reason; release the lease key if it is ours.
 /// KEYS[1]: processing; KEYS[2]: dead-letter stream; KEYS[3]: lease key (may be the empty string's
 /// key when none). ARGV[1]: item; ARGV[2]: token; ARGV[3]: reason; ARGV[4]: queue list name.
-/// Returns 1 when the item was in the processing list.
+/// Returns 1 when the item was in the processing list (and was dead-lettered).
 const LIST_DEAD: &str = r"
 local removed = redis.call('LREM', KEYS[1], 1, ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'dead.reason', ARGV[3], 'dead.list', ARGV[4], 'item', ARGV[1])
+if removed == 1 then
+  redis.call('XADD', KEYS[2], '*', 'dead.reason', ARGV[3], 'dead.list', ARGV[4], 'item', ARGV[1])
+end
 if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
 return removed
+";
+
+/// Dead-letter a popped item (the list retrofit) once per marker: a send whose answer was lost
+/// (a timeout) is sent again, and the marker makes the second send add nothing.
+/// KEYS[1]: dead-letter stream; KEYS[2]: the marker of this dead letter (same slot).
+/// ARGV[1]: reason; ARGV[2]: list name; ARGV[3]: item; ARGV[4]: marker lifetime in ms.
+/// Returns 1 when the entry was added, 0 when this dead letter was sent before.
+const LIST_DEAD_ONCE: &str = r"
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[4]) then return 0 end
+redis.call('XADD', KEYS[1], '*', 'dead.reason', ARGV[1], 'dead.list', ARGV[2], 'item', ARGV[3])
+return 1
 ";
 
 /// One pass of the reaper. KEYS[1]: processing; KEYS[2]: queue; KEYS[2+i]: lease key of item i.
@@ -231,6 +246,7 @@ pub(crate) struct Scripts {
     pub list_ack: Script,
     pub list_requeue: Script,
     pub list_dead: Script,
+    pub list_dead_once: Script,
     pub list_reap: Script,
 }
 
@@ -244,5 +260,6 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     list_ack: Script::new(LIST_ACK),
     list_requeue: Script::new(LIST_REQUEUE),
     list_dead: Script::new(LIST_DEAD),
+    list_dead_once: Script::new(LIST_DEAD_ONCE),
     list_reap: Script::new(LIST_REAP),
 });

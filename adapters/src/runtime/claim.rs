@@ -206,7 +206,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
                     }
                     None => (None, Some(place)),
                 };
-                let result = handler(ctx).await;
+                let result = crate::caught::run_caught(handler, ctx).await; // a panic is a failed attempt
                 drop(slot);
                 result
             };

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use aws_sdk_sqs::types::Message;
 use fence::{
-    FenceStore, IntoJobResult, JobContext, JobError, Lease, LeaseHook, Metrics, Owner, QueueName, SupervisorConfig,
+    FenceError, FenceStore, IntoJobResult, JobContext, JobError, Lease, LeaseHook, Metrics, Owner, QueueName,
+    SupervisorConfig,
 };
 use tracing::Instrument;
 
@@ -56,6 +57,26 @@ impl SqsProcessed {
     /// ```
     pub fn is_completed(&self) -> bool {
         matches!(&self.detail, SqsDetail::Fence(Detail::Ran(o)) if o.is_completed()) && self.broker_error.is_none()
+    }
+
+    /// `Some` when the fence refused to run the message because the schema is older than this
+    /// build needs ([`FenceError::SchemaTooOld`], whose message says to run migrations): nothing
+    /// was claimed and the message was made visible again at once, for a worker on a migrated
+    /// schema. End your loop with it, as [`Consumer::run`](crate::Consumer::run) ends.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) -> Result<(), Box<dyn std::error::Error>> {
+    /// let done = fence.process(&m, |_ctx| async move { Ok(()) }).await;
+    /// if let Some(e) = done.refused() {
+    ///     return Err(e.to_string().into());
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn refused(&self) -> Option<&FenceError> {
+        match &self.detail {
+            SqsDetail::Fence(detail) => detail.refused(),
+            _ => None,
+        }
     }
 }
 
@@ -125,12 +146,14 @@ impl LeaseHook for ExtendHook {
 /// let url = "http://127.0.0.1:4566/000000000000/orders";
 /// let fence = SqsRetrofit::new(store, SqsSource::new(client.clone(), SqsConfig::new(url)?),
 ///     SupervisorConfig::new(LeaseDuration::from_secs(30)?));
+/// fence.check_schema().await?; // "… run migrations …" on a schema this build cannot use
 /// loop {
 ///     let out = client.receive_message().queue_url(url).wait_time_seconds(20).send().await?;
 ///     for message in out.messages() {
 ///         let done = fence.process(message, |ctx| async move {
 ///             Ok(format!("handled {} at epoch {}", ctx.key(), ctx.epoch()))
 ///         }).await;
+///         if let Some(e) = done.refused() { return Err(e.to_string().into()); } // the schema went back
 ///         println!("{:?}", done.disposition); // deleted, re-hidden, dead-lettered or left
 ///     }
 /// }
@@ -170,6 +193,20 @@ impl SqsRetrofit {
         &self.retrofit
     }
 
+    /// Checks the store's schema before your loop starts ([`Retrofit::check_schema`]): a schema
+    /// older than this build needs is [`FenceError::SchemaTooOld`], whose message says to run
+    /// migrations. [`process`](Self::process) checks on first use anyway and then refuses every
+    /// message ([`SqsProcessed::refused`]), making it visible again at once.
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit) -> Result<(), Box<dyn std::error::Error>> {
+    /// fence.check_schema().await?; // before the receive loop
+    /// # Ok(()) }
+    /// ```
+    pub async fn check_schema(&self) -> Result<(), FenceError> {
+        self.retrofit.check_schema().await
+    }
+
     /// The source used for broker calls.
     pub fn source(&self) -> &SqsSource {
         &self.source
@@ -184,6 +221,11 @@ impl SqsRetrofit {
     /// confirmed heartbeat), commits through the fence, then tells SQS: delete on a committed
     /// result or a duplicate, re-hide on a failure or a busy job, dead-letter a malformed or dead
     /// message, and touch nothing when the lease was lost or the commit fenced.
+    ///
+    /// On first use it checks the schema: on one older than this build needs it claims nothing,
+    /// makes the message visible again at once and answers [`SqsProcessed::refused`], with an
+    /// error logged (see [`check_schema`](Self::check_schema)). A handler that panics is a
+    /// failed attempt, retried by policy, with the panic's message as the job's `last_error`.
     ///
     /// The heartbeat extends the visibility of *this* message, under *this* attempt's lease
     /// (another message carrying the same key is never extended for it). A message your loop

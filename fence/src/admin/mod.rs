@@ -40,7 +40,7 @@ mod types;
 
 pub(crate) use rows::{
     DeadRow, JobInfoRow, RunningRow, absorb_requeued, assemble, dead_job, job_info, key_chunks, keyed_outcome, ms,
-    stored_queue,
+    stored_key, stored_queue,
 };
 pub use types::{
     DeadJob, JobInfo, QueueStatus, Requeue, RequeueReport, Requeued, RunningJob, Skipped, StateCounts, Status,
@@ -89,12 +89,69 @@ pub enum AdminError {
         /// [`FenceStore::backend`] of the store.
         backend: &'static str,
     },
+    /// [`Admin::requeue_dead`] refused, and changed nothing: dead jobs it was to requeue were
+    /// claimed from a broker (SQS, Redis, or a loop of your own through a retrofit), not enqueued
+    /// in the table (their rows carry no payload). A requeue makes such a row pending, but nothing
+    /// runs a pending row without a broker message: only the table queue's consumer claims rows
+    /// by themselves. Re-send their messages from the dead-letter queue or stream; when the job
+    /// key comes from the message (an attribute, the body, a stream field, the list item), the
+    /// re-sent message is claimed under the same key, which a dead row refuses: requeue first
+    /// with [`Admin::with_broker_jobs`] (CLI: `--broker-jobs`). With the broker's message id as
+    /// the key, the re-sent message is a new job and needs no requeue.
+    ///
+    /// ```
+    /// use brokerfence::admin::AdminError;
+    /// use brokerfence::{JobKey, QueueName};
+    /// let err = AdminError::BrokerJobs {
+    ///     queue: QueueName::new("orders").unwrap(),
+    ///     keys: vec![JobKey::new("m-1").unwrap()],
+    ///     count: 1,
+    /// };
+    /// assert!(err.to_string().starts_with("queue orders: 1 dead job(s) were claimed from a broker (m-1)"), "{err}");
+    /// assert!(err.to_string().contains("--broker-jobs"));
+    /// ```
+    #[error(
+        "queue {queue}: {count} dead job(s) were claimed from a broker ({}), not enqueued in the table: a requeue \
+         would make them pending with no broker message to run them, so nothing was changed. Re-send their \
+         messages from the dead-letter queue or stream; when the job key comes from the message (not the broker's \
+         message id), requeue them first with --broker-jobs (Admin::with_broker_jobs)",
+        key_list(keys, *count)
+    )]
+    BrokerJobs {
+        /// The queue.
+        queue: QueueName,
+        /// Some of them (at most [`BROKER_KEYS_SHOWN`]), by key.
+        keys: Vec<JobKey>,
+        /// How many there are.
+        count: u64,
+    },
+}
+
+/// How many keys an [`AdminError::BrokerJobs`] names.
+pub const BROKER_KEYS_SHOWN: usize = 10;
+
+/// `a, b, c` and how many more.
+fn key_list(keys: &[JobKey], count: u64) -> String {
+    let shown: Vec<&str> = keys.iter().map(JobKey::as_str).collect();
+    let more = count.saturating_sub(shown.len() as u64);
+    if more > 0 { format!("{} and {more} more", shown.join(", ")) } else { shown.join(", ") }
 }
 
 impl From<sqlx::Error> for AdminError {
     fn from(e: sqlx::Error) -> Self {
         AdminError::Fence(FenceError::from(e))
     }
+}
+
+/// [`AdminError::BrokerJobs`] when a requeue would take dead jobs claimed from a broker: `found`
+/// is (some of their keys, how many).
+fn refuse_broker_jobs(queue: &QueueName, found: (Vec<String>, i64)) -> Result<(), AdminError> {
+    let (keys, count) = found;
+    if count <= 0 {
+        return Ok(());
+    }
+    let keys = keys.into_iter().take(BROKER_KEYS_SHOWN).map(stored_key).collect::<Result<_, _>>()?;
+    Err(AdminError::BrokerJobs { queue: queue.clone(), keys, count: u64::try_from(count).unwrap_or(0) })
 }
 
 /// The concrete store an [`Admin`] works on.
@@ -128,6 +185,7 @@ pub struct Admin {
     expiring_within: Duration,
     list_limit: u32,
     batch: u32,
+    broker_jobs: bool,
 }
 
 impl Admin {
@@ -157,6 +215,7 @@ impl Admin {
             expiring_within: DEFAULT_EXPIRING_WITHIN,
             list_limit: 10,
             batch: DEFAULT_REQUEUE_BATCH,
+            broker_jobs: false,
         })
     }
 
@@ -183,6 +242,24 @@ impl Admin {
     /// Rows a requeue changes per statement (default [`DEFAULT_REQUEUE_BATCH`], at least 1).
     pub fn with_batch_size(mut self, n: u32) -> Self {
         self.batch = n.max(1);
+        self
+    }
+
+    /// Whether [`requeue_dead`](Self::requeue_dead) requeues jobs claimed from a broker too
+    /// (default no: it refuses with [`AdminError::BrokerJobs`]). Say yes when you re-send their
+    /// messages yourself (from the dead-letter queue or stream), after the requeue: a pending row
+    /// is run only by a broker message that carries its key.
+    ///
+    /// ```no_run
+    /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {
+    /// use brokerfence::admin::Requeue;
+    /// let orders = brokerfence::QueueName::new("orders")?;
+    /// let report = admin.with_broker_jobs(true).requeue_dead(&orders, Requeue::AllDead).await?;
+    /// // now re-send the messages of report.requeued from the dead-letter queue
+    /// # Ok(()) }
+    /// ```
+    pub fn with_broker_jobs(mut self, yes: bool) -> Self {
+        self.broker_jobs = yes;
         self
     }
 
@@ -281,7 +358,12 @@ impl Admin {
     ///   receives it, as after any retry).
     ///
     /// Only jobs that are dead are changed; other keys come back in
-    /// [`RequeueReport::skipped`]. Keys are changed in batches of [`Admin::with_batch_size`]
+    /// [`RequeueReport::skipped`].
+    ///
+    /// Jobs claimed from a broker (SQS, Redis: their rows have no payload, unlike the table
+    /// queue's) are refused, with nothing changed, as [`AdminError::BrokerJobs`]: a pending row
+    /// without a broker message would never run. [`with_broker_jobs`](Self::with_broker_jobs)
+    /// requeues them too, for an operator who re-sends their messages. Keys are changed in batches of [`Admin::with_batch_size`]
     /// rows, each one statement (a short transaction); [`Requeue::AllDead`] works the same way
     /// through the jobs dead when the call started, oldest first. The time limit applies to the
     /// whole call: a call that runs out of it leaves the batches done so far committed.
@@ -294,13 +376,23 @@ impl Admin {
     /// # Ok(()) }
     /// ```
     pub async fn requeue_dead(&self, queue: &QueueName, which: Requeue) -> Result<RequeueReport, AdminError> {
-        let batch = self.batch;
+        let (batch, brokers) = (self.batch, self.broker_jobs);
         self.bounded("dead requeue", async {
             match &self.store {
                 #[cfg(feature = "postgres")]
-                Store::Postgres(pg) => postgres::requeue(pg, self.timeout, queue, &which, batch).await,
+                Store::Postgres(pg) => {
+                    if !brokers {
+                        refuse_broker_jobs(queue, postgres::broker_jobs(pg, self.timeout, queue, &which).await?)?;
+                    }
+                    postgres::requeue(pg, self.timeout, queue, &which, batch, brokers).await
+                }
                 #[cfg(feature = "sqlite")]
-                Store::Sqlite(lite) => sqlite::requeue(lite, queue, &which, batch).await,
+                Store::Sqlite(lite) => {
+                    if !brokers {
+                        refuse_broker_jobs(queue, sqlite::broker_jobs(lite, queue, &which).await?)?;
+                    }
+                    sqlite::requeue(lite, queue, &which, batch, brokers).await
+                }
             }
         })
         .await

@@ -191,14 +191,54 @@ pub(super) async fn dead(
     rows.into_iter().map(dead_job).collect()
 }
 
+/// The condition that leaves out rows claimed from a broker (no payload: only the table queue's
+/// enqueue stores one), unless they are to be requeued too.
+fn broker_filter(brokers: bool) -> &'static str {
+    if brokers { "" } else { "AND t.payload IS NOT NULL" }
+}
+
+/// Dead jobs of `which` claimed from a broker: some of their keys (in key order) and how many.
+pub(super) async fn broker_jobs(
+    pg: &PgFence,
+    timeout: Duration,
+    queue: &QueueName,
+    which: &Requeue,
+) -> Result<(Vec<String>, i64), AdminError> {
+    let s = pg.schema().as_str();
+    let keys: Option<Vec<String>> = match which {
+        Requeue::Keys(keys) => Some(keys.iter().map(|k| k.as_str().to_owned()).collect()),
+        Requeue::AllDead => None,
+    };
+    // `finished = 'dead'` lets the planner use the `jobs_finished` index for a whole queue.
+    let mut tx = begin(pg, timeout, false).await?;
+    let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT t.key COLLATE \"C\", count(*) OVER ()::bigint FROM {s}.jobs t \
+         WHERE t.queue = $1 AND t.finished IS NOT NULL AND t.finished = 'dead' AND t.state = 'dead' \
+           AND t.payload IS NULL AND ($2::text[] IS NULL OR t.key = ANY ($2::text[])) \
+         ORDER BY t.key LIMIT $3"
+    )))
+    .persistent(false)
+    .bind(queue.as_str().to_owned())
+    .bind(keys)
+    .bind(i64::try_from(super::BROKER_KEYS_SHOWN).unwrap_or(10))
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let count = rows.first().map(|r| r.1).unwrap_or(0);
+    Ok((rows.into_iter().map(|r| r.0).collect(), count))
+}
+
 pub(super) async fn requeue(
     pg: &PgFence,
     timeout: Duration,
     queue: &QueueName,
     which: &Requeue,
     batch: u32,
+    brokers: bool,
 ) -> Result<RequeueReport, AdminError> {
     let s = pg.schema().as_str();
+    // Checked before (`broker_jobs`); this keeps a row that died meanwhile out as well.
+    let only = broker_filter(brokers);
     let mut report = RequeueReport::default();
     match which {
         Requeue::Keys(keys) => {
@@ -207,10 +247,10 @@ pub(super) async fn requeue(
             let statement = format!(
                 "WITH u AS (SELECT k FROM unnest($2::text[]) AS u(k)), \
                  locked AS (SELECT l.key FROM (SELECT k FROM u ORDER BY k) o CROSS JOIN LATERAL \
-                   (SELECT t.key FROM {s}.jobs t WHERE t.queue = $1 AND t.key = o.k AND t.state = 'dead' \
+                   (SELECT t.key FROM {s}.jobs t WHERE t.queue = $1 AND t.key = o.k AND t.state = 'dead' {only} \
                     OFFSET 0 FOR UPDATE) l), \
                  upd AS (UPDATE {s}.jobs t SET {REQUEUE_SET} FROM locked \
-                   WHERE t.queue = $1 AND t.key = locked.key AND t.state = 'dead' RETURNING t.key, t.epoch) \
+                   WHERE t.queue = $1 AND t.key = locked.key AND t.state = 'dead' {only} RETURNING t.key, t.epoch) \
                  SELECT u.k COLLATE \"C\", upd.epoch, j.state FROM u \
                  LEFT JOIN upd ON upd.key = u.k \
                  LEFT JOIN LATERAL (SELECT j.state FROM {s}.jobs j WHERE j.queue = $1 AND j.key = u.k OFFSET 0) j ON true"
@@ -236,10 +276,10 @@ pub(super) async fn requeue(
             // (a pruner's batch) skipped, changed by their row address.
             let statement = format!(
                 "WITH victims AS (SELECT t.ctid AS id FROM {s}.jobs t WHERE t.queue = $1 \
-                   AND t.finished IS NOT NULL AND t.finished = 'dead' AND t.updated_at <= $2::timestamptz \
+                   AND t.finished IS NOT NULL AND t.finished = 'dead' AND t.updated_at <= $2::timestamptz {only} \
                    ORDER BY t.updated_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
                  UPDATE {s}.jobs t SET {REQUEUE_SET} WHERE t.ctid = ANY (ARRAY(SELECT v.id FROM victims v)) \
-                   AND t.state = 'dead' RETURNING t.key COLLATE \"C\", t.epoch"
+                   AND t.state = 'dead' {only} RETURNING t.key COLLATE \"C\", t.epoch"
             );
             loop {
                 let mut tx = begin(pg, timeout, false).await?;

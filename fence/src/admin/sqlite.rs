@@ -120,19 +120,74 @@ pub(super) async fn dead(
     rows.into_iter().map(dead_job).collect()
 }
 
+/// The condition that leaves out rows claimed from a broker (no payload: only the table queue's
+/// enqueue stores one), unless they are to be requeued too.
+fn broker_filter(brokers: bool) -> &'static str {
+    if brokers { "" } else { "AND payload IS NOT NULL" }
+}
+
+/// Dead jobs of `which` claimed from a broker: some of their keys (in key order) and how many.
+pub(super) async fn broker_jobs(
+    lite: &SqliteFence,
+    queue: &QueueName,
+    which: &Requeue,
+) -> Result<(Vec<String>, i64), AdminError> {
+    let s = lite.schema().as_str();
+    let shown = i64::try_from(super::BROKER_KEYS_SHOWN).unwrap_or(10);
+    match which {
+        Requeue::Keys(keys) => {
+            let probe =
+                format!("SELECT 1 FROM {s}_jobs WHERE queue = ?1 AND key = ?2 AND state = 'dead' AND payload IS NULL");
+            let mut found = Vec::new();
+            for chunk in key_chunks(keys, 500) {
+                for key in chunk {
+                    let hit: Option<i64> = sqlx::query_scalar(AssertSqlSafe(probe.clone()))
+                        .bind(queue.as_str().to_owned())
+                        .bind(key.clone())
+                        .fetch_optional(lite.pool())
+                        .await?;
+                    if hit.is_some() {
+                        found.push(key);
+                    }
+                }
+            }
+            found.sort_unstable();
+            let count = i64::try_from(found.len()).unwrap_or(i64::MAX);
+            found.truncate(super::BROKER_KEYS_SHOWN);
+            Ok((found, count))
+        }
+        Requeue::AllDead => {
+            let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT key, count(*) OVER () FROM {s}_jobs \
+                 WHERE queue = ?1 AND state = 'dead' AND payload IS NULL ORDER BY key LIMIT ?2"
+            )))
+            .bind(queue.as_str().to_owned())
+            .bind(shown)
+            .fetch_all(lite.pool())
+            .await?;
+            let count = rows.first().map(|r| r.1).unwrap_or(0);
+            Ok((rows.into_iter().map(|r| r.0).collect(), count))
+        }
+    }
+}
+
 pub(super) async fn requeue(
     lite: &SqliteFence,
     queue: &QueueName,
     which: &Requeue,
     batch: u32,
+    brokers: bool,
 ) -> Result<RequeueReport, AdminError> {
     let s = lite.schema().as_str();
     let set = requeue_set();
+    // Checked before (`broker_jobs`); this keeps a row that died meanwhile out as well.
+    let only = broker_filter(brokers);
     let mut report = RequeueReport::default();
     match which {
         Requeue::Keys(keys) => {
-            let update =
-                format!("UPDATE {s}_jobs SET {set} WHERE queue = ?1 AND key = ?2 AND state = 'dead' RETURNING epoch");
+            let update = format!(
+                "UPDATE {s}_jobs SET {set} WHERE queue = ?1 AND key = ?2 AND state = 'dead' {only} RETURNING epoch"
+            );
             let seen = format!("SELECT state FROM {s}_jobs WHERE queue = ?1 AND key = ?2");
             for chunk in key_chunks(keys, batch) {
                 // One writer at a time: the chunk is one IMMEDIATE transaction.
@@ -164,7 +219,7 @@ pub(super) async fn requeue(
             let cutoff: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT {NOW}"))).fetch_one(lite.pool()).await?;
             let update = format!(
                 "UPDATE {s}_jobs SET {set} WHERE rowid IN (SELECT rowid FROM {s}_jobs \
-                   WHERE queue = ?1 AND state IN ('completed', 'dead') AND state = 'dead' AND updated_at <= ?2 \
+                   WHERE queue = ?1 AND state IN ('completed', 'dead') AND state = 'dead' AND updated_at <= ?2 {only} \
                    ORDER BY updated_at LIMIT ?3) RETURNING key, epoch"
             );
             loop {

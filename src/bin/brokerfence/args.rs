@@ -106,6 +106,11 @@ pub(crate) enum Dead {
         /// Every job of the queue that is dead now
         #[arg(long)]
         all: bool,
+        /// Also requeue jobs claimed from a broker (SQS, Redis), which are refused otherwise: their
+        /// rows become pending, and you re-send their messages (from the dead-letter queue or
+        /// stream), since only a broker message runs them
+        #[arg(long)]
+        broker_jobs: bool,
         /// Rows per transaction
         #[arg(long, default_value_t = brokerfence::admin::DEFAULT_REQUEUE_BATCH)]
         batch: u32,

@@ -5,7 +5,7 @@
 //! brokerfence status [--queue Q] [--expiring-within 10s] [--limit N]
 //! brokerfence job QUEUE KEY
 //! brokerfence dead list [--queue Q] [--limit N]
-//! brokerfence dead requeue QUEUE (KEY…|--all) [--batch N]
+//! brokerfence dead requeue QUEUE (KEY…|--all) [--batch N] [--broker-jobs]
 //! brokerfence prune [--queue Q]… [--completed-age 15d] [--dead-age 30d] [--keep-completed] [--keep-dead]
 //!                   [--ledger SCOPE=AGE]… [--batch N]
 //! ```
@@ -171,9 +171,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let dead = admin.dead(queue.as_ref(), *limit).await?;
             print(cli.json, json!({"dead": dead.iter().map(dead_json).collect::<Vec<_>>()}), || dead_text(&dead))
         }
-        Command::Dead(Dead::Requeue { queue, keys, all, batch }) => {
+        Command::Dead(Dead::Requeue { queue, keys, all, batch, broker_jobs }) => {
             let which = if *all { Requeue::AllDead } else { Requeue::Keys(keys.clone()) };
-            let report = admin.with_batch_size(*batch).requeue_dead(queue, which).await?;
+            // Jobs claimed from a broker are refused unless asked for (AdminError::BrokerJobs).
+            let admin = admin.with_batch_size(*batch).with_broker_jobs(*broker_jobs);
+            let report = admin.requeue_dead(queue, which).await?;
             print(cli.json, requeue_json(queue, &report), || requeue_text(queue, &report))?;
             if report.skipped.is_empty() { Ok(()) } else { Err(Failure::NotFound) }
         }

@@ -23,6 +23,7 @@ use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
 
+mod holding;
 mod item_key;
 mod retrofit;
 
@@ -355,9 +356,14 @@ impl Source for ReliableList {
             .arg(tok)
             .arg(reason)
             .arg(&self.list);
-        let _: i64 =
+        let moved: i64 =
             bounded("EVALSHA list dead-letter", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
-        tracing::warn!(%reason, dead = %self.dead, "item dead-lettered");
+        if moved == 1 {
+            tracing::warn!(%reason, dead = %self.dead, "item dead-lettered");
+        } else {
+            // Moved by an earlier call, or no longer ours to move (reaped back to the queue).
+            tracing::debug!(%reason, "item not in the processing list: nothing dead-lettered");
+        }
         Ok(())
     }
 }

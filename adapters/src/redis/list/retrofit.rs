@@ -6,17 +6,20 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ::redis::Value;
-use fence::{FenceStore, IntoJobResult, JobContext, JobError, JobKey, JobState, Owner, QueueName, SupervisorConfig};
+use fence::{
+    FenceError, FenceStore, IntoJobResult, JobContext, JobError, JobKey, JobState, Owner, QueueName, SupervisorConfig,
+};
+use tokio::time::Instant;
 
 use crate::disposition::Disposition;
 use crate::middleware::{Detail, Retrofit};
-use crate::redis::conn::{RedisConnections, bounded};
+use crate::redis::conn::RedisConnections;
 use crate::redis::error::RedisError;
 use crate::redis::keys::{sibling_key, token};
 use crate::redis::lease::{LeaseKeyHook, LeaseKeys};
 
 use super::ItemKey;
+use super::holding::{CloseOnDrop, DEFAULT_HOLDING, FIRST_PAUSE, Holding, Route, Target};
 
 /// What [`ListRetrofit::process`] did with one item.
 #[derive(Debug)]
@@ -39,6 +42,14 @@ impl ListProcessed {
     pub fn should_ack(&self) -> bool {
         self.disposition == Disposition::Ack
     }
+
+    /// `Some` when the fence refused to run the item because the schema is older than this build
+    /// needs (see [`Detail::refused`]): nothing was claimed, the disposition is
+    /// [`Disposition::Abandon`], and [`ListRetrofit::requeue_popped`] puts the item back and
+    /// answers [`RedisError::Refused`].
+    pub fn refused(&self) -> Option<&FenceError> {
+        self.detail.as_ref().and_then(Detail::refused)
+    }
 }
 
 /// The fence around a handler inside a list loop you already own (`BRPOP`, `BLMOVE`): the job key
@@ -47,9 +58,15 @@ impl ListProcessed {
 /// compare-and-set when the attempt ends.
 ///
 /// A destructive pop has one copy: [`requeue_popped`](Self::requeue_popped) puts the item back
-/// unless the database settled its job (committed, done, dead, or a newer epoch holds it). Every
-/// Redis call of the fence is bounded ([`command_timeout`](Self::command_timeout)); bound your own
-/// blocking read too, as below ([`RedisTimeouts::blocking`](crate::redis::RedisTimeouts::blocking)).
+/// unless the database settled its job (committed, done, dead, or a newer epoch holds it). What
+/// Redis does not take at once (an error, a timeout) and a retry's delayed push-back wait in the
+/// retrofit's bounded holding area, sent again with backoff until Redis takes them: nothing popped
+/// is lost while the process runs, and `requeue_popped` fails only on a schema the fence refuses
+/// ([`RedisError::Refused`], after the item is back). Before the process exits, [`flush`](Self::flush)
+/// sends what is held. Every Redis call of the fence is bounded
+/// ([`command_timeout`](Self::command_timeout)); bound your own blocking read too, as below
+/// ([`RedisTimeouts::blocking`](crate::redis::RedisTimeouts::blocking)), and ride out a Redis
+/// error rather than leave the loop on it (the held items need the process).
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
@@ -58,6 +75,7 @@ impl ListProcessed {
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
 /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'));
+/// fence.retrofit().check_schema().await?; // "… run migrations …" on a schema this build cannot use
 /// let mut conn = redis.blocking();
 /// let block = std::time::Duration::from_secs(5);
 /// loop {
@@ -66,10 +84,18 @@ impl ListProcessed {
 ///     let mut brpop = brokerfence::redis::client::cmd("BRPOP");
 ///     brpop.arg("mail").arg(block.as_secs());
 ///     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
-///     let Ok(popped) = tokio::time::timeout(redis.timeouts().blocking(block), read).await else { continue };
-///     let Some((_, item)) = popped? else { continue };
+///     let item = match tokio::time::timeout(redis.timeouts().blocking(block), read).await {
+///         Ok(Ok(Some((_, item)))) => item,
+///         Ok(Ok(None)) | Err(_) => continue,
+///         Ok(Err(e)) => {
+///             // Redis away: wait for it (what the retrofit holds is sent once it is back).
+///             eprintln!("BRPOP: {e}");
+///             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+///             continue;
+///         }
+///     };
 ///     let done = fence.process(&item, |ctx| async move { Ok(ctx.payload().to_vec()) }).await;
-///     fence.requeue_popped(&item, &done).await?; // puts back what must run again
+///     fence.requeue_popped(&item, &done).await?; // puts back what must run again; fails only on a refused schema
 /// }
 /// # }
 /// ```
@@ -78,9 +104,13 @@ pub struct ListRetrofit {
     retrofit: Retrofit,
     leases: LeaseKeys,
     item_key: ItemKey,
-    redis: RedisConnections,
     list: String,
     dead: String,
+    target: Target,
+    holding: Arc<Holding>,
+    /// Closes the holding area once the last clone is dropped (its task then sends what is
+    /// left and ends).
+    _close: Arc<CloseOnDrop>,
 }
 
 impl ListRetrofit {
@@ -116,14 +146,65 @@ impl ListRetrofit {
         item_key: ItemKey,
     ) -> Self {
         let list = list.into();
-        let retrofit = Retrofit::with_owner(store, queue, owner, config);
+        let dead = sibling_key(&list, ":dead");
         let leases = LeaseKeys::of_source(redis, &list);
+        let target = Target::new(redis, &leases, &list, &dead, owner.as_str());
+        let retrofit = Retrofit::with_owner(store, queue, owner, config);
         retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
-        Self { retrofit, leases, item_key, redis: redis.clone(), dead: sibling_key(&list, ":dead"), list }
+        let holding = Holding::start(DEFAULT_HOLDING, target.clone());
+        let _close = Arc::new(CloseOnDrop(Arc::clone(&holding)));
+        Self { retrofit, leases, item_key, list, dead, target, holding, _close }
+    }
+
+    /// How many popped items the holding area keeps (default 1,024, at least 1): items on their
+    /// way back after a retry's delay, and items Redis did not take at once. When it is full,
+    /// [`requeue_popped`](Self::requeue_popped) waits for a place (Redis is not answering: the
+    /// loop could not pop anyway). Set it before the first item.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, redis: brokerfence::redis::RedisConnections) -> brokerfence::Result<()> {
+    /// use brokerfence::redis::{ItemKey, ListRetrofit};
+    /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))
+    ///     .holding_capacity(64);
+    /// assert_eq!(fence.held(), 0);
+    /// # Ok(()) }
+    /// ```
+    pub fn holding_capacity(mut self, capacity: usize) -> Self {
+        let holding = Holding::start(capacity, self.target.clone());
+        // The area it replaces ends its task once empty (it is, before the first item).
+        self._close = Arc::new(CloseOnDrop(Arc::clone(&holding)));
+        self.holding = holding;
+        self
+    }
+
+    /// Popped items held now: waiting for a retry's delay to pass, or for Redis to take them.
+    pub fn held(&self) -> usize {
+        self.holding.len()
+    }
+
+    /// Sends every held item now (a retry's delay cut short: the fence still holds its job
+    /// until the backoff has passed, and answers a pop before then with a retry again) and waits
+    /// until Redis took them all, at most `within`. Call it before the process exits: held items
+    /// live in its memory. [`RedisError::StillHeld`] when Redis did not take them in time (they
+    /// stay held and are sent again).
+    ///
+    /// ```no_run
+    /// # async fn demo(fence: brokerfence::redis::ListRetrofit) -> Result<(), brokerfence::redis::RedisError> {
+    /// // after your loop, before exiting:
+    /// fence.flush(std::time::Duration::from_secs(10)).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn flush(&self, within: Duration) -> Result<(), RedisError> {
+        match self.holding.flush(within).await {
+            0 => Ok(()),
+            held => Err(RedisError::StillHeld { held, after: within }),
+        }
     }
 
     /// The response timeout of this fence's Redis calls (default 2 s): lease keys, the push back
-    /// and the dead letter of [`requeue_popped`](Self::requeue_popped). The heartbeat's lease-key
+    /// and the dead letter of [`requeue_popped`](Self::requeue_popped) (each try of them). The heartbeat's lease-key
     /// renewals get at most a quarter of the lease ([`LeaseKeys::hint_timeout`]). A call that
     /// times out fails with [`RedisError::Timeout`]. Use the value of your connection's response
     /// timeout, or lower.
@@ -152,6 +233,11 @@ impl ListRetrofit {
     /// The lease keys.
     pub fn leases(&self) -> &LeaseKeys {
         &self.leases
+    }
+
+    /// The list popped items go back to.
+    pub fn list(&self) -> &str {
+        &self.list
     }
 
     /// The dead-letter stream (`{list}:dead`).
@@ -264,53 +350,42 @@ impl ListRetrofit {
     /// newer epoch that holds or finished the job from its own copy ([`Disposition::Leave`], which
     /// [`process`](Self::process) answers only when the database said so).
     ///
-    /// A retry or hold is pushed back after its delay by a task of this process (an item popped
-    /// destructively lives only in memory until then: use [`ReliableList`](super::ReliableList) where that matters).
-    /// Everything else — a lease lost or unconfirmed, a commit fenced with no newer holder, a claim
-    /// or commit whose fate is unknown, a release at shutdown — is pushed back at once, and the
-    /// fence deduplicates it.
+    /// A retry or hold is pushed back after its delay; everything else — a lease lost or
+    /// unconfirmed, a commit fenced with no newer holder, a claim or commit whose fate is
+    /// unknown, a release at shutdown — at once, and the fence deduplicates it. What Redis does
+    /// not take at once (an error, a timeout), and a retry waiting for its delay, stays in the
+    /// retrofit's holding area and is sent again with backoff until Redis takes it (a dead
+    /// letter is added once however often it is sent): an error from Redis never drops the
+    /// item, so this answers `Ok` then.
+    ///
+    /// It fails only when the fence refused the item because the schema is older than this build
+    /// needs ([`ListProcessed::refused`]): the item is put back first (waiting up to the lease
+    /// for Redis to take it), then [`RedisError::Refused`] ends your loop through its `?`.
     pub async fn requeue_popped(&self, item: &[u8], done: &ListProcessed) -> Result<(), RedisError> {
-        let push_now = match &done.disposition {
+        let (route, delay) = match &done.disposition {
             Disposition::Ack => return Ok(()),
-            Disposition::DeadLetter(reason) => {
-                let mut xadd = ::redis::cmd("XADD");
-                xadd.arg(&self.dead)
-                    .arg("*")
-                    .arg("dead.reason")
-                    .arg(reason.as_str())
-                    .arg("dead.list")
-                    .arg(&self.list)
-                    .arg("item")
-                    .arg(item);
-                let mut conn = self.redis.commands();
-                let _: Value = bounded("XADD", self.leases.timeout(), xadd.query_async(&mut conn)).await?;
-                return Ok(());
-            }
-            Disposition::RetryLater(d) | Disposition::Hold(d) => Some(*d),
-            Disposition::Abandon => None,
             // The database confirmed a newer epoch: its holder has its own copy of the item.
             Disposition::Leave => return Ok(()),
+            Disposition::DeadLetter(reason) => (self.target.dead_letter(reason), Duration::ZERO),
+            Disposition::RetryLater(d) | Disposition::Hold(d) => (Route::Push, *d),
+            Disposition::Abandon => (Route::Push, Duration::ZERO),
         };
-        let push = {
-            let (mut conn, list, item, limit) =
-                (self.redis.commands(), self.list.clone(), item.to_vec(), self.leases.timeout());
-            async move {
-                let mut lpush = ::redis::cmd("LPUSH");
-                lpush.arg(&list).arg(item);
-                bounded("LPUSH", limit, lpush.query_async::<i64>(&mut conn)).await.map(|_| ())
+        if delay.is_zero() {
+            if let Err(e) = self.target.send(item, &route).await {
+                tracing::warn!(error = %e, ?route, "Redis did not take the popped item; it is held and sent again until Redis does");
+                self.holding.hold(item.to_vec(), route, Instant::now() + FIRST_PAUSE, 1).await;
             }
-        };
-        match push_now {
-            None | Some(Duration::ZERO) => push.await,
-            Some(delay) => {
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    if let Err(e) = push.await {
-                        tracing::error!(error = %e, "could not push a retried item back");
-                    }
-                });
-                Ok(())
-            }
+        } else {
+            self.holding.hold(item.to_vec(), route, Instant::now() + delay, 0).await;
         }
+        if let Some(&FenceError::SchemaTooOld { found, required }) = done.refused() {
+            // The caller's `?` may end the process next: the item must be back in Redis first.
+            let budget = self.retrofit.supervisor().config().lease().get();
+            if let Err(e) = self.flush(budget).await {
+                tracing::error!(error = %e, "the refused item is not back in Redis yet");
+            }
+            return Err(RedisError::Refused(FenceError::SchemaTooOld { found, required }));
+        }
+        Ok(())
     }
 }
