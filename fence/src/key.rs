@@ -33,6 +33,13 @@ fn from_utf8(what: &'static str, bytes: &[u8]) -> Result<String> {
     }
 }
 
+/// The `last_error` of a job row whose key [`JobKey`] refuses, made dead by the claim that found
+/// it (issue #30): such a row was written around the fence (by SQL, or before the rules
+/// tightened) and cannot be handed to a handler, while its companions in the claim can.
+pub(crate) fn unusable_key(error: &FenceError) -> String {
+    format!("not a valid job key ({error}): made dead when claimed, as no handler can be given it")
+}
+
 macro_rules! name_type {
     ($(#[$doc:meta])* $name:ident, $what:literal, $max:expr) => {
         $(#[$doc])*

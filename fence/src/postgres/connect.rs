@@ -394,7 +394,10 @@ impl PgFence {
     /// it waits for one, every statement on that table queues behind it, heartbeats included.
     /// So [`migrate`](crate::FenceStore::migrate) waits at most this long, gives the lock up (the queue
     /// moves on), backs off (200 ms doubling to 5 s, with jitter) and tries again, for at most
-    /// `give_up_after` (default 10 min) before it fails with the lock timeout.
+    /// `give_up_after` (default 10 min) before it fails with the lock timeout. `give_up_after`
+    /// also bounds each migration statement (its `statement_timeout`), the index builds
+    /// (`CREATE INDEX CONCURRENTLY`, which wait for the transactions using the table but block
+    /// no claim, heartbeat or commit) included: raise it for tables that take longer to index.
     pub fn with_migration_lock_timeout(mut self, lock_timeout: Duration, give_up_after: Duration) -> Self {
         self.migration = MigrationLimits { lock_timeout: lock_timeout.max(Duration::from_millis(1)), give_up_after };
         self

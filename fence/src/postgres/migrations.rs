@@ -1,6 +1,18 @@
 //! The embedded PostgreSQL migrations and the online, lock-bounded way `migrate` applies them.
+//!
+//! A migration is a list of [`Step`]s. A step that changes the catalog is a short transaction
+//! that asks for its table locks under the migration lock timeout and lets go and retries (with
+//! backoff) when it does not get them in time, so a live claim, heartbeat or commit never waits
+//! behind it for longer than that timeout plus the milliseconds of the catalog change. Work that
+//! takes time in proportion to the table never holds a lock that writes wait for (issue #30):
+//! indexes are built and dropped CONCURRENTLY, a backfill runs in batches of its own
+//! transactions, a CHECK is added NOT VALID and validated apart. Every step is idempotent, so a
+//! migration interrupted anywhere (a crash, a failed index build) is run again from its first
+//! step; the migration is recorded in `_migrations` (version and name, as before) only when its
+//! last step is done. Migrations a schema recorded under an earlier build, in whatever steps
+//! they ran then, are not run again.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection};
@@ -9,10 +21,127 @@ use super::PgFence;
 use super::connect::pg_ms;
 use super::prune::is_lock_timeout;
 use crate::error::{FenceError, Result};
-use crate::schema::{Migration, render};
+use crate::schema::render;
 
-pub(super) const MIGRATIONS: &[Migration] = &[
-    Migration {
+/// One PostgreSQL migration: its steps use `{s}` where the schema name goes.
+pub(super) struct PgMigration {
+    pub version: i64,
+    pub name: &'static str,
+    pub steps: &'static [Step],
+}
+
+/// One step of a migration (see the module's documentation). Each is idempotent.
+pub(super) enum Step {
+    /// Statements in one transaction, under the migration lock timeout: catalog changes, and
+    /// reads of the table under locks writes do not wait for (`VALIDATE CONSTRAINT`).
+    Tx(&'static [&'static str]),
+    /// A backfill in batches of [`BACKFILL_BATCH`] rows in primary-key order, each batch a
+    /// transaction of its own under the migration lock timeout. The statement takes the batch's
+    /// lower bound (`$1` queue, `$2` key; `{after}` is where the comparison goes, inclusive for
+    /// the first batch) and the batch size (`$3`), and answers the last (queue, key) of the
+    /// batch, or no row past the table's end.
+    Backfill(&'static str),
+    /// An index built with `CREATE INDEX CONCURRENTLY` (no transaction; SHARE UPDATE EXCLUSIVE
+    /// on the table, which claims, heartbeats and commits do not wait for). `create` is the
+    /// statement; `shape` is a piece of the definition `pg_get_indexdef` gives for the index
+    /// this build wants. An index of that name that is invalid (a build that failed or was
+    /// interrupted leaves one) or of another shape (an earlier build's) is dropped first.
+    Index { name: &'static str, table: &'static str, create: &'static str, shape: &'static str },
+    /// An index of a table dropped with `DROP INDEX CONCURRENTLY` (no transaction), or in a step's
+    /// transaction when the table is small (see `build_if_small`).
+    DropIndex { name: &'static str, table: &'static str },
+}
+
+/// Rows per batch of a [`Step::Backfill`]: tens of milliseconds of row locks per batch.
+pub(super) const BACKFILL_BATCH: i64 = 10_000;
+
+/// Below this many rows an index is built in a step's transaction (see `build_if_small`).
+const SMALL_TABLE: i64 = 10_000;
+
+/// How many times an index step builds before it gives up on an index that never comes out valid
+/// and of the shape it wants (a build another migrator runs at the same time counts as one).
+const INDEX_BUILDS: u32 = 5;
+
+/// Migration 5's steps: see its comment.
+const MIGRATION_5: &[Step] = &[
+    Step::Tx(&[
+        "CREATE TABLE IF NOT EXISTS {s}.epoch_floors (
+            queue      text        COLLATE \"C\" PRIMARY KEY,
+            floor      bigint      NOT NULL CHECK (floor >= 0),
+            updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        )",
+        "CREATE OR REPLACE FUNCTION {s}.epoch_floor(q text) RETURNS bigint LANGUAGE plpgsql VOLATILE \
+         SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+         BEGIN
+           PERFORM pg_advisory_xact_lock_shared(hashtextextended('brokerfence.floor.{s}.' || q, 0));
+           RETURN coalesce((SELECT f.floor FROM {s}.epoch_floors f WHERE f.queue = q), 0);
+         END $$",
+    ]),
+    Step::Index {
+        name: "ledger_age",
+        table: "ledger",
+        create: "CREATE INDEX CONCURRENTLY IF NOT EXISTS ledger_age ON {s}.ledger (scope, updated_at)",
+        shape: "(scope, updated_at)",
+    },
+];
+
+/// Migration 8's steps: see its comment.
+const MIGRATION_8: &[Step] = &[
+    Step::Tx(&[
+        "ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS finished text",
+        // Added once: dropped and added again, a CHECK validated by an earlier try would have to
+        // be validated again.
+        "DO $$ BEGIN
+           IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = '{s}.jobs'::regclass
+               AND conname = 'jobs_finished_is_final_state') THEN
+             ALTER TABLE {s}.jobs ADD CONSTRAINT jobs_finished_is_final_state CHECK
+               (finished IS NOT DISTINCT FROM (CASE WHEN state IN ('completed', 'dead') THEN state END)) NOT VALID;
+           END IF;
+         END $$",
+        "ALTER TABLE {s}.jobs SET (fillfactor = 40)",
+    ]),
+    Step::Backfill(
+        "WITH batch AS (SELECT t.queue, t.key FROM {s}.jobs t WHERE (t.queue, t.key) {after} ($1, $2) \
+             ORDER BY t.queue, t.key LIMIT $3), \
+         upd AS (UPDATE {s}.jobs t SET finished = t.state FROM batch b \
+             WHERE t.queue = b.queue AND t.key = b.key AND t.state IN ('completed', 'dead') \
+             AND t.finished IS DISTINCT FROM t.state) \
+         SELECT b.queue COLLATE \"C\", b.key COLLATE \"C\" FROM batch b ORDER BY b.queue DESC, b.key DESC LIMIT 1",
+    ),
+    Step::Tx(&["ALTER TABLE {s}.jobs VALIDATE CONSTRAINT jobs_finished_is_final_state"]),
+    Step::Index {
+        name: "jobs_open",
+        table: "jobs",
+        create: "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_open ON {s}.jobs (queue, run_at) WHERE finished IS NULL",
+        shape: "(queue, run_at) WHERE (finished IS NULL)",
+    },
+    // An earlier build's migration 5 made a `jobs_finished` on (queue, state, updated_at): the
+    // shape tells it apart, and it is replaced.
+    Step::Index {
+        name: "jobs_finished",
+        table: "jobs",
+        create: "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_finished ON {s}.jobs (queue, finished, updated_at) \
+                 WHERE finished IS NOT NULL",
+        shape: "(queue, finished, updated_at) WHERE (finished IS NOT NULL)",
+    },
+    Step::DropIndex { name: "jobs_due", table: "jobs" },
+    Step::DropIndex { name: "jobs_leased", table: "jobs" },
+];
+
+/// Migration 11: makes the open rows whose key breaks `JobKey`'s rules dead, with the reason.
+/// A read of the whole table that locks only the rows it changes (nothing else waits for it).
+const DEAD_BAD_KEYS: &str = "UPDATE {s}.jobs SET state = 'dead', finished = 'dead', lease_until = NULL, \
+     updated_at = clock_timestamp(), last_error = 'not a valid job key (' || \
+       CASE WHEN key = '' THEN 'must not be empty' \
+       ELSE octet_length(key)::text || ' bytes is over the limit of 1024' END || \
+       '): made dead by migration 11, which adds the schema''s CHECK on job keys' \
+     WHERE state NOT IN ('completed', 'dead') AND NOT (key <> '' AND octet_length(key) <= 1024)";
+
+// Migration 11's CHECK and `DEAD_BAD_KEYS` spell the key length limit out.
+const _: () = assert!(crate::key::MAX_KEY_BYTES == 1024, "migration 11 checks keys of at most 1024 bytes");
+
+pub(super) const MIGRATIONS: &[PgMigration] = &[
+    PgMigration {
         version: 1,
         name: "jobs and ledger",
         // The column order is WAL (issue #18). PostgreSQL logs a row version updated on its own
@@ -27,7 +156,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // the former order works the same and keeps it (a rewrite of the table is not worth its
         // lock). `finished` (migration 8) sits with the columns a commit changes; a schema created
         // before it has the column at the end.
-        statements: &[
+        steps: &[Step::Tx(&[
             "CREATE TABLE {s}.jobs (
             queue       text        NOT NULL,
             key         text        NOT NULL,
@@ -67,9 +196,9 @@ pub(super) const MIGRATIONS: &[Migration] = &[
             updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
             PRIMARY KEY (scope, job)
         )",
-        ],
+        ])],
     },
-    Migration {
+    PgMigration {
         version: 2,
         name: "byte-order keys",
         // Queue names, job keys and ledger scopes are opaque identifiers: compared byte by byte, every
@@ -78,34 +207,36 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // 0.318 -> 0.299 ms, the two forms interleaved in one pgbench run); en_US.UTF-8 collates
         // at a higher cost still. A collation change rebuilds the indexes on these columns, not
         // the table.
-        statements: &[
+        steps: &[Step::Tx(&[
             "ALTER TABLE {s}.jobs ALTER COLUMN queue TYPE text COLLATE \"C\", ALTER COLUMN key TYPE text COLLATE \"C\"",
             "ALTER TABLE {s}.ledger ALTER COLUMN scope TYPE text COLLATE \"C\", ALTER COLUMN job TYPE text COLLATE \"C\"",
-        ],
+        ])],
     },
-    Migration {
+    PgMigration {
         version: 3,
         name: "failures apart from claims",
         // A constant default: a catalog change only (no table rewrite), under a lock held for
         // milliseconds.
-        statements: &["ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS failures bigint NOT NULL DEFAULT 0"],
+        steps: &[Step::Tx(&["ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS failures bigint NOT NULL DEFAULT 0"])],
     },
-    Migration {
+    PgMigration {
         version: 4,
         name: "outbox",
         // A new table and its index: nothing existing is locked beyond the schema's catalog (see
         // `crate::outbox`). The partial index serves the relay's "unsent, in id order" claim and
         // stays as small as the backlog.
-        statements: crate::outbox::MIGRATION,
+        steps: &[Step::Tx(crate::outbox::MIGRATION)],
     },
-    Migration {
+    PgMigration {
         version: 5,
         name: "retention and epoch floors",
-        // A new table, a function and two indexes. The indexes are built under a SHARE lock on
-        // their table (writes wait while it is built: milliseconds for thousands of rows, seconds
-        // for millions; the lock is asked for with the migration lock timeout, see `migrate`).
-        // `jobs_finished` holds only completed and dead rows, the pruner's read; `ledger_age`
-        // the ledger's, per receiver scope.
+        // A new table, a function and the ledger's index for the pruner (`ledger_age`, per
+        // receiver scope), built CONCURRENTLY (issue #30: a plain build held a SHARE lock, so
+        // writes waited for the whole build, seconds on a table of millions). The jobs' index
+        // for the pruner is migration 8's `jobs_finished`: this migration built one of that name
+        // on (queue, state, updated_at) that migration 8 then replaced, a second read of the
+        // whole jobs table for nothing, so it no longer builds it (a schema that has it from an
+        // earlier build gets it replaced by migration 8 all the same).
         //
         // `epoch_floor(queue)` is what every statement that creates a job row starts its epoch
         // from: the highest epoch pruning ever deleted from the queue (0 without a floor row).
@@ -117,24 +248,9 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // read before that delete. It runs as the schema's owner (SECURITY DEFINER, with a fixed
         // search_path): roles that only claim and enqueue need no grant on `epoch_floors`, so
         // the grants of a deployment made before this migration keep working.
-        statements: &[
-            "CREATE TABLE IF NOT EXISTS {s}.epoch_floors (
-            queue      text        COLLATE \"C\" PRIMARY KEY,
-            floor      bigint      NOT NULL CHECK (floor >= 0),
-            updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
-        )",
-            "CREATE OR REPLACE FUNCTION {s}.epoch_floor(q text) RETURNS bigint LANGUAGE plpgsql VOLATILE \
-             SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-         BEGIN
-           PERFORM pg_advisory_xact_lock_shared(hashtextextended('brokerfence.floor.{s}.' || q, 0));
-           RETURN coalesce((SELECT f.floor FROM {s}.epoch_floors f WHERE f.queue = q), 0);
-         END $$",
-            "CREATE INDEX IF NOT EXISTS jobs_finished ON {s}.jobs (queue, state, updated_at) \
-             WHERE state IN ('completed', 'dead')",
-            "CREATE INDEX IF NOT EXISTS ledger_age ON {s}.ledger (scope, updated_at)",
-        ],
+        steps: MIGRATION_5,
     },
-    Migration {
+    PgMigration {
         version: 6,
         name: "room on the page for claims and commits",
         // Issue #18, the fence's WAL per job. Every claim and every commit writes a new version of
@@ -152,9 +268,9 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // to pages filled from then on; pages filled before keep their rows until they are
         // updated or vacuumed. The cost is disk: a backlog of pending jobs takes about 1/0.7 =
         // 1.4 times the pages it took.
-        statements: &["ALTER TABLE {s}.jobs SET (fillfactor = 70)"],
+        steps: &[Step::Tx(&["ALTER TABLE {s}.jobs SET (fillfactor = 70)"])],
     },
-    Migration {
+    PgMigration {
         version: 7,
         name: "the epoch trigger runs only when an epoch would go down",
         // Issue #18, the fence's CPU per job. Every claim raises an epoch, so the row trigger of
@@ -165,13 +281,13 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // statement, interleaved: 6.2-7.2 µs per row with the call, 5.8-6.3 µs with WHEN, 5.2-5.8
         // µs with no trigger). Dropping and creating the trigger in one transaction: no update
         // runs in between without it.
-        statements: &[
+        steps: &[Step::Tx(&[
             "DROP TRIGGER IF EXISTS jobs_epoch_never_decreases ON {s}.jobs",
             "CREATE TRIGGER jobs_epoch_never_decreases BEFORE UPDATE OF epoch ON {s}.jobs
          FOR EACH ROW WHEN (NEW.epoch < OLD.epoch) EXECUTE FUNCTION {s}.epoch_never_decreases()",
-        ],
+        ])],
     },
-    Migration {
+    PgMigration {
         version: 8,
         name: "claims as HOT updates",
         // Issue #18, the fence's WAL and CPU per job. PostgreSQL writes an index entry in every
@@ -205,27 +321,19 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // 1/0.4 = 2.5 times the pages a packed table takes (1.4 at 70 %). It applies to pages
         // filled from then on.
         //
-        // Locks: the column is a catalog change; the UPDATE rewrites the finished rows a schema
-        // already holds (none in a fresh one); the CHECK is added NOT VALID and validated (a
-        // read of the table); the indexes are built under a SHARE lock on the table (writes wait
-        // while they are built). All in the migration's transaction, under its lock timeout.
-        statements: &[
-            "ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS finished text",
-            "UPDATE {s}.jobs SET finished = state \
-             WHERE state IN ('completed', 'dead') AND finished IS DISTINCT FROM state",
-            "ALTER TABLE {s}.jobs DROP CONSTRAINT IF EXISTS jobs_finished_is_final_state",
-            "ALTER TABLE {s}.jobs ADD CONSTRAINT jobs_finished_is_final_state CHECK \
-             (finished IS NOT DISTINCT FROM (CASE WHEN state IN ('completed', 'dead') THEN state END)) NOT VALID",
-            "ALTER TABLE {s}.jobs VALIDATE CONSTRAINT jobs_finished_is_final_state",
-            "CREATE INDEX IF NOT EXISTS jobs_open ON {s}.jobs (queue, run_at) WHERE finished IS NULL",
-            "DROP INDEX IF EXISTS {s}.jobs_finished",
-            "CREATE INDEX jobs_finished ON {s}.jobs (queue, finished, updated_at) WHERE finished IS NOT NULL",
-            "DROP INDEX IF EXISTS {s}.jobs_due",
-            "DROP INDEX IF EXISTS {s}.jobs_leased",
-            "ALTER TABLE {s}.jobs SET (fillfactor = 40)",
-        ],
+        // Locks (issue #30: this migration used to be one transaction that held ACCESS EXCLUSIVE
+        // through the whole backfill, the validation and two index builds): the column and the
+        // CHECK (NOT VALID: rows written from then on are checked, the ones there are not read)
+        // are catalog changes, a transaction of milliseconds; the backfill sets `finished` on the
+        // finished rows a schema holds in batches of `BACKFILL_BATCH` in primary-key order, a
+        // transaction each, locking only the rows it changes (open rows, the ones claims,
+        // heartbeats and commits touch, are not among them); the validation reads the table
+        // under SHARE UPDATE EXCLUSIVE (writes go on); the indexes are built and the former ones
+        // dropped CONCURRENTLY. The CHECK comes before the backfill so that a row finished while
+        // the backfill runs (behind it, by a statement of this build) already has `finished`.
+        steps: MIGRATION_8,
     },
-    Migration {
+    PgMigration {
         version: 9,
         name: "the epoch guard runs after the row is written",
         // Issue #18, the fence's WAL and CPU per update. A BEFORE UPDATE row trigger makes
@@ -241,13 +349,13 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // the drain, claims of 64: 559 -> 503 bytes per job, the same as with no trigger).
         // Dropping and creating the trigger in one transaction: no update runs in between
         // without it.
-        statements: &[
+        steps: &[Step::Tx(&[
             "DROP TRIGGER IF EXISTS jobs_epoch_never_decreases ON {s}.jobs",
             "CREATE TRIGGER jobs_epoch_never_decreases AFTER UPDATE OF epoch ON {s}.jobs
          FOR EACH ROW WHEN (NEW.epoch < OLD.epoch) EXECUTE FUNCTION {s}.epoch_never_decreases()",
-        ],
+        ])],
     },
-    Migration {
+    PgMigration {
         version: 10,
         name: "ledger owners",
         // Who sent the newest epoch of each ledger entry, so that an equal epoch from another
@@ -259,70 +367,210 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // The epochs themselves need nothing: a claim starts a job's epoch at the timeline base
         // (`crate::epoch`), which is 0 on a server never promoted, so existing rows and the
         // epochs receivers keep stay valid as they are.
-        statements: &["ALTER TABLE {s}.ledger ADD COLUMN IF NOT EXISTS owner text"],
+        steps: &[Step::Tx(&["ALTER TABLE {s}.ledger ADD COLUMN IF NOT EXISTS owner text"])],
+    },
+    PgMigration {
+        version: 11,
+        name: "job keys as JobKey checks them",
+        // Issue #30 item 7. A job row whose key `JobKey::new` refuses (written by SQL around the
+        // fence, or before the rules tightened) cannot be handed to a handler; the claim makes
+        // such a row dead with the reason (`crate::key::unusable_key`), and from this migration
+        // on the schema refuses to write one. The CHECK spares finished rows, so that this
+        // migration makes the bad rows a schema holds dead (with the reason in `last_error`)
+        // instead of deleting them, and the claim can do the same to a row the rules refuse
+        // later. Online: the bad open rows are made dead (a read of the table, locking only
+        // them), the CHECK is added NOT VALID (a catalog change), the rows made bad meanwhile
+        // are made dead, and the CHECK is validated apart (SHARE UPDATE EXCLUSIVE: writes go on).
+        // The rules: not empty and at most `MAX_KEY_BYTES` (1,024) bytes; `text` cannot hold the
+        // NUL byte the third rule is about, and holds only valid UTF-8.
+        steps: &[
+            Step::Tx(&[DEAD_BAD_KEYS]),
+            Step::Tx(&["DO $$ BEGIN
+               IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = '{s}.jobs'::regclass
+                   AND conname = 'jobs_key_is_valid') THEN
+                 ALTER TABLE {s}.jobs ADD CONSTRAINT jobs_key_is_valid CHECK
+                   (state IN ('completed', 'dead') OR (key <> '' AND octet_length(key) <= 1024)) NOT VALID;
+               END IF;
+             END $$"]),
+            Step::Tx(&[DEAD_BAD_KEYS]),
+            Step::Tx(&["ALTER TABLE {s}.jobs VALIDATE CONSTRAINT jobs_key_is_valid"]),
+        ],
     },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
 pub(super) const REQUIRED_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
-impl PgFence {
-    /// One migration (or, with `None`, only the schema and its record) with retries: a lock
-    /// timeout rolls the step back, waits (200 ms doubling to 5 s, with jitter) and tries again
-    /// until `give_up_after` has passed.
-    pub(super) async fn migration_step(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
-        let started = std::time::Instant::now();
-        // 200 ms doubling, at most 5 s, with jitter so that migrators retrying together do not
-        // keep colliding (each pause between the step, capped at 2.5 s, and twice it).
-        let mut pauses = {
-            use backon::BackoffBuilder as _;
-            backon::ExponentialBuilder::default()
-                .with_min_delay(Duration::from_millis(200))
-                .with_max_delay(Duration::from_millis(2_500))
-                .with_factor(2.0)
-                .with_jitter()
-                .without_max_times()
-                .build()
-        };
-        let mut tries = 0u32;
-        loop {
-            tries += 1;
-            match self.migration_try(conn, m).await {
-                Ok(()) => return Ok(()),
-                Err(e) if is_lock_timeout(&e) && started.elapsed() < self.migration.give_up_after => {
-                    let pause = pauses.next().unwrap_or(Duration::from_secs(5)).min(Duration::from_secs(5));
-                    tracing::warn!(
-                        schema = self.schema.as_str(),
-                        version = m.map(|m| m.version),
-                        tries,
-                        retry_in = ?pause,
-                        "migration step let go of its locks after the lock timeout (the table is in use); retrying"
-                    );
-                    tokio::time::sleep(pause).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+/// Retries of a step that let go of its locks: 200 ms doubling, at most 5 s, with jitter so that
+/// migrators retrying together do not keep colliding, until `give_up_after` has passed since the
+/// step started.
+struct Retry {
+    started: Instant,
+    give_up_after: Duration,
+    pauses: backon::ExponentialBackoff,
+    tries: u32,
+}
+
+impl Retry {
+    fn new(give_up_after: Duration) -> Self {
+        use backon::BackoffBuilder as _;
+        let pauses = backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_millis(2_500))
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+            .build();
+        Self { started: Instant::now(), give_up_after, pauses, tries: 0 }
     }
 
-    /// One try of a migration step, in one transaction.
-    pub(super) async fn migration_try(&self, conn: &mut PgConnection, m: Option<&Migration>) -> Result<()> {
+    /// After a failed try: pauses and answers true when `e` was a lock timeout and there is time
+    /// left; false otherwise (the caller returns `e`).
+    async fn again(&mut self, e: &FenceError, schema: &str, version: i64) -> bool {
+        self.tries += 1;
+        if !(is_lock_timeout(e) || is_deadlock(e)) || self.started.elapsed() >= self.give_up_after {
+            return false;
+        }
+        let pause = self.pauses.next().unwrap_or(Duration::from_secs(5)).min(Duration::from_secs(5));
+        tracing::warn!(
+            schema,
+            version,
+            tries = self.tries,
+            retry_in = ?pause,
+            "migration step let go of its locks after the lock timeout (the table is in use); retrying"
+        );
+        tokio::time::sleep(pause).await;
+        true
+    }
+}
+
+/// A deadlock the server broke by failing this statement (`40P01`): its transaction rolled back,
+/// and the step is tried again like after a lock timeout.
+fn is_deadlock(e: &FenceError) -> bool {
+    let db = match e {
+        FenceError::Database(sqlx::Error::Database(db)) => db,
+        FenceError::Migration { source: sqlx::Error::Database(db), .. } => db,
+        _ => return false,
+    };
+    db.code().as_deref() == Some("40P01")
+}
+
+/// A statement outside a transaction (`… CONCURRENTLY`) that failed because another migrator
+/// ran the same at the same moment: the catalog entry of the index created by both
+/// (`unique_violation` on its name, `duplicate_table`), the table's catalog row updated by both
+/// ("tuple concurrently updated"), or a deadlock the server broke by failing this one. The step
+/// looks at what is there and tries again.
+fn raced(e: &FenceError) -> bool {
+    match e {
+        FenceError::Migration { source: sqlx::Error::Database(db), .. } => match db.code().as_deref() {
+            Some("23505" | "42P07" | "40P01") => true,
+            Some("XX000") => db.message().contains("concurrently"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// What an index step found under the migration lock.
+enum IndexFound {
+    /// Valid and of the shape this build wants.
+    Ready,
+    /// None of that name (any left over was dropped).
+    Absent,
+}
+
+/// Runs `$try` (an expression that may be evaluated again) until it succeeds, retrying lock
+/// timeouts (see [`Retry`]).
+macro_rules! retrying {
+    ($fence:expr, $version:expr, $try:expr) => {{
+        let mut retry = Retry::new($fence.migration.give_up_after);
+        loop {
+            match $try.await {
+                Ok(v) => break Ok(v),
+                Err(e) if retry.again(&e, $fence.schema.as_str(), $version).await => continue,
+                Err(e) => break Err(e),
+            }
+        }
+    }};
+}
+
+impl PgFence {
+    /// Applies the embedded migrations up to `version` (all of them: [`migrate`](crate::FenceStore::migrate)).
+    /// For tests of upgrades, which need a schema as an earlier release left it.
+    #[doc(hidden)]
+    pub async fn migrate_to(&self, version: i64) -> Result<()> {
+        let mut conn = self.pool.acquire().await?;
+        // Steps outside a transaction change session settings (see `outside_tx`): the
+        // connection is closed after, not handed to another user of the pool.
+        conn.close_on_drop();
+        // The schema and the record first (an empty step), then each migration.
+        retrying!(self, 0, self.tx_step(&mut conn, None, &[]))?;
+        for m in MIGRATIONS.iter().filter(|m| m.version <= version) {
+            self.apply(&mut conn, m).await?;
+        }
+        Ok(())
+    }
+
+    /// One migration, step by step, unless it is recorded already; recorded with its last step.
+    async fn apply(&self, conn: &mut PgConnection, m: &PgMigration) -> Result<()> {
         let s = self.schema.as_str();
+        let recorded: Option<i64> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
+                .persistent(false)
+                .bind(m.version)
+                .fetch_optional(&mut *conn)
+                .await?;
+        if recorded.is_some() {
+            return Ok(());
+        }
+        let last = m.steps.len().saturating_sub(1);
+        for (i, step) in m.steps.iter().enumerate() {
+            match step {
+                // The last step, a transaction, records the migration in that transaction, as
+                // every migration did when it was one transaction.
+                Step::Tx(statements) if i == last => {
+                    return retrying!(self, m.version, self.tx_step(conn, Some(m), statements));
+                }
+                Step::Tx(statements) => retrying!(self, m.version, self.tx_step(conn, None, statements))?,
+                Step::Backfill(sql) => self.backfill(conn, m, sql).await?,
+                Step::Index { name, table, create, shape } => self.index(conn, m, name, table, create, shape).await?,
+                Step::DropIndex { name, table } => {
+                    if retrying!(self, m.version, self.drop_if_small(conn, m, name, table))? {
+                        continue;
+                    }
+                    let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {s}.{name}");
+                    let mut tries = 0;
+                    while let Err(e) = self.outside_tx(conn, m, &drop).await {
+                        tries += 1;
+                        if !raced(&e) || tries >= INDEX_BUILDS {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        }
+        retrying!(self, m.version, self.tx_step(conn, Some(m), &[]))
+    }
+
+    /// Begins a step's transaction: the limits, the migrator's lock (one per schema at a time,
+    /// across processes; released at commit) and, from then on, the migration lock timeout.
+    async fn begin_step<'c>(&self, conn: &'c mut PgConnection) -> Result<sqlx::Transaction<'c, sqlx::Postgres>> {
         let mut tx = conn.begin().await?;
-        // One migrator per schema at a time, across processes; released at commit. Waiting for
-        // the other migrator blocks no traffic, so that wait has no lock timeout. The NOTICEs of
-        // the idempotent statements ("already exists, skipping", "does not exist, skipping") are
-        // not sent: a worker that migrates at start-up would log one per statement, every start.
+        // Waiting for the other migrator blocks no traffic, so that wait has no lock timeout;
+        // every statement is bounded by `give_up_after`. The NOTICEs of the idempotent
+        // statements ("already exists, skipping", "does not exist, skipping") are not sent: a
+        // worker that migrates at start-up would log one per statement, every start.
         sqlx::query(
-            "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true), \
+            "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', $1, true), \
              set_config('client_min_messages', 'warning', true)",
         )
         .persistent(false)
+        .bind(pg_ms(self.migration.give_up_after).to_string())
         .execute(&mut *tx)
         .await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('brokerfence.migrate.' || $1, 0))")
             .persistent(false)
-            .bind(s.to_owned())
+            .bind(self.schema.as_str().to_owned())
             .execute(&mut *tx)
             .await?;
         // Every lock on a fence table from here on: wait briefly, or let go and retry.
@@ -331,6 +579,14 @@ impl PgFence {
             .bind(pg_ms(self.migration.lock_timeout).to_string())
             .execute(&mut *tx)
             .await?;
+        Ok(tx)
+    }
+
+    /// One try of a transaction step: the schema and its record table, then `statements`, then
+    /// (with `record`) the migration's row, unless another migrator recorded it meanwhile.
+    async fn tx_step(&self, conn: &mut PgConnection, record: Option<&PgMigration>, statements: &[&str]) -> Result<()> {
+        let s = self.schema.as_str();
+        let mut tx = self.begin_step(conn).await?;
         sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {s}")))
             .persistent(false)
             .execute(&mut *tx)
@@ -342,31 +598,247 @@ impl PgFence {
         .persistent(false)
         .execute(&mut *tx)
         .await?;
-        if let Some(m) = m {
+        if let Some(m) = record {
             let applied: Option<i64> =
                 sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
                     .persistent(false)
                     .bind(m.version)
                     .fetch_optional(&mut *tx)
                     .await?;
-            if applied.is_none() {
-                for stmt in m.statements {
-                    sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
-                        .persistent(false)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
-                }
-                sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
-                    .persistent(false)
-                    .bind(m.version)
-                    .bind(m.name)
-                    .execute(&mut *tx)
-                    .await?;
-                tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+            if applied.is_some() {
+                return Ok(tx.commit().await?);
             }
         }
-        tx.commit().await?;
+        for stmt in statements {
+            let (version, name) = record.map_or((0, "step"), |m| (m.version, m.name));
+            sqlx::query(AssertSqlSafe(render(stmt, &self.schema)))
+                .persistent(false)
+                .execute(&mut *tx)
+                .await
+                .map_err(|source| FenceError::Migration { version, name, source })?;
+        }
+        if let Some(m) = record {
+            sqlx::query(AssertSqlSafe(format!("INSERT INTO {s}._migrations (version, name) VALUES ($1, $2)")))
+                .persistent(false)
+                .bind(m.version)
+                .bind(m.name)
+                .execute(&mut *tx)
+                .await?;
+            tracing::info!(schema = s, version = m.version, name = m.name, "applied migration");
+        }
+        Ok(tx.commit().await?)
+    }
+
+    /// A [`Step::Backfill`]: batch after batch, each its own transaction, until the table's end.
+    async fn backfill(&self, conn: &mut PgConnection, m: &PgMigration, sql: &str) -> Result<()> {
+        let (first, next) =
+            (render(&sql.replace("{after}", ">="), &self.schema), render(&sql.replace("{after}", ">"), &self.schema));
+        let mut after = (String::new(), String::new());
+        let mut sql = &first;
+        let (started, mut batches) = (Instant::now(), 0u64);
+        loop {
+            let last = retrying!(self, m.version, self.backfill_batch(conn, m, sql, &after))?;
+            batches += 1;
+            match last {
+                Some(last) => after = last,
+                None => break,
+            }
+            sql = &next;
+        }
+        tracing::info!(schema = self.schema.as_str(), version = m.version, batches, elapsed = ?started.elapsed(), "backfill done");
         Ok(())
+    }
+
+    async fn backfill_batch(
+        &self,
+        conn: &mut PgConnection,
+        m: &PgMigration,
+        sql: &str,
+        after: &(String, String),
+    ) -> Result<Option<(String, String)>> {
+        let mut tx = self.begin_step(conn).await?;
+        let last: Option<(String, String)> = sqlx::query_as(AssertSqlSafe(sql.to_owned()))
+            .persistent(false)
+            .bind(after.0.clone())
+            .bind(after.1.clone())
+            .bind(BACKFILL_BATCH)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+        tx.commit().await?;
+        Ok(last)
+    }
+
+    /// A [`Step::Index`]: drops an index of that name left invalid or of another shape (under
+    /// the migration lock), builds it CONCURRENTLY, and looks again.
+    async fn index(
+        &self,
+        conn: &mut PgConnection,
+        m: &PgMigration,
+        name: &str,
+        table: &str,
+        create: &str,
+        shape: &str,
+    ) -> Result<()> {
+        let create = render(create, &self.schema);
+        for _ in 0..INDEX_BUILDS {
+            if let IndexFound::Ready =
+                retrying!(self, m.version, self.index_found(conn, m, name, table, &create, shape))?
+            {
+                return Ok(());
+            }
+            match self.outside_tx(conn, m, &create).await {
+                Ok(()) => {}
+                // What is there is looked at next (an invalid index is dropped and built again).
+                Err(e) if raced(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        match retrying!(self, m.version, self.index_found(conn, m, name, table, &create, shape))? {
+            IndexFound::Ready => Ok(()),
+            IndexFound::Absent => Err(FenceError::Corrupt(format!(
+                "migration {} ({}): index {name} was built {INDEX_BUILDS} times and is still not valid with {shape}",
+                m.version, m.name
+            ))),
+        }
+    }
+
+    /// One look at the index `name` under the migration lock. An invalid one with no build
+    /// running (a build holds SHARE UPDATE EXCLUSIVE on its table until it ends: the lock
+    /// below times out and the look is retried), or one of another shape, is dropped.
+    async fn index_found(
+        &self,
+        conn: &mut PgConnection,
+        m: &PgMigration,
+        name: &str,
+        table: &str,
+        create: &str,
+        shape: &str,
+    ) -> Result<IndexFound> {
+        let s = self.schema.as_str();
+        let mut tx = self.begin_step(conn).await?;
+        let found: Option<(bool, String)> = sqlx::query_as(
+            "SELECT i.indisvalid AND i.indisready, pg_get_indexdef(i.indexrelid) FROM pg_index i \
+             WHERE i.indexrelid = to_regclass($1)",
+        )
+        .persistent(false)
+        .bind(format!("{s}.{name}"))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((valid, definition)) = found else {
+            return self.build_if_small(tx, m, table, create).await;
+        };
+        if valid && definition.contains(shape) {
+            tx.commit().await?;
+            return Ok(IndexFound::Ready);
+        }
+        let migration_error = |source| FenceError::Migration { version: m.version, name: m.name, source };
+        // NOWAIT: this transaction must not wait for the build it asks about, which waits for
+        // every transaction that holds a snapshot, this one included (a deadlock). Not granted
+        // at once (55P03, as a lock timeout): the look is retried after a pause.
+        sqlx::query(AssertSqlSafe(format!("LOCK TABLE {s}.{table} IN SHARE UPDATE EXCLUSIVE MODE NOWAIT")))
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(migration_error)?;
+        // A plain DROP: a catalog change under ACCESS EXCLUSIVE for milliseconds, asked for under
+        // the lock timeout like every other.
+        sqlx::query(AssertSqlSafe(format!("DROP INDEX {s}.{name}")))
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(migration_error)?;
+        tracing::warn!(
+            schema = s,
+            version = m.version,
+            index = name,
+            valid,
+            definition,
+            "dropping an index to build it again"
+        );
+        self.build_if_small(tx, m, table, create).await
+    }
+
+    /// Drops the index `name` in a step's transaction when `table` is small (see
+    /// `build_if_small`); answers whether it did.
+    async fn drop_if_small(&self, conn: &mut PgConnection, m: &PgMigration, name: &str, table: &str) -> Result<bool> {
+        let s = self.schema.as_str();
+        let mut tx = self.begin_step(conn).await?;
+        let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM (SELECT 1 FROM {s}.{table} LIMIT {SMALL_TABLE}) t"
+        )))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+        if rows < SMALL_TABLE {
+            sqlx::query(AssertSqlSafe(format!("DROP INDEX IF EXISTS {s}.{name}")))
+                .persistent(false)
+                .execute(&mut *tx)
+                .await
+                .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+        }
+        tx.commit().await?;
+        Ok(rows < SMALL_TABLE)
+    }
+
+    /// Builds the index in `tx` (a plain `CREATE INDEX`, under the lock timeout) when its table
+    /// holds fewer than [`SMALL_TABLE`] rows, commits, and says what is there. The SHARE lock
+    /// of such a build lasts milliseconds, where `CONCURRENTLY` would wait for every
+    /// transaction of the database that holds a snapshot (a fresh schema next to a busy one).
+    async fn build_if_small(
+        &self,
+        mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+        m: &PgMigration,
+        table: &str,
+        create: &str,
+    ) -> Result<IndexFound> {
+        let s = self.schema.as_str();
+        let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM (SELECT 1 FROM {s}.{table} LIMIT {SMALL_TABLE}) t"
+        )))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+        if rows >= SMALL_TABLE {
+            tx.commit().await?;
+            return Ok(IndexFound::Absent);
+        }
+        sqlx::query(AssertSqlSafe(create.replacen(" CONCURRENTLY", "", 1)))
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source })?;
+        tx.commit().await?;
+        Ok(IndexFound::Ready)
+    }
+
+    /// A statement that cannot run in a transaction (`… CONCURRENTLY`). It takes SHARE UPDATE
+    /// EXCLUSIVE on its table, which no claim, heartbeat or commit waits for, and waits for the
+    /// transactions that use the table to end; so its limits are the migration's
+    /// `give_up_after` for the lock and the statement alike (with the lock timeout of a
+    /// transaction step, a build would fail behind any transaction longer than that, and start
+    /// over). Session settings, as there is no transaction to scope them: reset after, and the
+    /// connection is not handed back to the pool (`close_on_drop`), so no other user of the pool
+    /// sees them.
+    async fn outside_tx(&self, conn: &mut PgConnection, m: &PgMigration, sql: &str) -> Result<()> {
+        let limit = pg_ms(self.migration.give_up_after).to_string();
+        sqlx::query(
+            "SELECT set_config('lock_timeout', $1, false), set_config('statement_timeout', $1, false), \
+             set_config('client_min_messages', 'warning', false)",
+        )
+        .persistent(false)
+        .bind(limit)
+        .execute(&mut *conn)
+        .await?;
+        let answer = sqlx::query(AssertSqlSafe(sql.to_owned()))
+            .persistent(false)
+            .execute(&mut *conn)
+            .await
+            .map(drop)
+            .map_err(|source| FenceError::Migration { version: m.version, name: m.name, source });
+        sqlx::raw_sql("RESET lock_timeout; RESET statement_timeout; RESET client_min_messages")
+            .execute(&mut *conn)
+            .await?;
+        answer
     }
 }

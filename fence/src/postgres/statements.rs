@@ -25,6 +25,7 @@ pub(crate) struct Statements {
     pub(super) complete: Arc<str>,
     pub(super) fail: Arc<str>,
     pub(super) release: Arc<str>,
+    pub(super) dead_key: Arc<str>,
     pub(super) complete_batch: Arc<str>,
     pub(super) job: Arc<str>,
     pub(super) completed_under: Arc<str>,
@@ -314,6 +315,16 @@ impl Statements {
             ),
             "''::text AS r",
         );
+        // A row a claim took whose key `JobKey` refuses (issue #30): dead under the claim's own
+        // lease, with the reason ($5). The key CHECK (migration 11) spares dead rows.
+        let dead_key = fenced(
+            s,
+            &format!(
+                "UPDATE {s}.jobs t SET state = 'dead', finished = 'dead', last_error = $5, lease_until = NULL, \
+                 updated_at = clock_timestamp() WHERE {CAS}"
+            ),
+            "''::text AS r",
+        );
         let job = format!(
             "SELECT t.state, t.epoch, t.owner, {tlu}, t.attempts, t.failures, {tra}, t.payload, t.progress, t.result, \
              t.last_error \
@@ -374,6 +385,7 @@ impl Statements {
             complete: complete.into(),
             fail: fail.into(),
             release: release.into(),
+            dead_key: dead_key.into(),
             complete_batch: complete_batch.into(),
             job: job.into(),
             completed_under: completed_under.into(),

@@ -96,6 +96,36 @@ impl PgFence {
         Ok(rows)
     }
 
+    /// Makes the row `key` that this claim took at `epoch` dead, naming why its key is unusable
+    /// (`refused`). Its lease is this claim's: a failure here leaves it to run out, and the next
+    /// claim of the row tries again; it is logged, not returned (the claim's other rows are the
+    /// caller's either way).
+    async fn dead_key(&self, queue: &QueueName, owner: &Owner, key: String, epoch: i64, refused: &FenceError) {
+        let why = crate::key::unusable_key(refused);
+        tracing::error!(queue = queue.as_str(), key = ?key, epoch, error = %refused, "claimed a job row whose key is not valid: made dead");
+        let answer: Result<()> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let (matched, ..): super::FencedRow = sqlx::query_as(sql(&self.stmts.dead_key))
+                .persistent(self.persistent())
+                .bind(queue.as_str().to_owned())
+                .bind(key.clone())
+                .bind(owner.as_str().to_owned())
+                .bind(epoch)
+                .bind(why)
+                .fetch_one(&mut *session)
+                .await?;
+            session.done().await?;
+            if matched == 0 {
+                tracing::warn!(queue = queue.as_str(), key = ?key, epoch, "a job row with an invalid key changed before it was made dead");
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = answer {
+            tracing::warn!(queue = queue.as_str(), key = ?key, error = %self.seen(e), "could not make a job row with an invalid key dead; its lease runs out");
+        }
+    }
+
     /// One `claim_next` statement for up to `n` jobs of `queue`, reading from `from` (the claim
     /// cursor; `None`: from the start), recorded in the cursor.
     async fn claim_next_from(
@@ -179,12 +209,14 @@ where
 
 #[async_trait]
 impl FenceStore for PgFence {
-    /// Applies the pending migrations online: each in its own short transaction that waits at
-    /// most the migration lock timeout (200 ms by default) for its table locks, so that the
-    /// exclusive lock a schema change asks for never sits in the lock queue holding up live
-    /// claims, commits and heartbeats for longer than that; on a lock timeout it backs off and
-    /// tries again (see [`PgFence::with_migration_lock_timeout`]). Migrations add columns with
-    /// constant defaults (no table rewrite). The limit that remains: once granted, migration 2
+    /// Applies the pending migrations online: each catalog change in its own short transaction
+    /// that waits at most the migration lock timeout (200 ms by default) for its table locks, so
+    /// that the exclusive lock a schema change asks for never sits in the lock queue holding up
+    /// live claims, commits and heartbeats for longer than that; on a lock timeout it backs off
+    /// and tries again (see [`PgFence::with_migration_lock_timeout`]). Migrations add columns with
+    /// constant defaults (no table rewrite); indexes are built CONCURRENTLY, backfills run in
+    /// batches, CHECKs are validated apart (see `postgres/migrations.rs`), and an interrupted
+    /// migration is resumed from its first step, which are all idempotent. The limit that remains: once granted, migration 2
     /// (byte-order keys) holds its exclusive lock while it rebuilds the indexes on the key
     /// columns, which takes time in proportion to the table (milliseconds for thousands of rows,
     /// seconds for millions); statements on the table wait that long. Migration 2 also changes
@@ -206,18 +238,12 @@ impl FenceStore for PgFence {
                     .fetch_all(&mut *session)
                     .await;
             drop(session);
-            let mut conn = self.pool.acquire().await?;
             if let Ok(applied) = recorded
                 && MIGRATIONS.iter().all(|m| applied.contains(&m.version))
             {
                 return Ok(());
             }
-            // The schema and the record first (an empty step), then each migration.
-            self.migration_step(&mut conn, None).await?;
-            for m in MIGRATIONS {
-                self.migration_step(&mut conn, Some(m)).await?;
-            }
-            Ok(())
+            self.migrate_to(REQUIRED_VERSION).await
         }
         .await;
         answer.map_err(|e| self.seen(e))
@@ -295,14 +321,19 @@ impl FenceStore for PgFence {
                     Err(e) => tracing::warn!(error = %e, queue = queue.as_str(), "claim from the queue's start failed"),
                 }
             }
-            // Rows over the cap on claims were made dead, not claimed.
-            rows.into_iter()
-                .filter(|row| row.1 == "running")
-                .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress, _)| {
-                    Ok(ClaimedJob {
+            // Rows over the cap on claims were made dead, not claimed. A row whose key `JobKey`
+            // refuses is made dead with the reason (issue #30): the claim committed, so failing
+            // the whole answer left its companions to wait out their lease, claim after claim.
+            let mut jobs = Vec::with_capacity(rows.len());
+            for (key, state, epoch, lease_until, ttl, attempts, payload, progress, _) in rows {
+                if state != "running" {
+                    continue;
+                }
+                match JobKey::new(key.as_str()) {
+                    Ok(key) => jobs.push(ClaimedJob {
                         lease: Lease {
                             queue: queue.clone(),
-                            key: JobKey::new(key)?,
+                            key,
                             epoch,
                             owner: owner.clone(),
                             lease_until: DbTime(lease_until.unwrap_or(0)),
@@ -311,9 +342,11 @@ impl FenceStore for PgFence {
                         },
                         payload: payload.unwrap_or_default(),
                         progress,
-                    })
-                })
-                .collect()
+                    }),
+                    Err(e) => self.dead_key(queue, owner, key, epoch, &e).await,
+                }
+            }
+            Ok(jobs)
         }
         .await;
         answer.map_err(|e| self.seen(e))

@@ -108,6 +108,7 @@ pub(crate) struct Statements {
     pub(super) claim_seen: Arc<str>,
     pub(super) enqueue: Arc<str>,
     pub(super) claim_next: Arc<str>,
+    pub(super) dead_key: Arc<str>,
     pub(super) heartbeat: Arc<str>,
     pub(super) checkpoint: Arc<str>,
     pub(super) complete: Arc<str>,
@@ -172,8 +173,15 @@ impl Statements {
              WHERE rowid IN (SELECT rowid FROM {s}_jobs WHERE queue = ?1 AND \
                ((state IN ('pending', 'failed') AND run_at <= {NOW}) OR (state = 'running' AND lease_until < {NOW})) \
                ORDER BY state = 'running' DESC, run_at LIMIT ?4) \
-             RETURNING key, state, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress",
+             RETURNING rowid, CAST(key AS BLOB), state, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress",
             capped = capped_claim("", "?2", &format!("{NOW} + ?3"), "?5", inc),
+        );
+        // A row `claim_next` took (by rowid, ?1) whose key `JobKey` refuses (issue #30): dead
+        // under the claim's lease (?3 owner, ?4 epoch), with the reason (?2). By rowid, as such
+        // a key may not even be text.
+        let dead_key = format!(
+            "UPDATE {s}_jobs SET state = 'dead', last_error = ?2, lease_until = NULL, updated_at = {NOW} \
+             WHERE rowid = ?1 AND owner = ?3 AND epoch = ?4 AND state = 'running'"
         );
         let heartbeat = format!(
             "UPDATE {s}_jobs SET lease_until = {NOW} + ?5, updated_at = {NOW} WHERE {hb_cas} \
@@ -231,6 +239,7 @@ impl Statements {
             claim_seen: claim_seen.into(),
             enqueue: enqueue.into(),
             claim_next: claim_next.into(),
+            dead_key: dead_key.into(),
             heartbeat: heartbeat.into(),
             checkpoint: checkpoint.into(),
             complete: complete.into(),

@@ -130,7 +130,9 @@ impl FenceStore for SqliteFence {
         lease: LeaseDuration,
         n: u32,
     ) -> Result<Vec<ClaimedJob>> {
-        type Row = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        // The key as bytes: a row written around the fence may hold a key that is not even
+        // UTF-8, which must not fail the whole claim (issue #30).
+        type Row = (i64, Vec<u8>, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
             .bind(queue.as_str().to_owned())
@@ -140,15 +142,19 @@ impl FenceStore for SqliteFence {
             .bind(self.max_claims)
             .fetch_all(&mut *tx)
             .await?;
-        tx.commit().await?;
-        // Rows over the cap on claims were made dead, not claimed.
-        rows.into_iter()
-            .filter(|row| row.1 == "running")
-            .map(|(key, _, epoch, lease_until, ttl, attempts, payload, progress)| {
-                Ok(ClaimedJob {
+        // Rows over the cap on claims were made dead, not claimed. A row whose key `JobKey`
+        // refuses is made dead with the reason, in the claim's transaction; its companions are
+        // handed out.
+        let mut jobs = Vec::with_capacity(rows.len());
+        for (rowid, key, state, epoch, lease_until, ttl, attempts, payload, progress) in rows {
+            if state != "running" {
+                continue;
+            }
+            match JobKey::from_bytes(&key) {
+                Ok(key) => jobs.push(ClaimedJob {
                     lease: Lease {
                         queue: queue.clone(),
-                        key: JobKey::new(key)?,
+                        key,
                         epoch,
                         owner: owner.clone(),
                         lease_until: DbTime(lease_until.unwrap_or(0)),
@@ -157,9 +163,21 @@ impl FenceStore for SqliteFence {
                     },
                     payload: payload.unwrap_or_default(),
                     progress,
-                })
-            })
-            .collect()
+                }),
+                Err(e) => {
+                    tracing::error!(queue = queue.as_str(), key = ?String::from_utf8_lossy(&key), epoch, error = %e, "claimed a job row whose key is not valid: made dead");
+                    sqlx::query(sql(&self.stmts.dead_key))
+                        .bind(rowid)
+                        .bind(crate::key::unusable_key(&e))
+                        .bind(owner.as_str().to_owned())
+                        .bind(epoch)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(jobs)
     }
 
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat> {
