@@ -292,6 +292,13 @@ async fn hardening_item7_pg_bad_key_row_does_not_poison_the_claim_batch() {
         }
     }
     assert!(fence.claim_next(&q, &me, lease(30), 10).await.expect("the next claim").is_empty());
+    // The operator sees both dead rows, their keys escaped and marked (the listing failed on the
+    // first key `JobKey` refused, "stored job key: …").
+    let admin = brokerfence::fence::Admin::new(&fence).expect("admin");
+    let dead = admin.dead(Some(&q), 10).await.expect("dead list with bad keys");
+    let mut shown: Vec<String> = dead.iter().map(|d| d.key.as_str().chars().take(18).collect()).collect();
+    shown.sort();
+    assert_eq!(shown, ["<invalid key \"\">", "<invalid key \"xxxx"], "{dead:?}");
     // The holders of the good rows commit as usual.
     for c in &got {
         fence.complete(&c.lease, b"done").await.expect("complete a good row");

@@ -14,6 +14,18 @@ pub(crate) fn stored_key(k: String) -> Result<JobKey, AdminError> {
     JobKey::new(k).map_err(|e| AdminError::Fence(FenceError::Corrupt(format!("stored job key: {e}"))))
 }
 
+/// The key of a dead row, for listing: a stored key that `JobKey` refuses (an empty or too long
+/// key written by SQL, which a claim made dead, issue #30 item 7) is shown escaped and marked,
+/// `<invalid key "…">` (at most 200 characters of it), instead of failing the whole listing. Such
+/// a row cannot be requeued by key: its `last_error` says why it died.
+pub(crate) fn listed_key(k: String) -> Result<JobKey, AdminError> {
+    match JobKey::new(k.clone()) {
+        Ok(key) => Ok(key),
+        // 200 escaped characters are at most 800 bytes: the marked form is always a valid key.
+        Err(_) => stored_key(format!("<invalid key \"{}\">", k.escape_debug().take(200).collect::<String>())),
+    }
+}
+
 /// Adds one batch of a requeue-all (`(key, new epoch)` rows) to `report`; true when the batch was
 /// full, so another one may follow.
 pub(crate) fn absorb_requeued(
@@ -109,7 +121,7 @@ pub(crate) fn dead_job(row: DeadRow) -> Result<DeadJob, AdminError> {
     let (queue, key, epoch, owner, attempts, failures, last_error, died_at, age_ms) = row;
     Ok(DeadJob {
         queue: stored_queue(queue)?,
-        key: stored_key(key)?,
+        key: listed_key(key)?,
         epoch,
         owner,
         attempts,
