@@ -50,10 +50,13 @@ fn endpoint_of(client: &Client) -> String {
 ///   newer one: the call is not made, and the message's redelivery is settled instead).
 /// * ack: `DeleteMessageBatch`, ≤ 10 per call, distinct ids, failed entries retried or reported.
 /// * retry later / hold: `ChangeMessageVisibilityBatch` (clamped to 12 h; on FIFO the messages
-///   parked behind a kept head are hidden a little longer, and its group is blocked in this
-///   worker until then); abandon: visibility 0.
-/// * dead letter: `SendMessage` to the dead-letter queue with the reason as the
-///   `Fence-Dead-Letter-Reason` attribute, then `DeleteMessage`.
+///   parked behind a kept head are hidden a little longer, and the head and they are remembered
+///   as unfinished: a later message of the group waits for them in this worker); abandon:
+///   visibility 0.
+/// * dead letter: the message hidden long enough for two calls, `SendMessage` to the dead-letter
+///   queue with the reason as the `Fence-Dead-Letter-Reason` attribute (and the original id as
+///   `Fence-Source-Message-Id`), then `DeleteMessage`; a message this source already copied (its
+///   delete had failed) is only deleted, not copied again.
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
@@ -358,30 +361,41 @@ impl SqsSource {
     }
 
     /// Keeps the message in the queue, hidden for `hide` (retry later, busy elsewhere). On FIFO
-    /// its group is blocked in this worker until then, and the messages parked behind it are
-    /// hidden a little longer, so none of them comes back before it.
+    /// it is remembered as unfinished in this worker (its group's later messages wait for it),
+    /// and the messages parked behind it are hidden a little longer, so none of them comes back
+    /// before it.
     async fn keep(&self, d: &SqsDelivery, hide: Duration) -> Result<(), SqsError> {
         d.mark(Settled::Kept);
         let secs = visibility_secs(hide);
         let until = tokio::time::Instant::now() + Duration::from_secs(u64::try_from(secs).unwrap_or(0));
+        let followers = self.inner.registry.keep_head(d, until);
         let mut items = vec![(d.0.message_id.clone(), secs)];
-        for (f, fsecs) in self.inner.registry.keep_head(d, until) {
+        for (f, fsecs) in &followers {
             f.mark(Settled::Kept);
-            items.push((f.0.message_id.clone(), fsecs.max(secs)));
+            items.push((f.0.message_id.clone(), (*fsecs).max(secs)));
         }
-        self.change_visibility(items, self.inner.config.call_timeout).await
+        let hidden = self.change_visibility(items, self.inner.config.call_timeout).await;
+        // Dropped only now: a delivery dropped before the call would take its receipt handle out
+        // of the registry, and the call would leave its message out (it then stayed visible
+        // under the receive's timeout, and came back before the head).
+        drop(followers);
+        hidden
     }
 
     /// Visibility 0 for the message and, on FIFO, for the messages parked behind it.
     async fn give_back(&self, d: &SqsDelivery) -> Result<(), SqsError> {
         d.mark(Settled::Abandoned);
         let registry = &self.inner.registry;
+        let parked = registry.take_parked_behind(d);
         let mut items = vec![(d.0.message_id.clone(), 0)];
-        for p in registry.take_parked_behind(d) {
+        for p in &parked {
             p.mark(Settled::Abandoned);
             items.push((p.0.message_id.clone(), 0));
         }
-        self.change_visibility(items, self.inner.config.call_timeout).await
+        let given = self.change_visibility(items, self.inner.config.call_timeout).await;
+        // As in `keep`: alive until the call is made, so their handles are used.
+        drop(parked);
+        given
     }
 }
 
