@@ -15,10 +15,10 @@ use super::batch::{self, Entry};
 use super::config::{DeadLetterTarget, SqsConfig, visibility_secs};
 use super::delivery::{Registry, Settled, SqsDelivery};
 use super::error::{SqsError, bounded, classify, is_missing_queue_code, short_cause};
-use super::state::{Ahead, Redrive};
+use super::state::{Ahead, Redrive, SentCopies};
 use crate::disposition::Disposition;
 use crate::runtime::ReceiveContext;
-use crate::source::{Incoming, Source, SourceError};
+use crate::source::{DeadLettered, Incoming, Source, SourceError};
 
 /// How many attempts [`SqsSource::check`] makes while SQS cannot be reached.
 pub const CHECK_ATTEMPTS: u32 = 3;
@@ -86,6 +86,8 @@ pub(super) struct Inner {
     pub(super) idle: Notify,
     /// Read-ahead state (standard queues).
     pub(super) ahead: tokio::sync::Mutex<Ahead>,
+    /// Messages copied to the dead-letter queue (bounded): a repeat only deletes.
+    pub(super) sent_copies: std::sync::Mutex<SentCopies>,
 }
 
 impl std::fmt::Debug for SqsSource {
@@ -113,6 +115,7 @@ impl SqsSource {
                 receiving: AtomicUsize::new(0),
                 idle: Notify::new(),
                 ahead: tokio::sync::Mutex::default(),
+                sent_copies: std::sync::Mutex::default(),
             }),
         }
     }
@@ -440,8 +443,12 @@ impl Source for SqsSource {
     }
 
     async fn dead_letter(&self, delivery: SqsDelivery, reason: &str) -> Result<(), SourceError> {
+        self.dead_letter_once(delivery, reason).await.map(|_| ())
+    }
+
+    async fn dead_letter_once(&self, delivery: SqsDelivery, reason: &str) -> Result<DeadLettered, SourceError> {
         let span = tracing::info_span!("sqs_dead_letter", queue = %self.inner.config.fence_queue, message_id = %delivery.message_id());
-        Ok(self.move_to_dead_letter(&delivery, reason).instrument(span).await?)
+        Ok(self.dead_letter_message(&delivery, reason).instrument(span).await?)
     }
 
     async fn hold(&self, delivery: SqsDelivery, ttl: Duration) -> Result<(), SourceError> {
