@@ -46,6 +46,6 @@ pub use disposition::Disposition;
 pub use handler::{Handler, HandlerFuture};
 pub use middleware::{Detail, Processed, Retrofit};
 pub use runtime::{Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, ReceiveContext, shutdown_signal};
-pub use source::{Incoming, Source, SourceError};
+pub use source::{DeadLettered, Incoming, Source, SourceError};
 /// The token [`Consumer::run`] stops on (tokio-util's), so no direct dependency is needed.
 pub use tokio_util::sync::CancellationToken;

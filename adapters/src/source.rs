@@ -35,6 +35,22 @@ pub enum Incoming<D> {
     },
 }
 
+/// What a dead-letter move did ([`Source::dead_letter_once`]).
+///
+/// ```
+/// use brokerfence::DeadLettered;
+/// assert_ne!(DeadLettered::Moved, DeadLettered::AlreadyMoved);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLettered {
+    /// This call completed the move: the copy is at the dead-letter destination (sent now, or by
+    /// an earlier call that could not remove the delivery) and the delivery is removed.
+    Moved,
+    /// An earlier call had completed the move (the broker delivered the message again); this
+    /// one only removed the delivery.
+    AlreadyMoved,
+}
+
 /// A failure of the broker side.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -163,6 +179,25 @@ pub trait Source: Send + Sync + 'static {
     /// Move the delivery to the dead-letter destination with `reason`.
     async fn dead_letter(&self, _delivery: Self::Delivery, _reason: &str) -> Result<(), SourceError> {
         Ok(())
+    }
+
+    /// [`dead_letter`](Self::dead_letter), saying whether this call completed the move: the
+    /// runtime counts `dead_letters` by it, once per message moved. The default calls
+    /// `dead_letter` and answers [`DeadLettered::Moved`]; a source that can tell a repeat (the SQS
+    /// source remembers the copies it sent, and whether their delete went through) sends no
+    /// second copy and answers [`DeadLettered::AlreadyMoved`] for a move completed before. A
+    /// wrapper delegates it.
+    ///
+    /// ```no_run
+    /// # async fn demo(source: brokerfence::sqs::SqsSource, d: brokerfence::sqs::SqsDelivery) -> Result<(), brokerfence::SourceError> {
+    /// use brokerfence::{DeadLettered, Source};
+    /// if source.dead_letter_once(d, "poison").await? == DeadLettered::AlreadyMoved {
+    ///     println!("moved before; the redelivery was only deleted");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    async fn dead_letter_once(&self, delivery: Self::Delivery, reason: &str) -> Result<DeadLettered, SourceError> {
+        self.dead_letter(delivery, reason).await.map(|()| DeadLettered::Moved)
     }
 
     /// Another owner holds a live lease for `ttl` more: hide the delivery that long (the hint

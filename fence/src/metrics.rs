@@ -46,7 +46,7 @@ macro_rules! counters {
         ///
         /// | name | type | unit | meaning |
         /// |---|---|---|---|
-        /// | `brokerfence_<counter>_total` | counter | events | one per [`Counter`], named after its [`MetricsSnapshot`] field: `brokerfence_claims_total`, `_busy_total`, `_duplicates_total`, `_renewals_total`, `_heartbeats_total`, `_lease_losses_total`, `_fenced_rejections_total`, `_completions_total`, `_own_commits_total`, `_commit_statements_total`, `_claim_statements_total`, `_failures_total`, `_dead_letters_total`, `_acks_total`, `_releases_total`, `_hook_timeouts_total`, `_hook_skips_total` |
+        /// | `brokerfence_<counter>_total` | counter | events | one per [`Counter`], named after its [`MetricsSnapshot`] field: `brokerfence_claims_total`, `_busy_total`, `_duplicates_total`, `_renewals_total`, `_heartbeats_total`, `_lease_losses_total`, `_fenced_rejections_total`, `_completions_total`, `_own_commits_total`, `_commit_statements_total`, `_claim_statements_total`, `_failures_total`, `_dead_jobs_total`, `_dead_letters_total`, `_acks_total`, `_releases_total`, `_hook_timeouts_total`, `_hook_skips_total`. Of these, `_dead_jobs_total` counts jobs the database declared dead, and `_dead_letters_total` the messages actually moved to a dead-letter destination, once each: not a job declared dead on a queue with no dead-letter queue (nothing was sent), and not twice when a delete after the copy failed (the next try only deletes) |
         /// | `brokerfence_claim_duration_seconds` | histogram | seconds | one claim statement: the runtime's group claim of broker deliveries, the middleware's claim, or a source's receive that claimed (the table queue's `claim_next`; recorded when it returned jobs) |
         /// | `brokerfence_claim_statement_jobs` | histogram | jobs | deliveries (jobs) one claim statement above carried |
         /// | `brokerfence_heartbeat_duration_seconds` | histogram | seconds | one renewal statement of the supervisor's heartbeat (answered or failed; a statement cut by its bound counts the bound) |
@@ -145,7 +145,15 @@ counters!(
     claim_statements => ClaimStatements,
     /// Failed attempts recorded (retrying).
     failures => Failures,
-    /// Jobs given up (dead) or deliveries dead-lettered.
+    /// Jobs the database declared dead under this worker's lease (attempts used up, or a
+    /// permanent error), whether or not a dead-letter copy could be sent.
+    dead_jobs => DeadJobs,
+    /// Messages moved to a dead-letter destination (an SQS dead-letter queue, a Redis dead-letter
+    /// stream; a table queue's dead row is its own, counted when the job is declared dead), for a
+    /// dead job or a delivery with no job key: once per message, by the move that completed it
+    /// (copy sent, delivery removed; a copy whose removal failed counts when a later try removes
+    /// it). A move that failed (no dead-letter queue, a refused call) counts nothing, nor does a
+    /// redelivery of a message moved before.
     dead_letters => DeadLetters,
     /// Broker acknowledgements sent after a committed result.
     acks => Acks,

@@ -11,7 +11,7 @@ use super::Shared;
 use super::backoff::Backoff;
 use crate::disposition::Disposition;
 use crate::handler::Handler;
-use crate::source::Source;
+use crate::source::{DeadLettered, Source};
 
 /// An acknowledgement waiting for its batch, with the unsettled place it frees once sent.
 pub(super) type PendingAck<D> = (D, Option<OwnedSemaphorePermit>);
@@ -66,13 +66,16 @@ impl<S: Source, H: Handler> Shared<S, H> {
                 }
             },
             Tell::Fence(Disposition::RetryLater(delay)) => self.source.retry_later(delivery, *delay).await,
-            Tell::Fence(Disposition::DeadLetter(reason)) => self.source.dead_letter(delivery, reason).await,
+            // Counted by the move that completes it: a failed move, or a repeat of a completed
+            // one that only removed the delivery, is no dead letter.
+            Tell::Fence(Disposition::DeadLetter(reason)) => {
+                self.source.dead_letter_once(delivery, reason).await.map(|moved| count_move(metrics, moved))
+            }
             Tell::Fence(Disposition::Hold(ttl)) => self.source.hold(delivery, *ttl).await,
             Tell::Fence(Disposition::Abandon) => self.source.abandon(delivery).await,
             Tell::Fence(Disposition::Leave) => Ok(()),
             Tell::Malformed(reason) => {
-                // Counted once it moved: a failed move is no dead letter.
-                self.source.dead_letter(delivery, reason).await.map(|()| metrics.incr(Counter::DeadLetters))
+                self.source.dead_letter_once(delivery, reason).await.map(|moved| count_move(metrics, moved))
             }
         };
         if let Err(e) = result {
@@ -82,6 +85,13 @@ impl<S: Source, H: Handler> Shared<S, H> {
             };
             tracing::warn!(error = %e, broker_call = %what, "broker call failed; {}", tell.when_the_call_fails());
         }
+    }
+}
+
+/// `dead_letters` counts the messages moved to a dead-letter destination, once each.
+fn count_move(metrics: &Metrics, moved: DeadLettered) {
+    if moved == DeadLettered::Moved {
+        metrics.incr(Counter::DeadLetters);
     }
 }
 

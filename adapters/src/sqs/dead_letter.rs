@@ -3,13 +3,16 @@
 
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 
+use std::time::Duration;
+
 use fence::RetryPolicy;
 
-use super::config::ReceiveCountCheck;
+use super::config::{ReceiveCountCheck, visibility_secs};
 use super::delivery::{Settled, SqsDelivery};
 use super::error::{SqsError, bounded, classify};
 use super::source::SqsSource;
 use super::state::Redrive;
+use crate::source::DeadLettered;
 
 /// Message attribute carrying the reason on a message moved to the dead-letter queue.
 pub const REASON_ATTRIBUTE: &str = "Fence-Dead-Letter-Reason";
@@ -19,6 +22,8 @@ pub const SOURCE_MESSAGE_ID_ATTRIBUTE: &str = "Fence-Source-Message-Id";
 const MAX_REASON_BYTES: usize = 1024;
 /// SQS allows at most ten message attributes per message.
 const MAX_ATTRIBUTES: usize = 10;
+/// Tries of the delete that follows a dead-letter copy.
+const DELETE_TRIES: u32 = 3;
 
 /// Receives the retry policy needs: one per attempt, plus one more for each 12 h a backoff lasts
 /// beyond the first (a retry's visibility is clamped to 12 h, so SQS hands the message out again,
@@ -187,12 +192,25 @@ impl SqsSource {
     /// Moves the message to the dead-letter queue with `reason` (attribute
     /// [`REASON_ATTRIBUTE`], the original id in [`SOURCE_MESSAGE_ID_ATTRIBUTE`]), then deletes it.
     ///
+    /// The copy is sent once per message and source: the message is first hidden long enough for
+    /// the copy and the delete (two [`SqsConfig::call_timeout`](super::SqsConfig::call_timeout)s
+    /// and a second), a transient failure of the delete is retried, and when the delete fails for
+    /// good the message comes back and its next move here only deletes it. Limit: another worker
+    /// (another source) that receives it then sends a second copy, with the same
+    /// [`SOURCE_MESSAGE_ID_ATTRIBUTE`] (and on a FIFO dead-letter queue the same deduplication
+    /// id, which SQS drops within its five-minute window).
+    ///
     /// ```no_run
     /// # async fn demo(source: brokerfence::sqs::SqsSource, d: brokerfence::sqs::SqsDelivery) -> Result<(), brokerfence::sqs::SqsError> {
     /// source.move_to_dead_letter(&d, "body is not JSON").await?;
     /// # Ok(()) }
     /// ```
     pub async fn move_to_dead_letter(&self, d: &SqsDelivery, reason: &str) -> Result<(), SqsError> {
+        self.dead_letter_message(d, reason).await.map(|_| ())
+    }
+
+    /// [`move_to_dead_letter`](Self::move_to_dead_letter), saying whether this call sent the copy.
+    pub(crate) async fn dead_letter_message(&self, d: &SqsDelivery, reason: &str) -> Result<DeadLettered, SqsError> {
         let Some(dlq) = self.dead_letter_queue_url().await? else {
             d.mark(Settled::Kept);
             // It stays in the queue: hide it for a while rather than see it every visibility
@@ -213,12 +231,54 @@ impl SqsSource {
         if self.inner.registry.usable_handle(&d.0.message_id).is_none() {
             return Err(SqsError::HandleNotOurs { operation: "SendMessage", message_id: d.0.message_id.clone() });
         }
+        if let Some(removed) = self.copy_sent(&d.0.message_id) {
+            // An earlier move sent the copy: delete only. It completes that move if its delete
+            // had failed; else this is a redelivery of a message moved before.
+            d.mark(Settled::Removed);
+            self.delete_after_copy(d).await?;
+            self.copied(&d.0.message_id, true);
+            tracing::info!(message_id = %d.0.message_id, dead_letter_queue = %dlq, "message copied to the dead-letter queue before; now deleted");
+            return Ok(if removed { DeadLettered::AlreadyMoved } else { DeadLettered::Moved });
+        }
+        // Hidden for the copy and the delete after it, so the delete does not find the handle
+        // run out (it would then come back, to any worker, and be copied again).
+        let limit = self.inner.config.call_timeout;
+        self.set_visibility(d, visibility_secs(limit * 2 + Duration::from_secs(1))).await?;
+        let send = self.copy_request(d, &dlq, reason)?;
+        bounded("SendMessage", limit, async { send.send().await.map_err(|e| classify("SendMessage", e)) }).await?;
+        self.copied(&d.0.message_id, false);
+        d.mark(Settled::Removed);
+        self.delete_after_copy(d).await?;
+        self.copied(&d.0.message_id, true);
+        tracing::info!(message_id = %d.0.message_id, %reason, dead_letter_queue = %dlq, "message dead-lettered");
+        Ok(DeadLettered::Moved)
+    }
+
+    /// Whether this source sent a copy of the message (`Some`), and whether its delete went
+    /// through.
+    fn copy_sent(&self, message_id: &str) -> Option<bool> {
+        self.inner.sent_copies.lock().ok().and_then(|sent| sent.get(message_id))
+    }
+
+    fn copied(&self, message_id: &str, removed: bool) {
+        if let Ok(mut sent) = self.inner.sent_copies.lock() {
+            sent.insert(message_id, removed);
+        }
+    }
+
+    /// The `SendMessage` of the copy: body, the message's attributes (SQS allows ten) and ours.
+    fn copy_request(
+        &self,
+        d: &SqsDelivery,
+        dlq: &str,
+        reason: &str,
+    ) -> Result<aws_sdk_sqs::operation::send_message::builders::SendMessageFluentBuilder, SqsError> {
         let m = d.message();
         let ours = [
             (REASON_ATTRIBUTE, truncate(reason, MAX_REASON_BYTES)),
             (SOURCE_MESSAGE_ID_ATTRIBUTE, d.0.message_id.clone()),
         ];
-        let mut send = self.inner.client.send_message().queue_url(&dlq).message_body(m.body().unwrap_or(" "));
+        let mut send = self.inner.client.send_message().queue_url(dlq).message_body(m.body().unwrap_or(" "));
         let mut room = MAX_ATTRIBUTES - ours.len();
         if let Some(attrs) = m.message_attributes() {
             let mut names: Vec<&String> = attrs.keys().filter(|k| !ours.iter().any(|(n, _)| n == k)).collect();
@@ -242,7 +302,9 @@ impl SqsSource {
                 .map_err(|e| SqsError::Service { operation: "SendMessage", code: None, message: e.to_string() })?;
             send = send.message_attributes(name, v);
         }
-        if super::config::is_fifo_url(&dlq) {
+        if super::config::is_fifo_url(dlq) {
+            // The same deduplication id for every copy of the message: SQS drops a repeat within
+            // its five-minute window, whichever worker sends it.
             let group = d.group().unwrap_or("dead-letter").to_owned();
             let dedup = m
                 .attributes()
@@ -251,12 +313,25 @@ impl SqsSource {
                 .unwrap_or_else(|| d.0.message_id.clone());
             send = send.message_group_id(group).message_deduplication_id(dedup);
         }
-        let limit = self.inner.config.call_timeout;
-        bounded("SendMessage", limit, async { send.send().await.map_err(|e| classify("SendMessage", e)) }).await?;
-        d.mark(Settled::Removed);
-        self.delete_one(d).await?;
-        tracing::info!(message_id = %d.0.message_id, %reason, dead_letter_queue = %dlq, "message dead-lettered");
-        Ok(())
+        Ok(send)
+    }
+
+    /// The delete after a copy: transient failures retried (a failure here sends the message
+    /// back, and another worker would copy it again), while the handle is ours.
+    async fn delete_after_copy(&self, d: &SqsDelivery) -> Result<(), SqsError> {
+        let mut pause = Duration::from_millis(200);
+        let mut tries = 1;
+        loop {
+            match self.delete_one(d).await {
+                Err(e) if e.is_transient() && tries < DELETE_TRIES => {
+                    tracing::debug!(error = %e, tries, "delete after the dead-letter copy failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                    tries += 1;
+                }
+                done => return done,
+            }
+        }
     }
 }
 

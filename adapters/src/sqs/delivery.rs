@@ -17,9 +17,10 @@
 //! per group at a time and parks the rest; a parked message's visibility is extended together with
 //! its group's running head, and the next one is handed out once the head is deleted (acked or
 //! dead-lettered). If the head is kept in the queue (busy elsewhere, retry later), the messages
-//! parked behind it are hidden at least as long as it is, and the group is *blocked* in this
-//! worker until then: a later message of the group received meanwhile is hidden again instead of
-//! being started. If the head's lease is lost, the group is blocked for one lease.
+//! parked behind it are hidden at least as long as it is; if the head's lease is lost, they keep
+//! the visibility they shared with it. Every such message (the head and those behind it) is
+//! remembered as *unfinished* ([`Unfinished`]): a later message of the group received before it
+//! is back is hidden again instead of being started, whatever the broker hands out.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -31,6 +32,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::error::SqsError;
+use super::order::{FOLLOWER_LAG, Unfinished};
 
 /// The broker's handle on one received message: what the runtime passes back to the source to
 /// extend, delete, re-hide or dead-letter it. Cheap to clone.
@@ -132,21 +134,8 @@ struct HandleEntry {
     valid_until: Option<Instant>,
 }
 
-/// A group's head kept in the queue: later messages of the group wait until it is done.
-#[derive(Debug, Clone)]
-struct Blocker {
-    message_id: String,
-    sequence_number: Option<u128>,
-    /// The head is hidden until then.
-    until: Instant,
-    /// After this the block is forgotten (the head went elsewhere).
-    expires: Instant,
-}
-
 /// How long a handle must still be good for when a call is sent with it.
 const HANDLE_MARGIN: Duration = Duration::from_millis(250);
-/// Followers come back this much after their group's head.
-const FOLLOWER_LAG: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 struct Group {
@@ -160,7 +149,8 @@ struct Group {
 struct State {
     handles: HashMap<String, HandleEntry>,
     groups: HashMap<String, Group>,
-    blocked: HashMap<String, Blocker>,
+    /// FIFO messages seen here and still in the queue unfinished: later ones wait for them.
+    unfinished: Unfinished,
 }
 
 /// The newest receipt handle per message, and FIFO group state, of one source.
@@ -265,14 +255,16 @@ impl Registry {
     }
 
     /// FIFO: of freshly received deliveries (ordered by `SequenceNumber`), hands out the first of
-    /// each idle group and parks the rest behind their group's running or parked messages. Those
-    /// of a group blocked behind a head kept in the queue come back second, each with the seconds
-    /// to hide it: they must not start before that head.
+    /// each idle group and parks the rest behind their group's running or parked messages, in
+    /// sequence order. Those that an earlier unfinished message of their group holds back come
+    /// back second, each with the seconds to hide it: they must not start before it.
     pub(crate) fn admit(&self, mut deliveries: Vec<SqsDelivery>) -> (Vec<SqsDelivery>, Vec<(SqsDelivery, i32)>) {
         deliveries.sort_by_key(|d| d.0.sequence_number);
-        let Ok(mut state) = self.state.lock() else { return (deliveries, Vec::new()) };
+        let lease = self.lease();
+        let Ok(mut guard) = self.state.lock() else { return (deliveries, Vec::new()) };
+        let state = &mut *guard;
         let now = Instant::now();
-        state.blocked.retain(|_, b| b.expires > now);
+        state.unfinished.prune(now);
         let mut out = Vec::with_capacity(deliveries.len());
         let mut blocked = Vec::new();
         for d in deliveries {
@@ -280,49 +272,46 @@ impl Registry {
                 out.push(d);
                 continue;
             };
-            if let Some(b) = state.blocked.get(&group) {
-                let is_head_or_earlier = b.message_id == d.0.message_id
-                    || matches!((d.0.sequence_number, b.sequence_number), (Some(mine), Some(head)) if mine <= head);
-                if is_head_or_earlier {
-                    state.blocked.remove(&group);
-                } else {
-                    let until = b.until.max(now) + FOLLOWER_LAG;
-                    tracing::debug!(%group, message_id = %d.0.message_id, "a later message of a blocked group: hidden again");
-                    blocked.push((d, secs_until(until, now)));
-                    continue;
-                }
+            // Back with this worker: from here the group's state below keeps its order.
+            state.unfinished.forget(&group, &d.0.message_id);
+            if let Some(until) = state.unfinished.hold_back(&group, &d.0.message_id, d.0.sequence_number, now) {
+                tracing::debug!(%group, message_id = %d.0.message_id, "an earlier message of the group is unfinished: hidden again");
+                state.unfinished.remember(&group, &d.0.message_id, d.0.sequence_number, false, until, lease);
+                blocked.push((d, secs_until(until, now)));
+                continue;
             }
             let g = state.groups.entry(group).or_default();
             if g.active.is_none() && g.parked.is_empty() {
                 g.active = Some(d.0.seq);
                 out.push(d);
             } else {
-                g.parked.push_back(d);
+                // In sequence order, whatever order the receives brought them in.
+                let at = g.parked.partition_point(|p| p.0.sequence_number <= d.0.sequence_number);
+                g.parked.insert(at, d);
             }
         }
         (out, blocked)
     }
 
     /// FIFO: `d`, its group's running head, stays in the queue hidden until `until` (busy
-    /// elsewhere, retry later): blocks its group in this worker until then, and takes out the
-    /// messages parked behind it, to be hidden at least as long (returned with their seconds).
+    /// elsewhere, retry later): it is remembered as unfinished (its group's later messages wait
+    /// for it in this worker), and the messages parked behind it are taken out, remembered too,
+    /// to be hidden a little longer (returned with their seconds; keep them until the call that
+    /// hides them has been answered: a dropped delivery's receipt handle is forgotten).
     pub(crate) fn keep_head(&self, d: &SqsDelivery, until: Instant) -> Vec<(SqsDelivery, i32)> {
         let Some(group) = &d.0.group else { return Vec::new() };
-        let Ok(mut state) = self.state.lock() else { return Vec::new() };
+        let lease = self.lease();
+        let Ok(mut guard) = self.state.lock() else { return Vec::new() };
+        let state = &mut *guard;
         let now = Instant::now();
         let followers: Vec<SqsDelivery> = match state.groups.get_mut(group) {
             Some(g) if g.active == Some(d.0.seq) => g.parked.drain(..).collect(),
             _ => Vec::new(),
         };
-        state.blocked.insert(
-            group.clone(),
-            Blocker {
-                message_id: d.0.message_id.clone(),
-                sequence_number: d.0.sequence_number,
-                until,
-                expires: until + self.lease(),
-            },
-        );
+        state.unfinished.remember(group, &d.0.message_id, d.0.sequence_number, true, until, lease);
+        for f in &followers {
+            state.unfinished.remember(group, &f.0.message_id, f.0.sequence_number, false, until + FOLLOWER_LAG, lease);
+        }
         let secs = secs_until(until + FOLLOWER_LAG, now);
         followers.into_iter().map(|f| (f, secs)).collect()
     }
@@ -379,6 +368,7 @@ impl Registry {
 
     fn release(&self, r: &Received) {
         let mut forgotten = Vec::new();
+        let lease = self.lease();
         {
             let Ok(mut guard) = self.state.lock() else { return };
             let state = &mut *guard;
@@ -400,18 +390,17 @@ impl Registry {
                         }
                     } else {
                         // The head stays in the queue: the rest of the group must not overtake
-                        // it. Kept, its followers were already hidden as long as it is and its
-                        // group blocked; lease lost (untouched), the group is blocked here for a
+                        // it. Kept, it and its followers are remembered already (`keep_head`);
+                        // lease lost (untouched), they are remembered here, hidden for at most a
                         // lease (the parked ones keep the visibility they shared with the head).
                         forgotten.extend(g.parked.drain(..));
                         if settled == Settled::Untouched as u8 {
-                            let until = Instant::now() + self.lease();
-                            state.blocked.entry(group.clone()).or_insert(Blocker {
-                                message_id: r.message_id.clone(),
-                                sequence_number: r.sequence_number,
-                                until,
-                                expires: until + self.lease(),
-                            });
+                            let until = Instant::now() + lease;
+                            let unfinished = &mut state.unfinished;
+                            unfinished.remember(group, &r.message_id, r.sequence_number, true, until, lease);
+                            for f in &forgotten {
+                                unfinished.remember(group, &f.0.message_id, f.0.sequence_number, false, until, lease);
+                            }
                         }
                     }
                 }

@@ -50,6 +50,7 @@ mod dead_letter;
 mod delivery;
 mod error;
 mod key;
+mod order;
 #[cfg(feature = "postgres")]
 mod outbox;
 mod receive;

@@ -15,10 +15,10 @@ use super::batch::{self, Entry};
 use super::config::{DeadLetterTarget, SqsConfig, visibility_secs};
 use super::delivery::{Registry, Settled, SqsDelivery};
 use super::error::{SqsError, bounded, classify, is_missing_queue_code, short_cause};
-use super::state::{Ahead, Redrive};
+use super::state::{Ahead, Redrive, SentCopies};
 use crate::disposition::Disposition;
 use crate::runtime::ReceiveContext;
-use crate::source::{Incoming, Source, SourceError};
+use crate::source::{DeadLettered, Incoming, Source, SourceError};
 
 /// How many attempts [`SqsSource::check`] makes while SQS cannot be reached.
 pub const CHECK_ATTEMPTS: u32 = 3;
@@ -50,10 +50,13 @@ fn endpoint_of(client: &Client) -> String {
 ///   newer one: the call is not made, and the message's redelivery is settled instead).
 /// * ack: `DeleteMessageBatch`, ≤ 10 per call, distinct ids, failed entries retried or reported.
 /// * retry later / hold: `ChangeMessageVisibilityBatch` (clamped to 12 h; on FIFO the messages
-///   parked behind a kept head are hidden a little longer, and its group is blocked in this
-///   worker until then); abandon: visibility 0.
-/// * dead letter: `SendMessage` to the dead-letter queue with the reason as the
-///   `Fence-Dead-Letter-Reason` attribute, then `DeleteMessage`.
+///   parked behind a kept head are hidden a little longer, and the head and they are remembered
+///   as unfinished: a later message of the group waits for them in this worker); abandon:
+///   visibility 0.
+/// * dead letter: the message hidden long enough for two calls, `SendMessage` to the dead-letter
+///   queue with the reason as the `Fence-Dead-Letter-Reason` attribute (and the original id as
+///   `Fence-Source-Message-Id`), then `DeleteMessage`; a message this source already copied (its
+///   delete had failed) is only deleted, not copied again.
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
@@ -83,6 +86,8 @@ pub(super) struct Inner {
     pub(super) idle: Notify,
     /// Read-ahead state (standard queues).
     pub(super) ahead: tokio::sync::Mutex<Ahead>,
+    /// Messages copied to the dead-letter queue (bounded): a repeat only deletes.
+    pub(super) sent_copies: std::sync::Mutex<SentCopies>,
 }
 
 impl std::fmt::Debug for SqsSource {
@@ -110,6 +115,7 @@ impl SqsSource {
                 receiving: AtomicUsize::new(0),
                 idle: Notify::new(),
                 ahead: tokio::sync::Mutex::default(),
+                sent_copies: std::sync::Mutex::default(),
             }),
         }
     }
@@ -358,30 +364,41 @@ impl SqsSource {
     }
 
     /// Keeps the message in the queue, hidden for `hide` (retry later, busy elsewhere). On FIFO
-    /// its group is blocked in this worker until then, and the messages parked behind it are
-    /// hidden a little longer, so none of them comes back before it.
+    /// it is remembered as unfinished in this worker (its group's later messages wait for it),
+    /// and the messages parked behind it are hidden a little longer, so none of them comes back
+    /// before it.
     async fn keep(&self, d: &SqsDelivery, hide: Duration) -> Result<(), SqsError> {
         d.mark(Settled::Kept);
         let secs = visibility_secs(hide);
         let until = tokio::time::Instant::now() + Duration::from_secs(u64::try_from(secs).unwrap_or(0));
+        let followers = self.inner.registry.keep_head(d, until);
         let mut items = vec![(d.0.message_id.clone(), secs)];
-        for (f, fsecs) in self.inner.registry.keep_head(d, until) {
+        for (f, fsecs) in &followers {
             f.mark(Settled::Kept);
-            items.push((f.0.message_id.clone(), fsecs.max(secs)));
+            items.push((f.0.message_id.clone(), (*fsecs).max(secs)));
         }
-        self.change_visibility(items, self.inner.config.call_timeout).await
+        let hidden = self.change_visibility(items, self.inner.config.call_timeout).await;
+        // Dropped only now: a delivery dropped before the call would take its receipt handle out
+        // of the registry, and the call would leave its message out (it then stayed visible
+        // under the receive's timeout, and came back before the head).
+        drop(followers);
+        hidden
     }
 
     /// Visibility 0 for the message and, on FIFO, for the messages parked behind it.
     async fn give_back(&self, d: &SqsDelivery) -> Result<(), SqsError> {
         d.mark(Settled::Abandoned);
         let registry = &self.inner.registry;
+        let parked = registry.take_parked_behind(d);
         let mut items = vec![(d.0.message_id.clone(), 0)];
-        for p in registry.take_parked_behind(d) {
+        for p in &parked {
             p.mark(Settled::Abandoned);
             items.push((p.0.message_id.clone(), 0));
         }
-        self.change_visibility(items, self.inner.config.call_timeout).await
+        let given = self.change_visibility(items, self.inner.config.call_timeout).await;
+        // As in `keep`: alive until the call is made, so their handles are used.
+        drop(parked);
+        given
     }
 }
 
@@ -426,8 +443,12 @@ impl Source for SqsSource {
     }
 
     async fn dead_letter(&self, delivery: SqsDelivery, reason: &str) -> Result<(), SourceError> {
+        self.dead_letter_once(delivery, reason).await.map(|_| ())
+    }
+
+    async fn dead_letter_once(&self, delivery: SqsDelivery, reason: &str) -> Result<DeadLettered, SourceError> {
         let span = tracing::info_span!("sqs_dead_letter", queue = %self.inner.config.fence_queue, message_id = %delivery.message_id());
-        Ok(self.move_to_dead_letter(&delivery, reason).instrument(span).await?)
+        Ok(self.dead_letter_message(&delivery, reason).instrument(span).await?)
     }
 
     async fn hold(&self, delivery: SqsDelivery, ttl: Duration) -> Result<(), SourceError> {

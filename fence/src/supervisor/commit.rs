@@ -297,7 +297,9 @@ impl Inner {
                 Outcome::Failed { retry_in, error: error.message }
             }
             Ok(FailOutcome::Dead) => {
-                self.metrics.incr(Counter::DeadLetters);
+                // The job is dead; whether a dead-letter copy is sent is the broker side's to
+                // count (`dead_letters`), once it was.
+                self.metrics.incr(Counter::DeadJobs);
                 tracing::warn!(error = %error.message, "attempt failed for good; job is dead");
                 Outcome::Dead { error: error.message }
             }

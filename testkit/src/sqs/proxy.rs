@@ -29,13 +29,34 @@ pub type ProxyLog = Arc<Mutex<Vec<ProxyEvent>>>;
 /// A TCP proxy on 127.0.0.1 in front of the SQS endpoint that reads each HTTP/1.1 exchange:
 /// it records which receipt handles every `ReceiveMessage` answer handed out and which handles
 /// every other call used (the SDK speaks the JSON protocol). [`SqsProxy::stall`] makes it stop
-/// forwarding: requests are read and then held, their connections left open (a hung broker).
+/// forwarding: requests are read and then held, their connections left open (a hung broker);
+/// [`SqsProxy::refuse`] makes it answer one operation with a server error (a broker that fails
+/// that call) while forwarding the rest.
 #[derive(Clone)]
 pub struct SqsProxy {
     /// `http://127.0.0.1:<port>`: the endpoint to give a client.
     pub endpoint: String,
     stalled: Arc<std::sync::atomic::AtomicBool>,
+    faults: Arc<Faults>,
     log: ProxyLog,
+}
+
+/// The operation the proxy refuses, and how many requests it refused.
+#[derive(Default)]
+struct Faults {
+    refusing: Mutex<Option<String>>,
+    refused: std::sync::atomic::AtomicUsize,
+}
+
+impl Faults {
+    /// Whether to refuse a request of `op` (counted when it is).
+    fn refuses(&self, op: &str) -> bool {
+        let refuse = self.refusing.lock().map(|r| r.as_deref() == Some(op)).unwrap_or(false);
+        if refuse {
+            self.refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        refuse
+    }
 }
 
 impl SqsProxy {
@@ -45,21 +66,37 @@ impl SqsProxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
         let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (s, l, tag) = (Arc::clone(&stalled), Arc::clone(&log), tag.to_owned());
+        let faults = Arc::new(Faults::default());
+        let (s, f, l, tag) = (Arc::clone(&stalled), Arc::clone(&faults), Arc::clone(&log), tag.to_owned());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let (s, l, tag, upstream) = (Arc::clone(&s), Arc::clone(&l), tag.clone(), upstream.clone());
+                let (s, f, l, tag, upstream) =
+                    (Arc::clone(&s), Arc::clone(&f), Arc::clone(&l), tag.clone(), upstream.clone());
                 tokio::spawn(async move {
-                    let _ = proxy_connection(client, &upstream, &tag, &s, &l).await;
+                    let _ = proxy_connection(client, &upstream, &tag, (&s, &f), &l).await;
                 });
             }
         });
-        Self { endpoint: format!("http://{addr}"), stalled, log }
+        Self { endpoint: format!("http://{addr}"), stalled, faults, log }
     }
 
     /// Stops (true) or resumes (false) forwarding.
     pub fn stall(&self, on: bool) {
         self.stalled.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Answers every request of `op` (the `X-Amz-Target` operation, e.g. `DeleteMessage`) with an
+    /// HTTP 500 `InternalError` instead of forwarding it, until called with `None`: SQS failing
+    /// that call (the SDK retries it, then reports the error).
+    pub fn refuse(&self, op: Option<&str>) {
+        if let Ok(mut r) = self.faults.refusing.lock() {
+            *r = op.map(str::to_owned);
+        }
+    }
+
+    /// How many requests [`refuse`](Self::refuse) answered with an error.
+    pub fn refused(&self) -> usize {
+        self.faults.refused.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The shared log.
@@ -151,7 +188,7 @@ async fn proxy_connection(
     client: tokio::net::TcpStream,
     upstream: &str,
     tag: &str,
-    stalled: &std::sync::atomic::AtomicBool,
+    (stalled, faults): (&std::sync::atomic::AtomicBool, &Faults),
     log: &Mutex<Vec<ProxyEvent>>,
 ) -> std::io::Result<()> {
     use tokio::io::AsyncWriteExt;
@@ -170,6 +207,17 @@ async fn proxy_connection(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let op = req.header("x-amz-target").unwrap_or("?").rsplit('.').next().unwrap_or("?").to_owned();
+        if faults.refuses(&op) {
+            let body = br#"{"__type":"InternalError","message":"refused by the test proxy"}"#;
+            let head = format!(
+                "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/x-amz-json-1.0\r\n\
+                 x-amzn-requestid: test-proxy\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            );
+            cw.write_all(head.as_bytes()).await?;
+            cw.write_all(body).await?;
+            continue;
+        }
         if op != "ReceiveMessage" {
             match serde_json::from_slice::<serde_json::Value>(&req.body) {
                 Ok(v) => {
