@@ -15,13 +15,15 @@ use brokerfence_testkit::tree::rust_files;
 const THIN: &[(&str, usize)] = &[("zombie_support/mod.rs", 40)];
 
 /// Every `.rs` file in a subdirectory of `tests` (the integration tests themselves lie directly
-/// in it), relative to `tests`, in a stable order.
+/// in it), relative to `tests`, in a stable order. A subdirectory with a `main.rs` is one test
+/// binary of several files (cargo's `tests/<name>/main.rs`, e.g. `tests/hardening/`): its
+/// modules are that binary's tests, compiled once, not support shared by others.
 fn support_files(tests: &Path) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(tests)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", tests.display()))
         .filter_map(Result::ok)
         .map(|entry| entry.path())
-        .filter(|path| path.is_dir())
+        .filter(|path| path.is_dir() && !path.join("main.rs").is_file())
         .collect();
     dirs.sort();
     let files = dirs.iter().flat_map(|dir| rust_files(dir));
@@ -72,6 +74,10 @@ fn layout_testkit_check_reports_support_modules() {
     std::fs::write(tests.join("common/nested/helpers.rs"), "pub fn unique() {}\n").unwrap();
     std::fs::write(tests.join("common/notes.md"), "x\n").unwrap();
     std::fs::write(tests.join("entry/mod.rs"), "//\n".repeat(3)).unwrap();
+    // A test binary of several files is not support.
+    std::fs::create_dir_all(tests.join("several")).unwrap();
+    std::fs::write(tests.join("several/main.rs"), "mod part;\n").unwrap();
+    std::fs::write(tests.join("several/part.rs"), "#[test]\nfn t() {}\n").unwrap();
     let at_limit = offenders(&tests, &[("entry/mod.rs", 3)]);
     let over = offenders(&tests, &[("entry/mod.rs", 2)]);
     std::fs::remove_dir_all(&tests).unwrap();
