@@ -16,7 +16,7 @@ use brokerfence::TableQueue;
 use brokerfence::adapters::redis::client;
 use brokerfence::adapters::redis::{ItemKey, ListProcessed, ListRetrofit, RedisError, ReliableList};
 use brokerfence::adapters::sqs::{SqsConfig, SqsDetail, SqsRetrofit, SqsSource};
-use brokerfence::adapters::{Detail, Disposition, Incoming, ReceiveContext, Source};
+use brokerfence::adapters::{DeadLettered, Detail, Disposition, Incoming, ReceiveContext, Source};
 use brokerfence::admin::{Admin, AdminError, Requeue};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobError, JobKey, JobState, Outcome, Owner, QueueName, RetryPolicy,
@@ -145,8 +145,10 @@ async fn hardening_item9_a_list_item_is_dead_lettered_once() {
         Some(Incoming::Unclaimed { delivery, .. }) => delivery,
         other => panic!("expected the item, got {other:?}"),
     };
-    source.dead_letter(delivery.clone(), "job is dead").await.expect("dead-letter");
-    source.dead_letter(delivery, "job is dead").await.expect("dead-letter again");
+    // `dead_letters` counts what a call added: the first moves the item, the second finds it gone.
+    let first = source.dead_letter_once(delivery.clone(), "job is dead").await.expect("dead-letter");
+    let again = source.dead_letter_once(delivery, "job is dead").await.expect("dead-letter again");
+    assert_eq!((first, again), (DeadLettered::Moved, DeadLettered::AlreadyMoved));
     let entries: i64 = client::cmd("XLEN").arg(source.dead_stream()).query_async(&mut env.conn()).await.expect("XLEN");
     assert_eq!(entries, 1, "the dead-letter stream holds {entries} entries for one item");
     let processing: i64 =

@@ -19,6 +19,7 @@ use super::error::SqsError;
 use super::source::SqsSource;
 use crate::disposition::Disposition;
 use crate::middleware::{Detail, Retrofit};
+use crate::source::DeadLettered;
 
 /// What happened to one message in [`SqsRetrofit::process`].
 #[derive(Debug)]
@@ -251,6 +252,22 @@ impl SqsRetrofit {
         Box::pin(self.process_inner(message, handler).instrument(span)).await
     }
 
+    /// Tells SQS what the fence decided; a dead letter counts in `dead_letters` when this call
+    /// completed the move (copy sent and message deleted), once per message.
+    async fn settle(&self, delivery: &SqsDelivery, disposition: &Disposition) -> Option<SqsError> {
+        match disposition {
+            Disposition::DeadLetter(reason) => match self.source.dead_letter_message(delivery, reason).await {
+                Ok(DeadLettered::Moved) => {
+                    self.metrics().incr(fence::Counter::DeadLetters);
+                    None
+                }
+                Ok(DeadLettered::AlreadyMoved) => None,
+                Err(e) => Some(e),
+            },
+            other => self.source.apply(delivery, other).await.err(),
+        }
+    }
+
     async fn process_inner<F, Fut, R>(&self, message: &Message, handler: F) -> SqsProcessed
     where
         F: FnOnce(JobContext) -> Fut,
@@ -274,13 +291,9 @@ impl SqsRetrofit {
             Err(reason) => {
                 tracing::warn!(%reason, "malformed message: dead-lettering it");
                 let disposition = Disposition::DeadLetter(reason.clone());
-                let broker_error = self.source.apply(&delivery, &disposition).await.err();
-                // Only a message really moved counts as dead-lettered.
-                match &broker_error {
-                    None => self.metrics().incr(fence::Counter::DeadLetters),
-                    Some(e) => {
-                        tracing::error!(error = %e, "malformed message not dead-lettered; it has no job key, so it comes back")
-                    }
+                let broker_error = self.settle(&delivery, &disposition).await;
+                if let Some(e) = &broker_error {
+                    tracing::error!(error = %e, "malformed message not dead-lettered; it has no job key, so it comes back")
                 }
                 return SqsProcessed { disposition, detail: SqsDetail::Malformed(reason), broker_error };
             }
@@ -302,7 +315,7 @@ impl SqsRetrofit {
         if let Some(id) = running.lock().ok().and_then(|mut s| s.take()) {
             self.in_flight.remove(&id);
         }
-        let broker_error = self.source.apply(&delivery, &processed.disposition).await.err();
+        let broker_error = self.settle(&delivery, &processed.disposition).await;
         match (&processed.disposition, &broker_error) {
             (Disposition::Ack, None) => self.metrics().incr(fence::Counter::Acks),
             (_, Some(e)) => {

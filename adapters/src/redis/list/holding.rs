@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ::redis::Value;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -63,10 +62,19 @@ pub(super) struct Target {
     dead: String,
     markers: Arc<AtomicU64>,
     owner: String,
+    /// `dead_letters` counts the items this target added to the dead-letter stream, once each.
+    metrics: Arc<fence::Metrics>,
 }
 
 impl Target {
-    pub(super) fn new(redis: &RedisConnections, leases: &LeaseKeys, list: &str, dead: &str, owner: &str) -> Self {
+    pub(super) fn new(
+        redis: &RedisConnections,
+        leases: &LeaseKeys,
+        list: &str,
+        dead: &str,
+        owner: &str,
+        metrics: Arc<fence::Metrics>,
+    ) -> Self {
         Self {
             redis: redis.clone(),
             leases: leases.clone(),
@@ -74,6 +82,7 @@ impl Target {
             dead: dead.to_owned(),
             markers: Arc::new(AtomicU64::new(0)),
             owner: owner.to_owned(),
+            metrics,
         }
     }
 
@@ -101,7 +110,12 @@ impl Target {
                 // A send that timed out may have run: the marker makes its retry add nothing.
                 let mut inv = SCRIPTS.list_dead_once.prepare_invoke();
                 inv.key(&self.dead).key(marker).arg(reason.as_str()).arg(&self.list).arg(item).arg(DEAD_MARKER_MS);
-                bounded("EVALSHA list dead-letter", limit, inv.invoke_async::<Value>(&mut conn)).await.map(|_| ())
+                let added = bounded("EVALSHA list dead-letter", limit, inv.invoke_async::<i64>(&mut conn)).await?;
+                // 0: an earlier send of this dead letter added it (its answer was lost).
+                if added == 1 {
+                    self.metrics.incr(fence::Counter::DeadLetters);
+                }
+                Ok(())
             }
         }
     }

@@ -21,7 +21,7 @@ use super::reply;
 use super::scripts::SCRIPTS;
 use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
-use crate::source::{Incoming, Source, SourceError};
+use crate::source::{DeadLettered, Incoming, Source, SourceError};
 
 mod holding;
 mod item_key;
@@ -347,6 +347,13 @@ impl Source for ReliableList {
     }
 
     async fn dead_letter(&self, delivery: ListDelivery, reason: &str) -> Result<(), SourceError> {
+        self.dead_letter_once(delivery, reason).await.map(drop)
+    }
+
+    /// `Moved` when this call took the item out of the processing list and added it to the
+    /// dead-letter stream; `AlreadyMoved` when the item was no longer there (moved by an earlier
+    /// call, or reaped back to the queue): nothing was added, so `dead_letters` does not count it.
+    async fn dead_letter_once(&self, delivery: ListDelivery, reason: &str) -> Result<DeadLettered, SourceError> {
         let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
         let mut inv = SCRIPTS.list_dead.prepare_invoke();
         inv.key(&self.processing)
@@ -360,10 +367,11 @@ impl Source for ReliableList {
             bounded("EVALSHA list dead-letter", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         if moved == 1 {
             tracing::warn!(%reason, dead = %self.dead, "item dead-lettered");
+            Ok(DeadLettered::Moved)
         } else {
             // Moved by an earlier call, or no longer ours to move (reaped back to the queue).
             tracing::debug!(%reason, "item not in the processing list: nothing dead-lettered");
+            Ok(DeadLettered::AlreadyMoved)
         }
-        Ok(())
     }
 }

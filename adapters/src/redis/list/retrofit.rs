@@ -148,8 +148,8 @@ impl ListRetrofit {
         let list = list.into();
         let dead = sibling_key(&list, ":dead");
         let leases = LeaseKeys::of_source(redis, &list);
-        let target = Target::new(redis, &leases, &list, &dead, owner.as_str());
-        let retrofit = Retrofit::with_owner(store, queue, owner, config);
+        let retrofit = Retrofit::with_owner(store, queue, owner.clone(), config);
+        let target = Target::new(redis, &leases, &list, &dead, owner.as_str(), Arc::clone(retrofit.metrics()));
         retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
         let holding = Holding::start(DEFAULT_HOLDING, target.clone());
         let _close = Arc::new(CloseOnDrop(Arc::clone(&holding)));
