@@ -69,16 +69,21 @@ pub enum FenceError {
     Corrupt(String),
     /// The schema is older than this build needs (a worker refuses to start on it; a newer schema
     /// is fine). Migrations are an explicit step: run [`FenceStore::migrate`](crate::FenceStore::migrate)
-    /// once per deploy (or a worker's `--migrate` flag) before starting workers of this build.
+    /// once per deploy before starting workers of this build. The message names that call; a
+    /// program with a flag of its own for it (the examples' `--migrate`) adds it to what it prints.
     ///
     /// ```
     /// use brokerfence::FenceError;
     /// let err = FenceError::SchemaTooOld { found: 0, required: 3 };
-    /// assert!(err.to_string().contains("run migrations"));
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "the fence schema is at migration version 0 (0 = no schema) but this build needs version 3: \
+    ///      run migrations: FenceStore::migrate, once per deploy, before workers of this build start"
+    /// );
     /// ```
     #[error(
         "the fence schema is at migration version {found} (0 = no schema) but this build needs version {required}: \
-         run migrations: `store.migrate()` or the worker's `--migrate` flag"
+         run migrations: FenceStore::migrate, once per deploy, before workers of this build start"
     )]
     SchemaTooOld {
         /// The newest migration version recorded in the schema (0 when there is no schema).
@@ -106,7 +111,9 @@ pub enum FenceError {
     /// PostgreSQL could not be reached at all: nothing listens at the address (connection
     /// refused), the host name does not resolve, or no answer came in time. Found by one direct
     /// connection attempt when a fence connects, so it comes at once rather than after the pool's
-    /// acquire timeout.
+    /// acquire timeout. The message names the database URL (the one given to
+    /// [`PgFence::connect`](crate::PgFence::connect) or [`PgTarget`](crate::PgTarget)); a program
+    /// that reads it from a flag or a variable of its own adds their names.
     ///
     /// ```
     /// use brokerfence::FenceError;
@@ -114,13 +121,13 @@ pub enum FenceError {
     /// assert_eq!(
     ///     err.to_string(),
     ///     "cannot connect to PostgreSQL at 127.0.0.1:5432: connection refused (os error 111); \
-    ///      check that PostgreSQL is running and listening there, and the host and port of the URL \
-    ///      (DATABASE_URL or --database-url)"
+    ///      check that PostgreSQL is running and listening there, and the host and port of the \
+    ///      database URL"
     /// );
     /// ```
     #[error(
         "cannot connect to PostgreSQL at {host}:{port}: {cause}; check that PostgreSQL is running and \
-         listening there, and the host and port of the URL (DATABASE_URL or --database-url)"
+         listening there, and the host and port of the database URL"
     )]
     Unreachable {
         /// The host (or Unix socket directory) connected to.
@@ -143,7 +150,7 @@ pub enum FenceError {
     /// ```
     #[error(
         "PostgreSQL at {host}:{port} refused user {user} on database {database}: {cause}; check the user, \
-         password and database name of the URL (DATABASE_URL or --database-url)"
+         password and database name of the database URL"
     )]
     ConnectRejected {
         /// The host (or Unix socket directory).

@@ -82,3 +82,136 @@ mod anyhow_handlers {
         assert_eq!(JobError::from(parse).message, "invalid digit found in string");
     }
 }
+
+mod library_errors {
+    use brokerfence::FenceError;
+
+    /// The command-line flags and environment variables of the repository's example programs:
+    /// a user's program has none of them.
+    const EXAMPLE_SETTINGS: [&str; 3] = ["DATABASE_URL", "REDIS_URL", "SQS_QUEUE_URL"];
+
+    /// Fails when `text`, the Display of a library error, carries an example's flag (`--name`) or
+    /// environment variable, or does not name `api`.
+    #[track_caller]
+    fn names_api_not_example(text: &str, api: &str) {
+        assert!(text.contains(api), "should name {api:?}: {text}");
+        let flag = text.match_indices("--").find(|(i, _)| {
+            text[i + 2..].chars().next().is_some_and(|c| c.is_ascii_lowercase())
+                && !text[..*i].ends_with(|c: char| c.is_ascii_alphanumeric())
+        });
+        assert!(flag.is_none(), "an example's flag in a library error: {text}");
+        for var in EXAMPLE_SETTINGS {
+            assert!(!text.contains(var), "an example's environment variable {var} in a library error: {text}");
+        }
+    }
+
+    /// Item 14: the library's errors name the API call or the setting to check, never the
+    /// example programs' flags (`--migrate`, `--database-url`, `--redis-url`, `--queue-url`,
+    /// `--dead-letter-queue`) or their environment variables (`DATABASE_URL`, `REDIS_URL`,
+    /// `SQS_QUEUE_URL`): a user's own program has none of them. (The examples add their flags
+    /// to what they print: `hardening_item14_examples_add_their_own_flags`.)
+    ///
+    /// Fix it covers: the messages of `FenceError::{SchemaTooOld, Unreachable,
+    /// ConnectRejected}`, `RedisError::Unreachable` and `SqsError::{NoDeadLetterQueue,
+    /// QueueNotFound}`. Before, the first assertion failed with "an example's flag in a library
+    /// error: the fence schema is at migration version 0 (0 = no schema) but this build needs
+    /// version N: run migrations: `store.migrate()` or the worker's `--migrate` flag".
+    #[test]
+    fn hardening_item14_library_errors_name_the_api_not_the_examples_flags() {
+        let e = FenceError::SchemaTooOld { found: 0, required: 3 };
+        names_api_not_example(&e.to_string(), "FenceStore::migrate");
+        assert!(e.to_string().contains("run migrations"), "{e}");
+        let e = FenceError::Unreachable { host: "db".into(), port: 5432, cause: "connection refused".into() };
+        names_api_not_example(&e.to_string(), "the database URL");
+        let e = FenceError::ConnectRejected {
+            host: "db".into(),
+            port: 5432,
+            user: "app".into(),
+            database: "jobs".into(),
+            cause: "password authentication failed".into(),
+        };
+        names_api_not_example(&e.to_string(), "the database URL");
+        #[cfg(feature = "redis")]
+        {
+            use brokerfence::redis::RedisError;
+            let e = RedisError::Unreachable {
+                addr: "127.0.0.1:6379".into(),
+                source: Box::new(RedisError::Config("connection refused".into())),
+            };
+            names_api_not_example(&e.to_string(), "the Redis URL");
+        }
+        #[cfg(feature = "sqs")]
+        {
+            use brokerfence::sqs::SqsError;
+            let e = SqsError::NoDeadLetterQueue {
+                queue: "http://sqs/000000000000/orders".into(),
+                message_id: "m-1".into(),
+                reason: "no job key".into(),
+                hidden_secs: 30,
+            };
+            names_api_not_example(&e.to_string(), "SqsConfig::dead_letter(DeadLetterTarget::Queue(url))");
+            assert!(e.to_string().contains("RedrivePolicy"), "{e}");
+            let e = SqsError::QueueNotFound {
+                queue_url: "http://sqs/000000000000/orders".into(),
+                endpoint: "http://sqs".into(),
+                region: "us-east-1".into(),
+            };
+            names_api_not_example(&e.to_string(), "SqsConfig::new");
+        }
+    }
+}
+
+mod programs {
+    use brokerfence_testkit::process::{built_example, run_to_end};
+    use brokerfence_testkit::store as common;
+
+    /// Item 14, the other half: an example program adds its own flag to the library's message.
+    /// `table_worker` on an empty schema without `--migrate` refuses to start (exit 2) with the
+    /// library's message (naming `FenceStore::migrate`) and its own flag (`--migrate`); with a
+    /// closed PostgreSQL port, the library's "database URL" and its `--database-url`.
+    ///
+    /// Fix it covers: `examples/support/startup.rs` (`prepare_schema`, `connect_pg`) adding the
+    /// flags now that the library no longer carries them. Without it: "table_worker should name
+    /// --migrate: table_worker: the fence schema is at migration version 0 … run migrations:
+    /// FenceStore::migrate, once per deploy, before workers of this build start".
+    #[test]
+    fn hardening_item14_examples_add_their_own_flags() {
+        let (url, schema) = (common::database_url(), common::unique_schema());
+        let args = ["--database-url", &url, "--schema", schema.as_str(), "--queue", "q", "--owner", "item14"];
+        let (code, _, err) = run_to_end(&built_example("table_worker"), &args, &[]);
+        assert_eq!(code, 2, "table_worker on an empty schema: {err}");
+        assert!(err.contains("FenceStore::migrate"), "table_worker should name the library's call: {err}");
+        assert!(err.contains("--migrate"), "table_worker should name --migrate: {err}");
+
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let closed = format!("postgres://postgres@127.0.0.1:{port}/test");
+        let args = ["--database-url", &closed, "--queue", "q", "--owner", "item14"];
+        let (code, _, err) = run_to_end(&built_example("table_worker"), &args, &[]);
+        assert_eq!(code, 1, "table_worker on a closed port: {err}");
+        assert!(err.contains("database URL") && err.contains("--database-url"), "table_worker: {err}");
+    }
+
+    /// Item 15: a test builds (or finds fresh) the program it runs itself, whatever an earlier
+    /// build left in `target/`. The copy cargo puts at `target/<profile>/examples/table_produce`
+    /// is deleted (what another build can do to it); the finder still yields a program that
+    /// runs (`--help`, exit 0).
+    ///
+    /// Fix it covers: `brokerfence_testkit::programs` (`process::built_example` and the SQS
+    /// finder go through it) runs `cargo build --example NAME --message-format=json` once per
+    /// process and program and takes the `executable` cargo reports (cargo puts a missing copy
+    /// back). Before, the finder only looked for the copy: "example table_produce not built
+    /// (looked at [...]): run cargo test --workspace --all-features".
+    #[test]
+    fn hardening_item15_a_test_builds_the_program_it_runs() {
+        let first = built_example("table_produce");
+        std::fs::remove_file(&first).unwrap_or_else(|e| panic!("delete {}: {e}", first.display()));
+        let started = std::time::Instant::now();
+        let again = built_example("table_produce");
+        let took = started.elapsed();
+        assert!(again.is_file(), "{} missing after the finder ran", again.display());
+        let (code, out, err) = run_to_end(&again, &["--help"], &[]);
+        assert_eq!(code, 0, "table_produce --help: {err}");
+        assert!(out.starts_with("usage: "), "{out}");
+        println!("found again in {took:?} (cargo, everything fresh): {}", again.display());
+    }
+}
