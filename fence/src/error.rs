@@ -175,8 +175,18 @@ pub enum FenceError {
     ///     err.to_string(),
     ///     "database URL scheme \"mysql:\" is not supported: expected postgres:// or postgresql://"
     /// );
+    ///
+    /// A bare path has no scheme at all, and is told so:
+    ///
     /// ```
-    #[error("database URL scheme \"{scheme}:\" is not supported: expected {expected}")]
+    /// use brokerfence::FenceError;
+    /// let err = FenceError::UnsupportedScheme { scheme: "".into(), expected: "sqlite:PATH or sqlite::memory:" };
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "database URL has no scheme (a bare path?): expected sqlite:PATH or sqlite::memory:"
+    /// );
+    /// ```
+    #[error("{}", unsupported_scheme(scheme, expected))]
     UnsupportedScheme {
         /// The scheme of the URL (empty when it has none), without the colon.
         scheme: String,
@@ -227,6 +237,40 @@ pub enum FenceError {
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
     Database(sqlx::Error),
+    /// A SQLite database file could not be opened or created: its directory does not exist
+    /// (SQLite creates the file, not the directories above it), or it may not be read or
+    /// written. Names the file, unlike SQLite's own "(code: 14) unable to open database file".
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let err = brokerfence::SqliteFence::open("sqlite:/nonexistent/brokerfence/jobs.db").await.unwrap_err();
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "cannot open the SQLite database /nonexistent/brokerfence/jobs.db: the directory \
+    ///      /nonexistent/brokerfence does not exist (SQLite creates the file, not its directory)"
+    /// );
+    /// # }
+    /// ```
+    #[error("cannot open the SQLite database {path}: {reason}")]
+    SqliteOpen {
+        /// The database file.
+        path: String,
+        /// Why, in words: the missing directory, else SQLite's message.
+        reason: String,
+        /// SQLite's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+/// The message of [`FenceError::UnsupportedScheme`]: a URL without a scheme (a bare path) is
+/// told so rather than shown an empty scheme.
+fn unsupported_scheme(scheme: &str, expected: &str) -> String {
+    if scheme.is_empty() {
+        format!("database URL has no scheme (a bare path?): expected {expected}")
+    } else {
+        format!("database URL scheme \"{scheme}:\" is not supported: expected {expected}")
+    }
 }
 
 /// The scheme of a URL (the letters before its first `:`), if it starts with one.

@@ -215,3 +215,137 @@ mod programs {
         println!("found again in {took:?} (cargo, everything fresh): {}", again.display());
     }
 }
+
+#[cfg(feature = "cli")]
+mod small_errors {
+    use std::sync::Arc;
+
+    use brokerfence::{Claim, FenceStore, Owner, QueueName, SqliteFence};
+    use brokerfence_testkit::process::run_to_end;
+    use brokerfence_testkit::store as common;
+
+    /// Runs the CLI to its end: exit code, stdout, stderr. (`cargo test` builds the binary with
+    /// this test's features and puts it in place: see `brokerfence_testkit::programs`.)
+    fn cli(args: &[&str]) -> (i32, String, String) {
+        run_to_end(std::path::Path::new(env!("CARGO_BIN_EXE_brokerfence")), args, &[])
+    }
+
+    /// Item 16: a bare path where a SQLite URL belongs. The library and the CLI say the URL has
+    /// no scheme and how a path is written (`sqlite:PATH`).
+    ///
+    /// Fix it covers: `FenceError::UnsupportedScheme`'s message for an empty scheme, SQLite's
+    /// expected form, the CLI's URL check. Before: "database URL scheme \":\" is not supported:
+    /// expected sqlite:PATH or sqlite::memory: (SQLite; for PostgreSQL use PgFence::connect)".
+    #[tokio::test]
+    async fn hardening_item16_a_bare_sqlite_path_says_it_has_no_scheme() {
+        let path = common::sqlite_path();
+        let bare = path.display().to_string();
+        let e = SqliteFence::open(&bare).await.expect_err("a bare path is not a URL");
+        let text = e.to_string();
+        assert!(!text.contains("scheme \":\""), "{text}");
+        assert!(text.contains("has no scheme") && text.contains("sqlite:PATH"), "{text}");
+        assert!(!path.exists(), "nothing was created at {bare}");
+
+        let (code, _, err) = cli(&["--database-url", &bare, "status"]);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("has no scheme") && err.contains("sqlite:PATH"), "{err}");
+        assert!(!err.contains("scheme \"\""), "{err}");
+    }
+
+    /// Item 16: a SQLite file in a directory that does not exist. The error names the file and
+    /// the missing directory (SQLite creates the file, not its directories).
+    ///
+    /// Fix it covers: `SqliteFence::open_with` reporting a failed open as
+    /// `FenceError::SqliteOpen` with the path. Before: "database error: error returned from
+    /// database: (code: 14) unable to open database file", no path.
+    #[tokio::test]
+    async fn hardening_item16_a_missing_sqlite_directory_is_named() {
+        let dir = std::env::temp_dir().join(common::unique("brokerfence-missing-dir"));
+        let file = dir.join("jobs.db");
+        let url = format!("sqlite:{}", file.display());
+        let e = SqliteFence::open(&url).await.expect_err("the directory does not exist");
+        let text = e.to_string();
+        assert!(text.contains(&file.display().to_string()), "names the file: {text}");
+        assert!(text.contains(&format!("directory {} does not exist", dir.display())), "{text}");
+
+        let (code, _, err) = cli(&["--database-url", &url, "migrate"]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains(&format!("directory {} does not exist", dir.display())), "{err}");
+    }
+
+    /// A SQLite database with completed jobs whose results are given; its URL and queue.
+    async fn completed(results: &[(&str, &[u8])]) -> (String, QueueName) {
+        let path = common::sqlite_path();
+        let store: Arc<dyn FenceStore> = Arc::new(common::sqlite_on(&path).await);
+        store.migrate().await.expect("migrate");
+        let q = QueueName::new(common::unique("results")).expect("queue");
+        let me = Owner::new("item16").expect("owner");
+        for (k, result) in results {
+            assert!(store.enqueue(&q, &common::key(k), b"payload\tbytes").await.expect("enqueue"));
+            let lease = match store.claim(&q, &common::key(k), &me, common::lease(10)).await.expect("claim") {
+                Claim::Claimed(l) => l,
+                other => panic!("{other:?}"),
+            };
+            store.complete(&lease, result).await.expect("complete");
+        }
+        (format!("sqlite:{}", path.display()), q)
+    }
+
+    /// Item 16: `brokerfence job` shows the result (and the payload), escaped, and a long one
+    /// truncated with a note that `--full` shows all of it; `--json` carries the same text.
+    ///
+    /// Fix it covers: `job_text`/`job_json` in `src/bin/brokerfence/output.rs` and the `--full`
+    /// flag. Before: "result      14 bytes" and nothing else ("the result is shown: …").
+    #[tokio::test]
+    async fn hardening_item16_cli_job_shows_the_result() {
+        let long = "x".repeat(1000);
+        let (url, q) =
+            completed(&[("text", "done\nat \"7\" é".as_bytes()), ("binary", b"\xff\x00ok"), ("long", long.as_bytes())])
+                .await;
+        let job = |key: &str, more: &[&str]| {
+            let mut args = vec!["--database-url", url.as_str(), "job", q.as_str(), key];
+            args.extend_from_slice(more);
+            let (code, out, err) = cli(&args);
+            assert_eq!(code, 0, "job {key}: {err}");
+            out
+        };
+        let out = job("text", &[]);
+        assert!(out.contains(r#"result      14 bytes: "done\nat \"7\" é""#), "the result is shown: {out}");
+        assert!(out.contains(r#"payload     13 bytes: "payload\tbytes""#), "the payload is shown: {out}");
+        let out = job("binary", &[]);
+        assert!(out.contains(r#"result      4 bytes: b"\xff\x00ok""#), "{out}");
+        let out = job("long", &[]);
+        let line = out.lines().find(|l| l.starts_with("result")).expect("a result line");
+        assert!(line.len() < 300, "a long result is truncated: {line}");
+        assert!(line.contains("1000 bytes") && line.contains("…") && line.contains("--full"), "{line}");
+        let out = job("long", &["--full"]);
+        assert!(out.contains(&format!("result      1000 bytes: \"{long}\"")), "--full shows it all: {out}");
+        let out = job("long", &["--json"]);
+        let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        assert_eq!(json["result_bytes"], 1000);
+        assert_eq!(json["result_truncated"], true, "{json}");
+        assert!(json["result"].as_str().is_some_and(|r| r.starts_with("\"xxxx") && r.len() < 300), "{json}");
+    }
+
+    /// Item 16: a mistyped `--schema` says there is no such schema, not to run the worker's
+    /// `--migrate`.
+    ///
+    /// Fix it covers: the CLI's reading of `SchemaTooOld { found: 0 }` (no migration recorded
+    /// under that name). Before: "the fence schema is at migration version 0 (0 = no schema) but
+    /// this build needs version 10: run migrations: `store.migrate()` or the worker's
+    /// `--migrate` flag; with this tool: `brokerfence migrate`".
+    #[tokio::test]
+    async fn hardening_item16_a_mistyped_schema_says_no_such_schema() {
+        let store = common::pg().await;
+        let typo = format!("{}x", store.schema().as_str());
+        let url = common::database_url();
+        let (code, _, err) = cli(&["--database-url", &url, "--schema", &typo, "status"]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains(&format!("no such schema {typo}")), "{err}");
+        assert!(!err.contains("--migrate"), "{err}");
+        // The right one works.
+        let (code, _, err) = cli(&["--database-url", &url, "--schema", store.schema().as_str(), "status"]);
+        assert_eq!(code, 0, "{err}");
+        common::drop_schema(&store).await;
+    }
+}
