@@ -111,7 +111,7 @@
 //! | `tls` | | TLS to PostgreSQL (rustls on *ring*, system roots): see [`PgFence::connect_with`] |
 //! | `tower` | | [`tower::handler`][tower-handler]: a tower `Service<JobContext>` stack (timeout, concurrency limit, retry, tracing layers) as the handler |
 //! | `serde` | | typed payloads and results: `ctx.json::<T>()` and the `Json(T)` result (serde_json) |
-//! | `anyhow` | | `?` on `anyhow::Error` (and `.fatal()` on `anyhow::Result`) in a handler: [`JobError::from_anyhow`] |
+//! | `anyhow` | | `?` on `anyhow::Error` (and `.fatal()` on `anyhow::Result`) in a handler: `JobError::from_anyhow` |
 //!
 //! A PostgreSQL-only application depends on
 //! `brokerfence = { version = "0.1", default-features = false, features = ["postgres"] }`, so

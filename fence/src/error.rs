@@ -175,6 +175,7 @@ pub enum FenceError {
     ///     err.to_string(),
     ///     "database URL scheme \"mysql:\" is not supported: expected postgres:// or postgresql://"
     /// );
+    /// ```
     ///
     /// A bare path has no scheme at all, and is told so:
     ///

@@ -6,8 +6,8 @@ mod anyhow_handlers {
 
     use anyhow::Context as _;
     use brokerfence::{
-        Detail, FenceStore, Handler, JobContext, JobError, JobKey, JobResultExt, JobState, Outcome, QueueName, Retrofit,
-        SupervisorConfig,
+        Detail, FenceStore, Handler, JobContext, JobError, JobKey, JobResultExt, JobState, Outcome, QueueName,
+        Retrofit, SupervisorConfig,
     };
     use brokerfence_testkit::store as common;
 
@@ -57,7 +57,11 @@ mod anyhow_handlers {
                 Ok(template)
             })
             .await;
-        assert!(matches!(&done.detail, Detail::Ran(Outcome::Dead { error }) if error.starts_with("loading the template")), "{:?}", done.detail);
+        assert!(
+            matches!(&done.detail, Detail::Ran(Outcome::Dead { error }) if error.starts_with("loading the template")),
+            "{:?}",
+            done.detail
+        );
         let job = store.job(&queue, &key).await.expect("job").expect("row");
         assert_eq!(job.state, JobState::Dead, "{job:?}");
 

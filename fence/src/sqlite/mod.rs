@@ -82,10 +82,9 @@ impl std::fmt::Debug for SqliteFence {
 fn open_error(file: &std::path::Path, source: sqlx::Error) -> FenceError {
     let missing_dir = file.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists());
     let reason = match missing_dir {
-        Some(dir) => format!(
-            "the directory {} does not exist (SQLite creates the file, not its directory)",
-            dir.display()
-        ),
+        Some(dir) => {
+            format!("the directory {} does not exist (SQLite creates the file, not its directory)", dir.display())
+        }
         None => source.to_string(),
     };
     FenceError::SqliteOpen { path: file.display().to_string(), reason, source }

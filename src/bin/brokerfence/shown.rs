@@ -50,7 +50,7 @@ mod tests {
 
     #[test]
     fn escapes_and_cuts() {
-        assert_eq!(Shown::new("done\n\"7\" é".as_bytes(), false).line(), r#"12 bytes: "done\n\"7\" é""#);
+        assert_eq!(Shown::new("done\n\"7\" é".as_bytes(), false).line(), r#"11 bytes: "done\n\"7\" é""#);
         assert_eq!(Shown::new(b"\xff\x00ok", false).line(), r#"4 bytes: b"\xff\x00ok""#);
         assert_eq!(Shown::new(b"\x1b[31m", false).text, r#""\u{1b}[31m""#);
         let long = "é".repeat(SHOWN_BYTES);
