@@ -92,6 +92,8 @@ mod producer {
         // The library's checks and messages: the scheme (exit 2), the address on a failed connect.
         let conns = RedisConnections::connect(&url).await.map_err(|e| match e {
             RedisError::UnsupportedScheme { .. } => Failure::Refused(e.to_string()),
+            // The library names the Redis URL; this program's comes from a flag or a variable.
+            e @ RedisError::Unreachable { .. } => Failure::Failed(format!("{e} (--redis-url or REDIS_URL)")),
             e => Failure::Failed(e.to_string()),
         })?;
         let mut conn = conns.commands();

@@ -147,6 +147,8 @@ mod worker {
             Arc::new(common::connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?);
         let redis = RedisConnections::connect(&redis_url).await.map_err(|e| match e {
             RedisError::UnsupportedScheme { .. } => StartError::Refused(e.to_string()),
+            // The library names the Redis URL; this program's comes from a flag or a variable.
+            e @ RedisError::Unreachable { .. } => StartError::Failed(format!("{e} (--redis-url or REDIS_URL)")),
             e => StartError::Failed(e.to_string()),
         })?;
 

@@ -123,7 +123,8 @@ async fn serve(args: Args) -> Result<(), StartError> {
     // Before `ready`: a queue that does not exist (exit 2) or an endpoint that does not answer
     // after a few attempts (exit 1) stops the worker with one line saying so.
     source.check().await.map_err(|e| match e {
-        SqsError::QueueNotFound { .. } => StartError::Refused(e.to_string()),
+        // The library names SqsConfig::new; this program's queue URL comes from a flag or a variable.
+        SqsError::QueueNotFound { .. } => StartError::Refused(format!("{e} (here: --queue-url or SQS_QUEUE_URL)")),
         e => StartError::Failed(e.to_string()),
     })?;
     let source = EventSource(source);

@@ -19,7 +19,8 @@
 //! annotation needed) taking a [`JobContext`] and returning its result — anything
 //! [`IntoJobResult`]: bytes, a `String`, a `&'static str`, `()`, or with the feature `serde` a
 //! `Json(value)` — or a [`JobError`]. `?` works on any error
-//! (`std::error::Error + Send + Sync + 'static`): the attempt fails and is retried, with the
+//! (`std::error::Error + Send + Sync + 'static`, and `anyhow::Error` with the feature `anyhow`):
+//! the attempt fails and is retried, with the
 //! error's whole chain as the job's last error; [`.fatal()`](JobResultExt::fatal) makes a failure
 //! final (the job goes dead at once). The retrofits await the handler in place, so there it may be
 //! any `FnOnce`, moving loop state in or borrowing locals; [`Consumer`] runs many at once, so its
@@ -110,6 +111,7 @@
 //! | `tls` | | TLS to PostgreSQL (rustls on *ring*, system roots): see [`PgFence::connect_with`] |
 //! | `tower` | | [`tower::handler`][tower-handler]: a tower `Service<JobContext>` stack (timeout, concurrency limit, retry, tracing layers) as the handler |
 //! | `serde` | | typed payloads and results: `ctx.json::<T>()` and the `Json(T)` result (serde_json) |
+//! | `anyhow` | | `?` on `anyhow::Error` (and `.fatal()` on `anyhow::Result`) in a handler: `JobError::from_anyhow` |
 //!
 //! A PostgreSQL-only application depends on
 //! `brokerfence = { version = "0.1", default-features = false, features = ["postgres"] }`, so

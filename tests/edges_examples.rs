@@ -1,6 +1,5 @@
 //! Issue #12 §6, "Examples that other programs can drive": the example workers run as real
-//! processes (the binaries `cargo test --workspace --all-features` builds under
-//! `target/debug/examples/`) and are checked the way an operator's script or a test drives them:
+//! processes (built for the test by `brokerfence_testkit::programs`) and are checked the way an operator's script or a test drives them:
 //! exit codes, usage on stdout, the schema check at start, `EVENT` lines, `application_name`, and
 //! logs without colour codes when stderr is a pipe. Real PostgreSQL (a fresh schema per test) and
 //! real Redis.
@@ -36,18 +35,10 @@ mod edges {
         v
     }
 
-    /// `target/<profile>/examples/<name>`: next to this test binary's `deps` directory (or under
-    /// `CARGO_TARGET_DIR`). `cargo test --workspace --all-features` builds the examples first.
+    /// The example `name`, built for this test by cargo (`brokerfence_testkit::programs`),
+    /// whatever an earlier build left in `target/<profile>/examples/` (issue #30 item 15).
     fn example(name: &str) -> PathBuf {
-        let exe = std::env::current_exe().expect("current exe");
-        let mut candidates: Vec<PathBuf> =
-            exe.ancestors().skip(1).take(3).map(|d| d.join("examples").join(name)).collect();
-        if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-            candidates.push(PathBuf::from(dir).join("debug").join("examples").join(name));
-        }
-        candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
-            panic!("example {name} not built (looked at {candidates:?}): run cargo test --workspace --all-features")
-        })
+        brokerfence_testkit::programs::example(name)
     }
 
     fn database_url() -> String {

@@ -111,7 +111,8 @@ pub async fn prepare_schema(store: &dyn FenceStore, migrate: bool) -> Result<(),
     }
     match store.check_schema().await {
         Ok(()) => Ok(()),
-        Err(e @ FenceError::SchemaTooOld { .. }) => Err(StartError::Refused(e.to_string())),
+        // The library names its call; this program's way to make it is a flag.
+        Err(e @ FenceError::SchemaTooOld { .. }) => Err(StartError::Refused(format!("{e} (here: --migrate)"))),
         Err(e) => Err(e.into()),
     }
 }
@@ -193,7 +194,13 @@ pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate:
     let target = brokerfence::fence::PgTarget::parse(url)
         .map_err(|e| StartError::Refused(format!("--database-url: {e}")))?
         .application_name(owner.as_str());
-    let mut store = PgFence::connect_to(target).await?;
+    // The library's message names the database URL; this program's comes from a flag or a variable.
+    let mut store = PgFence::connect_to(target).await.map_err(|e| match e {
+        FenceError::Unreachable { .. } | FenceError::ConnectRejected { .. } => {
+            StartError::Failed(format!("{e} (--database-url or DATABASE_URL)"))
+        }
+        e => e.into(),
+    })?;
     if let Some(schema) = schema {
         store = store.with_schema(SchemaName::new(schema.to_owned()).map_err(|e| StartError::Refused(e.to_string()))?);
     }

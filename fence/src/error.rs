@@ -69,16 +69,21 @@ pub enum FenceError {
     Corrupt(String),
     /// The schema is older than this build needs (a worker refuses to start on it; a newer schema
     /// is fine). Migrations are an explicit step: run [`FenceStore::migrate`](crate::FenceStore::migrate)
-    /// once per deploy (or a worker's `--migrate` flag) before starting workers of this build.
+    /// once per deploy before starting workers of this build. The message names that call; a
+    /// program with a flag of its own for it (the examples' `--migrate`) adds it to what it prints.
     ///
     /// ```
     /// use brokerfence::FenceError;
     /// let err = FenceError::SchemaTooOld { found: 0, required: 3 };
-    /// assert!(err.to_string().contains("run migrations"));
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "the fence schema is at migration version 0 (0 = no schema) but this build needs version 3: \
+    ///      run migrations: FenceStore::migrate, once per deploy, before workers of this build start"
+    /// );
     /// ```
     #[error(
         "the fence schema is at migration version {found} (0 = no schema) but this build needs version {required}: \
-         run migrations: `store.migrate()` or the worker's `--migrate` flag"
+         run migrations: FenceStore::migrate, once per deploy, before workers of this build start"
     )]
     SchemaTooOld {
         /// The newest migration version recorded in the schema (0 when there is no schema).
@@ -127,7 +132,9 @@ pub enum FenceError {
     /// PostgreSQL could not be reached at all: nothing listens at the address (connection
     /// refused), the host name does not resolve, or no answer came in time. Found by one direct
     /// connection attempt when a fence connects, so it comes at once rather than after the pool's
-    /// acquire timeout.
+    /// acquire timeout. The message names the database URL (the one given to
+    /// [`PgFence::connect`](crate::PgFence::connect) or [`PgTarget`](crate::PgTarget)); a program
+    /// that reads it from a flag or a variable of its own adds their names.
     ///
     /// ```
     /// use brokerfence::FenceError;
@@ -135,13 +142,13 @@ pub enum FenceError {
     /// assert_eq!(
     ///     err.to_string(),
     ///     "cannot connect to PostgreSQL at 127.0.0.1:5432: connection refused (os error 111); \
-    ///      check that PostgreSQL is running and listening there, and the host and port of the URL \
-    ///      (DATABASE_URL or --database-url)"
+    ///      check that PostgreSQL is running and listening there, and the host and port of the \
+    ///      database URL"
     /// );
     /// ```
     #[error(
         "cannot connect to PostgreSQL at {host}:{port}: {cause}; check that PostgreSQL is running and \
-         listening there, and the host and port of the URL (DATABASE_URL or --database-url)"
+         listening there, and the host and port of the database URL"
     )]
     Unreachable {
         /// The host (or Unix socket directory) connected to.
@@ -164,7 +171,7 @@ pub enum FenceError {
     /// ```
     #[error(
         "PostgreSQL at {host}:{port} refused user {user} on database {database}: {cause}; check the user, \
-         password and database name of the URL (DATABASE_URL or --database-url)"
+         password and database name of the database URL"
     )]
     ConnectRejected {
         /// The host (or Unix socket directory).
@@ -190,7 +197,18 @@ pub enum FenceError {
     ///     "database URL scheme \"mysql:\" is not supported: expected postgres:// or postgresql://"
     /// );
     /// ```
-    #[error("database URL scheme \"{scheme}:\" is not supported: expected {expected}")]
+    ///
+    /// A bare path has no scheme at all, and is told so:
+    ///
+    /// ```
+    /// use brokerfence::FenceError;
+    /// let err = FenceError::UnsupportedScheme { scheme: "".into(), expected: "sqlite:PATH or sqlite::memory:" };
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "database URL has no scheme (a bare path?): expected sqlite:PATH or sqlite::memory:"
+    /// );
+    /// ```
+    #[error("{}", unsupported_scheme(scheme, expected))]
     UnsupportedScheme {
         /// The scheme of the URL (empty when it has none), without the colon.
         scheme: String,
@@ -241,6 +259,40 @@ pub enum FenceError {
     /// The database could not be reached or failed a statement.
     #[error("database error: {0}")]
     Database(sqlx::Error),
+    /// A SQLite database file could not be opened or created: its directory does not exist
+    /// (SQLite creates the file, not the directories above it), or it may not be read or
+    /// written. Names the file, unlike SQLite's own "(code: 14) unable to open database file".
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let err = brokerfence::SqliteFence::open("sqlite:/nonexistent/brokerfence/jobs.db").await.unwrap_err();
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "cannot open the SQLite database /nonexistent/brokerfence/jobs.db: the directory \
+    ///      /nonexistent/brokerfence does not exist (SQLite creates the file, not its directory)"
+    /// );
+    /// # }
+    /// ```
+    #[error("cannot open the SQLite database {path}: {reason}")]
+    SqliteOpen {
+        /// The database file.
+        path: String,
+        /// Why, in words: the missing directory, else SQLite's message.
+        reason: String,
+        /// SQLite's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+/// The message of [`FenceError::UnsupportedScheme`]: a URL without a scheme (a bare path) is
+/// told so rather than shown an empty scheme.
+fn unsupported_scheme(scheme: &str, expected: &str) -> String {
+    if scheme.is_empty() {
+        format!("database URL has no scheme (a bare path?): expected {expected}")
+    } else {
+        format!("database URL scheme \"{scheme}:\" is not supported: expected {expected}")
+    }
 }
 
 /// The scheme of a URL (the letters before its first `:`), if it starts with one.

@@ -10,7 +10,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A failure a handler reports: retried (with backoff) or final.
 ///
-/// `?` turns any error that implements [`std::error::Error`]` + Send + Sync + 'static` into a
+/// `?` turns any error that implements [`std::error::Error`]` + Send + Sync + 'static` (and, with
+/// the feature `anyhow`, an `anyhow::Error`: see [`from_anyhow`](Self::from_anyhow)) into a
 /// retryable `JobError` whose message is the error's whole chain (`"a: b: c"`); say that a failure
 /// is final with [`.fatal()`](JobResultExt::fatal) on a `Result`, [`no_retry`](Self::no_retry) on a
 /// `JobError`, or build one with [`JobError::fatal`].
@@ -100,6 +101,38 @@ impl JobError {
         }
     }
 
+    /// A retryable failure from an `anyhow::Error` (feature `anyhow`), its message the whole
+    /// context chain (`"a: b: c"`); the error it was made from stays available through
+    /// [`source`](Self::source). What `?` on an `anyhow::Error` does. A `JobError` that went into
+    /// an `anyhow::Error` through [`anyhow::Error::from_boxed`] comes back whole.
+    ///
+    /// With the feature on, a plain `?` on any other error takes this path too: anyhow captures
+    /// a backtrace when `RUST_BACKTRACE` or `RUST_LIB_BACKTRACE` asks for one (and the
+    /// conversion drops it).
+    ///
+    /// ```
+    /// use anyhow::Context as _;
+    /// use brokerfence::{JobError, JobResultExt};
+    /// fn load(path: &str) -> anyhow::Result<String> {
+    ///     std::fs::read_to_string(path).with_context(|| format!("loading the template {path}"))
+    /// }
+    /// fn handle(path: &str) -> Result<String, JobError> {
+    ///     let template = load(path)?; // an anyhow::Error: retried
+    ///     Ok(template)
+    /// }
+    /// let e = handle("/nonexistent/brokerfence").unwrap_err();
+    /// assert!(e.retry);
+    /// assert!(e.message.starts_with("loading the template /nonexistent/brokerfence: No such file"), "{e}");
+    /// let e = load("/nonexistent/brokerfence").fatal().unwrap_err(); // final
+    /// assert!(!e.retry);
+    /// ```
+    #[cfg(feature = "anyhow")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "anyhow")))]
+    pub fn from_anyhow(error: anyhow::Error) -> Self {
+        // The box holds the error anyhow was made from (or its context/message wrapper).
+        Self::from_boxed(error.into())
+    }
+
     /// The same failure, final: the job goes dead instead of being retried.
     ///
     /// ```
@@ -159,9 +192,24 @@ impl PartialEq for JobError {
 
 impl Eq for JobError {}
 
+/// `?` on any error (see [`JobError`]).
+#[cfg(not(feature = "anyhow"))]
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for JobError {
     fn from(error: E) -> Self {
         Self::from_error(error)
+    }
+}
+
+/// `?` on any error, and on `anyhow::Error` (feature `anyhow`).
+///
+/// `impl From<anyhow::Error>` next to the impl for every `std::error::Error` would not compile
+/// (anyhow may one day implement `std::error::Error`, so the two could overlap); everything
+/// that converts into an `anyhow::Error` is exactly every such error plus `anyhow::Error`
+/// itself, so this one impl covers both.
+#[cfg(feature = "anyhow")]
+impl<E: Into<anyhow::Error>> From<E> for JobError {
+    fn from(error: E) -> Self {
+        Self::from_anyhow(error.into())
     }
 }
 

@@ -11,8 +11,9 @@
 //! - [`wait`]: the one polling loop (`wait_for`, `eventually`);
 //! - [`pg_topology`]: private PostgreSQL servers on free ports, a primary with a streaming standby
 //!   (async or sync), TCP relays (a VIP, the replication link) and PgBouncer, for failover tests;
-//! - [`process`]: child processes (the test binary re-executed as a worker, signals, built
-//!   examples); [`tree`]: the repository's files, for the layout tests;
+//! - [`process`]: child processes (the test binary re-executed as a worker, signals);
+//!   [`programs`]: the examples and the CLI binary a test runs, built by cargo for the test;
+//!   [`tree`]: the repository's files, for the layout tests;
 //! - [`receiver`] (feature `receiver`): an HTTP receiver that judges epochs with the ledger;
 //! - [`sqs`] (feature `sqs`), [`redis`] (feature `redis`), [`zombie`] (feature `http`): per
 //!   backend. The root package's features of the same names turn these on for its tests.
@@ -23,6 +24,7 @@
 pub mod localstack;
 pub mod pg_topology;
 pub mod process;
+pub mod programs;
 #[cfg(feature = "receiver")]
 #[allow(missing_docs)]
 pub mod receiver;

@@ -42,18 +42,10 @@ pub fn signal(pid: i32, sig: i32) {
     assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
 }
 
-/// An example binary `cargo test --workspace --all-features` built: `target/<profile>/examples/<name>`
-/// next to this test binary's `deps` directory, or under `CARGO_TARGET_DIR`.
+/// The example binary `name`, built for this test by cargo (see [`crate::programs`]): never
+/// what an earlier build happened to leave in `target/`.
 pub fn built_example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut candidates: Vec<std::path::PathBuf> =
-        exe.ancestors().skip(1).take(3).map(|d| d.join("examples").join(name)).collect();
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        candidates.push(std::path::PathBuf::from(dir).join("debug").join("examples").join(name));
-    }
-    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
-        panic!("example {name} not built (looked at {candidates:?}): run cargo test --workspace --all-features")
-    })
+    crate::programs::example(name)
 }
 
 /// Runs the program `exe` to its end, at most 60 s (then kills it and panics): exit code, stdout,

@@ -70,7 +70,7 @@ pub enum RedisError {
     /// the password) and the cause.
     #[error(
         "cannot connect to Redis at {addr}: {}; check that Redis is running and listening there, and the \
-         URL (REDIS_URL or --redis-url)",
+         Redis URL",
         connect_cause(source)
     )]
     Unreachable {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use fence::{Claim, Counter, Distribution, Grouper, JobKey, Lease};
+use fence::{Claim, Counter, Distribution, Grouper, JobError, JobKey, Lease};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::receive::{Held, Places};
@@ -182,6 +182,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
             // The concurrency slot is the handler's: it frees the moment the handler returns (or
             // is cancelled), so the commit and the broker call overlap the next job.
             let slots = shared.slots.clone();
+            let timeout = shared.attempt_timeout;
             let stopping = shared.stopping.clone();
             let system = messaging_system(shared.source.kind());
             let (gave_up, not_started) = tokio::sync::oneshot::channel::<()>();
@@ -206,7 +207,16 @@ impl<S: Source, H: Handler> Shared<S, H> {
                     }
                     None => (None, Some(place)),
                 };
-                let result = crate::caught::run_caught(handler, ctx).await; // a panic is a failed attempt
+                // The attempt timeout starts now that the handler has its slot: time spent
+                // waiting for the slot is not the handler's (a prefetched job would otherwise fail
+                // as timed out, and die at max_attempts, without having run). A panic is a failed
+                // attempt (`run_caught`).
+                let result = match timeout {
+                    Some(t) => tokio::time::timeout(t, crate::caught::run_caught(handler, ctx))
+                        .await
+                        .unwrap_or_else(|_| Err(JobError::retry(format!("attempt timed out after {t:?}")))),
+                    None => crate::caught::run_caught(handler, ctx).await,
+                };
                 drop(slot);
                 result
             };

@@ -98,7 +98,11 @@ impl<S: Source> Consumer<S> {
         let source = Arc::new(source);
         // The exported metrics (feature `metrics`) carry this consumer's queue and source kind.
         let metrics = Arc::new(Metrics::labelled(source.queue().as_str(), source.kind()));
-        let supervisor = Supervisor::with_metrics(store, owner, config.supervisor.clone(), metrics);
+        // The attempt timeout is the runtime's to apply (see `Shared::start`): a prefetched job
+        // waits for its handler slot inside the supervised attempt, and that wait is no part of
+        // the attempt's time.
+        let supervisor_config = config.supervisor.clone().without_attempt_timeout();
+        let supervisor = Supervisor::with_metrics(store, owner, supervisor_config, metrics);
         let tracked = Arc::new(Tracked(Mutex::new(HashMap::new())));
         let source_prefetch = source.default_prefetch(config.concurrency);
         let config = config.with_default_prefetch(source_prefetch);
@@ -164,6 +168,8 @@ impl<S: Source> Consumer<S> {
     /// returns, so commits and acks overlap the next jobs. At most
     /// [`unsettled_limit`](ConsumerConfig::unsettled_limit) deliveries are held from receive until
     /// the broker call that settles them returned: a broker that hangs stops the receiving.
+    /// The supervisor's [`attempt_timeout`](fence::SupervisorConfig::attempt_timeout) counts from
+    /// when a handler starts, so a prefetched job waiting for a slot does not spend it.
     ///
     /// Shutdown is cancellation-safe: a receive in progress when `shutdown` fires is not dropped
     /// (a source may have claimed or popped what it returns); it may finish within the grace
@@ -240,6 +246,7 @@ impl<S: Source> Consumer<S> {
             handler,
             ack_tx,
             lease: self.config.supervisor.lease(),
+            attempt_timeout: self.config.supervisor.attempt_timeout_length(),
             grace: self.config.grace,
             claim_failures: AtomicU32::new(0),
             // Fires with `shutdown`, and also when the loop ends on a fatal source error.
@@ -312,6 +319,8 @@ struct Shared<S: Source, H> {
     /// Bounded: a sender waits while it is full.
     ack_tx: mpsc::Sender<PendingAck<S::Delivery>>,
     lease: fence::LeaseDuration,
+    /// The attempt timeout, counted from when a handler starts (has its slot).
+    attempt_timeout: Option<Duration>,
     /// How long shutdown waits for running jobs, and for a receive in progress.
     grace: Duration,
     claim_failures: AtomicU32,

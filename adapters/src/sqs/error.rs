@@ -64,7 +64,7 @@ pub enum SqsError {
     #[error(
         "queue {queue} has no dead-letter queue, so message {message_id} ({reason}) stays in the queue and \
          comes back after {hidden_secs} s; set a RedrivePolicy with a deadLetterTargetArn on the queue, or \
-         SqsConfig::dead_letter(DeadLetterTarget::Queue(url)) (sqs_worker: --dead-letter-queue URL)"
+         SqsConfig::dead_letter(DeadLetterTarget::Queue(url))"
     )]
     NoDeadLetterQueue {
         /// The queue URL.
@@ -132,13 +132,13 @@ pub enum SqsError {
     /// assert_eq!(
     ///     e.to_string(),
     ///     "SQS queue http://127.0.0.1:4566/000000000000/orders does not exist (endpoint http://127.0.0.1:4566, \
-    ///      region us-east-1); check the queue URL (--queue-url or SQS_QUEUE_URL), the region and the endpoint"
+    ///      region us-east-1); check the queue URL (SqsConfig::new), the region and the endpoint"
     /// );
     /// assert!(!e.is_transient());
     /// ```
     #[error(
         "SQS queue {queue_url} does not exist (endpoint {endpoint}, region {region}); check the queue URL \
-         (--queue-url or SQS_QUEUE_URL), the region and the endpoint"
+         (SqsConfig::new), the region and the endpoint"
     )]
     QueueNotFound {
         /// The queue URL.

@@ -77,11 +77,25 @@ impl std::fmt::Debug for SqliteFence {
     }
 }
 
+/// A file that could not be opened, named, with its missing directory when that is why (SQLite
+/// itself says only "(code: 14) unable to open database file").
+fn open_error(file: &std::path::Path, source: sqlx::Error) -> FenceError {
+    let missing_dir = file.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists());
+    let reason = match missing_dir {
+        Some(dir) => {
+            format!("the directory {} does not exist (SQLite creates the file, not its directory)", dir.display())
+        }
+        None => source.to_string(),
+    };
+    FenceError::SqliteOpen { path: file.display().to_string(), reason, source }
+}
+
 impl SqliteFence {
     /// Opens (creating if missing) a database file: `sqlite:path.db` or `sqlite::memory:`.
     /// WAL journal, a 10 s busy timeout, `synchronous = FULL` (every commit synced, see
     /// [`SqliteDurability`]). A URL of another scheme (`postgres://`, `mysql://`, or a bare path)
-    /// fails at once with [`FenceError::UnsupportedScheme`].
+    /// fails at once with [`FenceError::UnsupportedScheme`]; a file that cannot be opened or
+    /// created (its directory missing, no permission) with [`FenceError::SqliteOpen`], naming it.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -108,7 +122,8 @@ impl SqliteFence {
         crate::error::require_scheme(
             url,
             &["sqlite"],
-            "sqlite:PATH or sqlite::memory: (SQLite; for PostgreSQL use PgFence::connect)",
+            "sqlite:PATH (a file /var/lib/app/jobs.db is sqlite:/var/lib/app/jobs.db) or sqlite::memory: \
+             (SQLite; for PostgreSQL use PgFence::connect)",
         )?;
         let memory = url.contains(":memory:") || url.contains("mode=memory");
         let synchronous = match durability {
@@ -125,16 +140,21 @@ impl SqliteFence {
         // else (SQLite accepts it only before the file's first page is written, which switching
         // to WAL does). Not on every connection: on an existing file the pragma begins a write
         // transaction, so opening a connection would wait for the write lock.
-        let file = opts.get_filename();
-        let new_file = !memory && std::fs::metadata(file).map(|m| m.len() == 0).unwrap_or(true);
+        let file = opts.get_filename().to_path_buf();
+        let cannot_open = |e: sqlx::Error| if memory { FenceError::from(e) } else { open_error(&file, e) };
+        let new_file = !memory && std::fs::metadata(&file).map(|m| m.len() == 0).unwrap_or(true);
         if new_file {
             let first = opts.clone().auto_vacuum(SqliteAutoVacuum::Incremental);
             // Its pragmas run in order: auto_vacuum, then WAL, which writes the first page.
-            let conn = sqlx::ConnectOptions::connect(&first).await?;
+            let conn = sqlx::ConnectOptions::connect(&first).await.map_err(cannot_open)?;
             conn.close().await?;
         }
         // An in-memory database lives in one connection; a file serves several readers.
-        let pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 8 }).connect_with(opts).await?;
+        let pool = SqlitePoolOptions::new()
+            .max_connections(if memory { 1 } else { 8 })
+            .connect_with(opts)
+            .await
+            .map_err(cannot_open)?;
         Ok(Self::new(pool))
     }
 

@@ -133,9 +133,35 @@ impl SupervisorConfig {
         self
     }
 
-    /// Per-attempt deadline: an attempt still running after it fails (and is retried).
+    /// Per-attempt deadline: an attempt still running after it fails (and is retried), with the
+    /// last error "attempt timed out after …". It counts from when the handler starts: under a
+    /// [`Consumer`](https://docs.rs/brokerfence/latest/brokerfence/struct.Consumer.html) that
+    /// prefetches, a claimed job waiting for a handler slot has not started yet (its lease is
+    /// heartbeated meanwhile).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap());
+    /// assert_eq!(config.attempt_timeout_length(), None);
+    /// let config = config.attempt_timeout(Duration::from_secs(120));
+    /// assert_eq!(config.attempt_timeout_length(), Some(Duration::from_secs(120)));
+    /// assert_eq!(config.without_attempt_timeout().attempt_timeout_length(), None);
+    /// ```
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// The [`attempt_timeout`](Self::attempt_timeout), if one is set.
+    pub fn attempt_timeout_length(&self) -> Option<Duration> {
+        self.attempt_timeout
+    }
+
+    /// No [`attempt_timeout`](Self::attempt_timeout) (the default). The consumer runtime gives
+    /// its supervisor this and applies the timeout itself once a handler has its slot.
+    pub fn without_attempt_timeout(mut self) -> Self {
+        self.attempt_timeout = None;
         self
     }
 

@@ -45,7 +45,8 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 10)]
         limit: u32,
     },
-    /// One job: state, epoch, owner, attempts, lease left, last error
+    /// One job: state, epoch, owner, attempts, lease left, last error; its payload, progress
+    /// and result, escaped, each cut at 200 bytes
     Job {
         /// Queue
         #[arg(value_parser = queue_name)]
@@ -53,6 +54,9 @@ pub(crate) enum Command {
         /// Job key
         #[arg(value_parser = job_key)]
         key: JobKey,
+        /// Show the payload, progress and result whole
+        #[arg(long)]
+        full: bool,
     },
     /// Dead letters
     #[command(subcommand)]

@@ -3,7 +3,7 @@
 //! ```text
 //! brokerfence migrate
 //! brokerfence status [--queue Q] [--expiring-within 10s] [--limit N]
-//! brokerfence job QUEUE KEY
+//! brokerfence job QUEUE KEY [--full]
 //! brokerfence dead list [--queue Q] [--limit N]
 //! brokerfence dead requeue QUEUE (KEY…|--all) [--batch N] [--broker-jobs]
 //! brokerfence prune [--queue Q]… [--completed-age 15d] [--dead-age 30d] [--keep-completed] [--keep-dead]
@@ -31,11 +31,12 @@ use serde_json::json;
 
 mod args;
 mod output;
+mod shown;
 
 use args::{Cli, Command, Dead};
 use output::{
-    dead_json, dead_text, job_json, job_text, print, prune_json, prune_text, requeue_json, requeue_text, status_json,
-    status_text,
+    JobBytes, dead_json, dead_text, job_json, job_text, print, prune_json, prune_text, requeue_json, requeue_text,
+    status_json, status_text,
 };
 
 /// What ended a command, and its exit code.
@@ -112,7 +113,17 @@ async fn connect(cli: &Cli) -> Result<Store, Failure> {
     let Some(url) = cli.database_url.as_deref().filter(|u| !u.is_empty()) else {
         return Err(Failure::Usage("no database: give --database-url URL or set DATABASE_URL".into()));
     };
-    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase()).unwrap_or_default();
+    // A scheme is letters first, then letters, digits, `+`, `-`, `.`; anything else before the
+    // first colon (a path, `C:\…` aside) means there is none.
+    let scheme = url
+        .split_once(':')
+        .map(|(s, _)| s)
+        .filter(|s| {
+            s.starts_with(|c: char| c.is_ascii_alphabetic())
+                && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+        })
+        .unwrap_or_default()
+        .to_ascii_lowercase();
     match scheme.as_str() {
         "postgres" | "postgresql" => Ok(Store::Postgres(PgFence::connect(url).await?.with_schema(cli.schema.clone()))),
         "sqlite" => {
@@ -130,10 +141,14 @@ async fn connect(cli: &Cli) -> Result<Store, Failure> {
             }
             Ok(Store::Sqlite(SqliteFence::open(url).await?.with_schema(cli.schema.clone())))
         }
-        _ => Err(Failure::Usage(format!(
-            "database URL scheme {scheme:?} is not supported: use postgres://… or postgresql://… (PostgreSQL) \
-             or sqlite:PATH (SQLite)"
-        ))),
+        _ => Err(Failure::Usage(
+            FenceError::UnsupportedScheme {
+                scheme,
+                expected: "postgres://… or postgresql://… (PostgreSQL), or sqlite:PATH (SQLite; a file \
+                           /var/lib/app/jobs.db is sqlite:/var/lib/app/jobs.db)",
+            }
+            .to_string(),
+        )),
     }
 }
 
@@ -148,8 +163,20 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             || format!("migrated: {} schema {} is up to date\n", fence.backend(), cli.schema.as_str()),
         );
     }
-    // Says "run migrations" on a missing or old schema, rather than a missing table.
-    fence.check_schema().await?;
+    // Says "run migrations" on an old schema, and "no such schema" on one that has no migration
+    // at all (a mistyped --schema, most often), rather than a missing table.
+    match fence.check_schema().await {
+        Err(FenceError::SchemaTooOld { found: 0, .. }) => {
+            let schema = cli.schema.as_str();
+            return Err(Failure::Failed(format!(
+                "no such schema {schema} in this {} database (no fence tables under that name): check --schema \
+                 (the default is {}); `brokerfence migrate --schema {schema}` creates it",
+                fence.backend(),
+                brokerfence::DEFAULT_SCHEMA
+            )));
+        }
+        result => result?,
+    }
     let admin = Admin::new(fence)?.with_timeout(cli.timeout);
     match &cli.command {
         Command::Migrate => Ok(()),
@@ -158,8 +185,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let status = admin.status(queue.as_ref()).await?;
             print(cli.json, status_json(&status, admin.backend()), || status_text(&status, *expiring_within))
         }
-        Command::Job { queue, key } => match admin.job(queue, key).await? {
-            Some(job) => print(cli.json, job_json(&job), || job_text(&job)),
+        Command::Job { queue, key, full } => match admin.job(queue, key).await? {
+            Some(job) => {
+                // The bytes themselves (the admin summary has their lengths): one more read.
+                let record = tokio::time::timeout(cli.timeout, fence.job(queue, key))
+                    .await
+                    .map_err(|_| Failure::Failed(format!("reading job {key}: no answer within {:?}", cli.timeout)))??;
+                let bytes = JobBytes::new(record.as_ref(), *full);
+                print(cli.json, job_json(&job, &bytes), || job_text(&job, &bytes))
+            }
             None => {
                 print(cli.json, json!({"found": false, "queue": queue.as_str(), "key": key.as_str()}), || {
                     format!("no job {key} in queue {queue}\n")

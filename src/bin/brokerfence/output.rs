@@ -4,10 +4,30 @@
 use std::time::Duration;
 
 use brokerfence::admin::{DeadJob, JobInfo, RequeueReport, RunningJob, Status};
-use brokerfence::{DbTime, PruneReport, QueueName};
+use brokerfence::{DbTime, JobRecord, PruneReport, QueueName};
 use serde_json::{Value, json};
 
 use crate::Failure;
+use crate::shown::Shown;
+
+/// A job's payload, progress and result as `job` shows them.
+pub(crate) struct JobBytes {
+    payload: Option<Shown>,
+    progress: Option<Shown>,
+    result: Option<Shown>,
+}
+
+impl JobBytes {
+    /// From the job's row (none when it was deleted meanwhile), whole when `full`.
+    pub(crate) fn new(record: Option<&JobRecord>, full: bool) -> Self {
+        let shown = |b: Option<&Vec<u8>>| b.map(|b| Shown::new(b, full));
+        Self {
+            payload: shown(record.and_then(|r| r.payload.as_ref())),
+            progress: shown(record.and_then(|r| r.progress.as_ref())),
+            result: shown(record.and_then(|r| r.result.as_ref())),
+        }
+    }
+}
 
 /// Prints `value` (with `--json`) or the text.
 pub(crate) fn print(json: bool, value: Value, text: impl FnOnce() -> String) -> Result<(), Failure> {
@@ -162,7 +182,7 @@ pub(crate) fn status_text(status: &Status, within: Duration) -> String {
     out
 }
 
-pub(crate) fn job_json(j: &JobInfo) -> Value {
+pub(crate) fn job_json(j: &JobInfo, b: &JobBytes) -> Value {
     json!({
         "found": true,
         "queue": j.queue.as_str(),
@@ -182,18 +202,29 @@ pub(crate) fn job_json(j: &JobInfo) -> Value {
         "payload_bytes": j.payload_bytes,
         "progress_bytes": j.progress_bytes,
         "result_bytes": j.result_bytes,
+        "payload": Shown::json(b.payload.as_ref()),
+        "payload_truncated": b.payload.as_ref().is_some_and(|s| s.truncated),
+        "progress": Shown::json(b.progress.as_ref()),
+        "progress_truncated": b.progress.as_ref().is_some_and(|s| s.truncated),
+        "result": Shown::json(b.result.as_ref()),
+        "result_truncated": b.result.as_ref().is_some_and(|s| s.truncated),
         "now_ms": j.now.0,
     })
 }
 
-pub(crate) fn job_text(j: &JobInfo) -> String {
+pub(crate) fn job_text(j: &JobInfo, b: &JobBytes) -> String {
     let lease = match (j.lease_until, j.lease_left_ms) {
         (Some(until), Some(ms)) => format!("until {} ({})", at(until), left(ms)),
         _ => "-".to_owned(),
     };
     let due = j.run_at.0 - j.now.0;
     let run_at = if due > 0 { format!("{} (in {})", at(j.run_at), span(due)) } else { at(j.run_at) };
-    let bytes = |n: Option<u64>| n.map_or_else(|| "-".to_owned(), |n| format!("{n} bytes"));
+    // The bytes when the row was read, else only their length.
+    let bytes = |shown: &Option<Shown>, n: Option<u64>| match (shown, n) {
+        (Some(s), _) => s.line(),
+        (None, Some(n)) => format!("{n} bytes"),
+        (None, None) => "-".to_owned(),
+    };
     let rows = [
         ("queue", j.queue.to_string()),
         ("key", j.key.to_string()),
@@ -207,9 +238,9 @@ pub(crate) fn job_text(j: &JobInfo) -> String {
         ("last error", opt(&j.last_error)),
         ("created", at(j.created_at)),
         ("updated", format!("{} ({} ago)", at(j.updated_at), span(j.now.0 - j.updated_at.0))),
-        ("payload", bytes(j.payload_bytes)),
-        ("progress", bytes(j.progress_bytes)),
-        ("result", bytes(j.result_bytes)),
+        ("payload", bytes(&b.payload, j.payload_bytes)),
+        ("progress", bytes(&b.progress, j.progress_bytes)),
+        ("result", bytes(&b.result, j.result_bytes)),
     ];
     rows.iter().map(|(k, v)| format!("{k:<11} {v}\n")).collect()
 }

@@ -1,10 +1,10 @@
-//! Worker processes for the SQS tests: the `sqs_worker` example binary (built on demand with the
-//! test binary's features), driven and observed through the `EVENT …` lines it prints.
+//! Worker processes for the SQS tests: the `sqs_worker` example binary (built for the test by
+//! [`crate::programs`]), driven and observed through the `EVENT …` lines it prints.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use brokerfence::fence::PgFence;
@@ -13,95 +13,10 @@ use tokio::sync::Notify;
 
 use super::{TestQueue, aws};
 
-/// The workspace root (this crate's parent directory).
-fn workspace_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("testkit/ lies in the workspace root")
-}
-
-/// The newest modification time of the sources the example binaries are built from.
-fn newest_source() -> Option<std::time::SystemTime> {
-    fn walk(dir: &std::path::Path, newest: &mut Option<std::time::SystemTime>) {
-        let Ok(entries) = std::fs::read_dir(dir) else { return };
-        for e in entries.flatten() {
-            let path = e.path();
-            if path.is_dir() {
-                walk(&path, newest);
-            } else if path.extension().is_some_and(|x| x == "rs")
-                && let Ok(m) = e.metadata().and_then(|m| m.modified())
-            {
-                *newest = Some(newest.map_or(m, |n| n.max(m)));
-            }
-        }
-    }
-    let root = workspace_root();
-    let mut newest = None;
-    for dir in ["src", "fence/src", "adapters/src", "examples/support"] {
-        walk(&root.join(dir), &mut newest);
-    }
-    for file in ["examples/sqs_worker.rs", "examples/sqs_produce.rs", "examples/support/cli.rs"] {
-        if let Ok(m) = std::fs::metadata(root.join(file)).and_then(|m| m.modified()) {
-            newest = Some(newest.map_or(m, |n: std::time::SystemTime| n.max(m)));
-        }
-    }
-    newest
-}
-
-/// The examples' binaries, next to this test binary's directory (`target/<profile>/examples`):
-/// `cargo test` builds them. When they are missing, older than their sources, or built without the
-/// `guard-switches` feature this test binary has (`cargo test --test sqs_e2e` builds no
-/// examples), they are built here once, with this test binary's features.
+/// The example binary `name` (`sqs_worker`, `sqs_produce`), built for this test by cargo (see
+/// [`crate::programs`]).
 pub fn example(name: &str) -> PathBuf {
-    static BUILT: OnceLock<Result<(), String>> = OnceLock::new();
-    let exe = std::env::current_exe().expect("current exe");
-    let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>").to_path_buf();
-    let path = profile_dir.join("examples").join(name);
-    let worker = profile_dir.join("examples").join("sqs_worker");
-    let sources = newest_source();
-    let fresh = |p: &PathBuf| {
-        let built = std::fs::metadata(p).and_then(|m| m.modified()).ok();
-        matches!((built, sources), (Some(b), Some(s)) if b >= s)
-    };
-    let same_features = || {
-        // Tests and examples always have the members' `guard-switches` (root dev-dependencies).
-        let want = "guard-switches=true";
-        std::process::Command::new(&worker)
-            .arg("--build-info")
-            .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(want))
-    };
-    if !(fresh(&path) && fresh(&worker) && same_features()) {
-        let built = BUILT.get_or_init(|| {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            // The same features as this test binary, so the workers match it, plus `metrics`
-            // (the root's feature, which testkit cannot see): a worker rebuilt here without it
-            // refused `--metrics-addr`, and `ergonomics_metrics` failed when it ran after a
-            // rebuild (seen when sources changed during a test run).
-            let mut features = vec!["sqs", "metrics"];
-            for (on, f) in
-                [(cfg!(feature = "redis"), "redis"), (cfg!(feature = "http"), "http"), (cfg!(feature = "tls"), "tls")]
-            {
-                if on {
-                    features.push(f);
-                }
-            }
-            let mut cmd = std::process::Command::new(cargo);
-            cmd.current_dir(workspace_root()).args(["build", "--features", &features.join(",")]);
-            cmd.args(["--example", "sqs_worker", "--example", "sqs_produce"]);
-            if profile_dir.file_name().is_some_and(|n| n == "release") {
-                cmd.arg("--release");
-            }
-            match cmd.status() {
-                Ok(s) if s.success() => Ok(()),
-                Ok(s) => Err(format!("cargo build of the examples exited with {s}")),
-                Err(e) => Err(format!("cannot run cargo: {e}")),
-            }
-        });
-        if let Err(e) = built {
-            panic!("{e}; build them first: cargo build --features sqs --examples");
-        }
-    }
-    assert!(path.exists(), "{} missing: cargo build --features sqs --examples", path.display());
-    path
+    crate::programs::example(name)
 }
 
 /// One `EVENT name k=v …` line.
