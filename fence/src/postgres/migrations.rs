@@ -511,16 +511,22 @@ impl PgFence {
         Ok(())
     }
 
+    /// Whether migration `version` is recorded as applied.
+    async fn recorded(&self, conn: &mut PgConnection, version: i64) -> Result<bool> {
+        let s = self.schema.as_str();
+        let found: Option<i64> =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
+                .persistent(false)
+                .bind(version)
+                .fetch_optional(&mut *conn)
+                .await?;
+        Ok(found.is_some())
+    }
+
     /// One migration, step by step, unless it is recorded already; recorded with its last step.
     async fn apply(&self, conn: &mut PgConnection, m: &PgMigration) -> Result<()> {
         let s = self.schema.as_str();
-        let recorded: Option<i64> =
-            sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
-                .persistent(false)
-                .bind(m.version)
-                .fetch_optional(&mut *conn)
-                .await?;
-        if recorded.is_some() {
+        if self.recorded(&mut *conn, m.version).await? {
             return Ok(());
         }
         let last = m.steps.len().saturating_sub(1);
@@ -599,13 +605,7 @@ impl PgFence {
         .execute(&mut *tx)
         .await?;
         if let Some(m) = record {
-            let applied: Option<i64> =
-                sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {s}._migrations WHERE version = $1")))
-                    .persistent(false)
-                    .bind(m.version)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if applied.is_some() {
+            if self.recorded(&mut *tx, m.version).await? {
                 return Ok(tx.commit().await?);
             }
         }
