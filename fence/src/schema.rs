@@ -52,7 +52,9 @@ impl Default for SchemaName {
     }
 }
 
-/// One migration step: its statements use `{s}` where the schema name goes.
+/// One SQLite migration: its statements use `{s}` where the schema name goes (PostgreSQL's are
+/// steps of their own, `postgres::migrations`).
+#[cfg(feature = "sqlite")]
 pub(crate) struct Migration {
     pub version: i64,
     pub name: &'static str,
