@@ -299,6 +299,15 @@ async fn hardening_item7_pg_bad_key_row_does_not_poison_the_claim_batch() {
     let mut shown: Vec<String> = dead.iter().map(|d| d.key.as_str().chars().take(18).collect()).collect();
     shown.sort();
     assert_eq!(shown, ["<invalid key \"\">", "<invalid key \"xxxx"], "{dead:?}");
+    // A requeue of every dead job leaves them dead: the claim would kill them again, and with
+    // migration 11 the key CHECK refuses them outside the dead state (before, the requeue failed
+    // on the first one: "stored job key: …", or the CHECK's violation).
+    let report = admin
+        .requeue_dead(&q, brokerfence::admin::Requeue::AllDead)
+        .await
+        .expect("requeue all dead beside bad-key rows");
+    assert!(report.requeued.is_empty(), "{report:?}");
+    assert_eq!(admin.dead(Some(&q), 10).await.expect("dead list").len(), 2);
     // The holders of the good rows commit as usual.
     for c in &got {
         fence.complete(&c.lease, b"done").await.expect("complete a good row");

@@ -47,6 +47,7 @@ async fn superseded(store: &dyn FenceStore, queue: &QueueName, k: &str) -> (Leas
 /// running). Returns the outcome, whether the handler reached its end, and the metrics.
 async fn commit_then_run_on<S: FenceStore + Clone + 'static>(
     store: S,
+    checkpoint_after: bool,
     begin: impl Fn() -> BoxFuture<'static, sqlx::Result<Box<dyn OwnTx>>> + Send + Sync + 'static,
 ) -> (Outcome, bool, brokerfence::fence::MetricsSnapshot) {
     let queue = QueueName::new(unique("run-on")).expect("queue");
@@ -64,6 +65,12 @@ async fn commit_then_run_on<S: FenceStore + Clone + 'static>(
             let mut tx = begin().await.map_err(JobError::retry)?;
             tx.complete(&ctx, b"committed in the handler's transaction").await?;
             tx.commit().await.map_err(JobError::retry)?;
+            if checkpoint_after {
+                // A context call after the commit is fenced (the row is no longer running): it
+                // cancels the handler, but the result committed all the same.
+                let fenced = ctx.checkpoint(b"after the commit").await;
+                assert!(fenced.is_err(), "{fenced:?}");
+            }
             // Work after the commit (logging, metrics, a slow cleanup): past the lease's end.
             tokio::time::sleep(Duration::from_secs(4)).await;
             reached_end.store(true, Ordering::SeqCst);
@@ -106,6 +113,10 @@ impl OwnTx for sqlx::Transaction<'static, sqlx::Sqlite> {
 fn assert_one_ack(outcome: Outcome, reached_end: bool, m: brokerfence::fence::MetricsSnapshot) {
     assert!(matches!(outcome, Outcome::Completed), "one commit must be one ack, got {outcome:?} ({m})");
     assert!(reached_end, "the handler was cancelled after its own commit");
+    assert_one_completion(m);
+}
+
+fn assert_one_completion(m: brokerfence::fence::MetricsSnapshot) {
     assert_eq!((m.completions, m.own_commits, m.lease_losses), (1, 1, 0), "{m}");
 }
 
@@ -117,7 +128,7 @@ fn assert_one_ack(outcome: Outcome, reached_end: bool, m: brokerfence::fence::Me
 async fn hardening_item5_a_handler_that_commits_and_runs_on_is_one_ack_pg() {
     let fence = common::pg().await;
     let pool = fence.pool().clone();
-    let (outcome, reached_end, m) = commit_then_run_on(fence, move || {
+    let (outcome, reached_end, m) = commit_then_run_on(fence, false, move || {
         let pool = pool.clone();
         Box::pin(async move { Ok(Box::new(pool.begin().await?) as Box<dyn OwnTx>) })
     })
@@ -130,7 +141,7 @@ async fn hardening_item5_a_handler_that_commits_and_runs_on_is_one_ack_pg() {
 async fn hardening_item5_a_handler_that_commits_and_runs_on_is_one_ack_sqlite() {
     let fence = common::sqlite().await;
     let pool = fence.pool().clone();
-    let (outcome, reached_end, m) = commit_then_run_on(fence, move || {
+    let (outcome, reached_end, m) = commit_then_run_on(fence, false, move || {
         let pool = pool.clone();
         Box::pin(async move { Ok(Box::new(pool.begin_with("BEGIN IMMEDIATE").await?) as Box<dyn OwnTx>) })
     })
@@ -245,4 +256,23 @@ async fn hardening_item6_complete_in_refuses_savepoints_and_autocommit_sqlite() 
     fence.complete_in(&mut tx, &current, b"r").await.expect("complete_in at depth 1");
     tx.commit().await.expect("commit");
     assert_eq!(fence.job(&queue, &key("k")).await.expect("read").expect("job").state, JobState::Completed);
+}
+
+/// Item 5, a context call after the handler's own commit (PostgreSQL): the checkpoint is fenced
+/// (the row is completed) and cancels the handler, but the row says the result committed under
+/// this epoch, so the attempt is one ack, not a lost lease. Fails without the row read for an
+/// attempt that lost its lease after `complete_in` (`Inner::own_commit_landed`): `LeaseLost {
+/// reason: Superseded }`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardening_item5_a_fenced_call_after_the_own_commit_is_still_one_ack_pg() {
+    let fence = common::pg().await;
+    let pool = fence.pool().clone();
+    let (outcome, reached_end, m) = commit_then_run_on(fence, true, move || {
+        let pool = pool.clone();
+        Box::pin(async move { Ok(Box::new(pool.begin().await?) as Box<dyn OwnTx>) })
+    })
+    .await;
+    assert!(matches!(outcome, Outcome::Completed), "one commit must be one ack, got {outcome:?} ({m})");
+    assert!(!reached_end, "the fenced checkpoint cancels the handler");
+    assert_one_completion(m);
 }

@@ -24,6 +24,10 @@ const MAX_REASON_BYTES: usize = 1024;
 const MAX_ATTRIBUTES: usize = 10;
 /// Tries of the delete that follows a dead-letter copy.
 const DELETE_TRIES: u32 = 3;
+/// The pause before the second try of that delete; it doubles before each further try.
+const FIRST_DELETE_PAUSE: Duration = Duration::from_millis(200);
+/// All the pauses between those tries (200 ms + 400 ms).
+const DELETE_PAUSES: Duration = Duration::from_millis(600);
 
 /// Receives the retry policy needs: one per attempt, plus one more for each 12 h a backoff lasts
 /// beyond the first (a retry's visibility is clamped to 12 h, so SQS hands the message out again,
@@ -240,10 +244,12 @@ impl SqsSource {
             tracing::info!(message_id = %d.0.message_id, dead_letter_queue = %dlq, "message copied to the dead-letter queue before; now deleted");
             return Ok(if removed { DeadLettered::AlreadyMoved } else { DeadLettered::Moved });
         }
-        // Hidden for the copy and the delete after it, so the delete does not find the handle
-        // run out (it would then come back, to any worker, and be copied again).
+        // Hidden for the copy and every try of the delete after it (with their pauses), so the
+        // delete does not find the handle run out (it would then come back, to any worker, and
+        // be copied again).
         let limit = self.inner.config.call_timeout;
-        self.set_visibility(d, visibility_secs(limit * 2 + Duration::from_secs(1))).await?;
+        self.set_visibility(d, visibility_secs(limit * (1 + DELETE_TRIES) + DELETE_PAUSES + Duration::from_secs(1)))
+            .await?;
         let send = self.copy_request(d, &dlq, reason)?;
         bounded("SendMessage", limit, async { send.send().await.map_err(|e| classify("SendMessage", e)) }).await?;
         self.copied(&d.0.message_id, false);
@@ -319,10 +325,12 @@ impl SqsSource {
     /// The delete after a copy: transient failures retried (a failure here sends the message
     /// back, and another worker would copy it again), while the handle is ours.
     async fn delete_after_copy(&self, d: &SqsDelivery) -> Result<(), SqsError> {
-        let mut pause = Duration::from_millis(200);
+        let mut pause = FIRST_DELETE_PAUSE;
         let mut tries = 1;
         loop {
             match self.delete_one(d).await {
+                // A handle no longer ours stays so: no retry can succeed.
+                Err(e @ SqsError::HandleNotOurs { .. }) => return Err(e),
                 Err(e) if e.is_transient() && tries < DELETE_TRIES => {
                     tracing::debug!(error = %e, tries, "delete after the dead-letter copy failed; retrying");
                     tokio::time::sleep(pause).await;

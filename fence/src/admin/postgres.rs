@@ -194,7 +194,14 @@ pub(super) async fn dead(
 /// The condition that leaves out rows claimed from a broker (no payload: only the table queue's
 /// enqueue stores one), unless they are to be requeued too.
 fn broker_filter(brokers: bool) -> &'static str {
-    if brokers { "" } else { "AND t.payload IS NOT NULL" }
+    // Keys `JobKey` refuses (rows a claim made dead, issue #30 item 7) are never requeued: the
+    // key CHECK (migration 11) refuses them outside the dead state, and the claim would kill them
+    // again. They stay dead, listed with their key marked.
+    if brokers {
+        "AND t.key <> '' AND octet_length(t.key) <= 1024"
+    } else {
+        "AND t.key <> '' AND octet_length(t.key) <= 1024 AND t.payload IS NOT NULL"
+    }
 }
 
 /// Dead jobs of `which` claimed from a broker: some of their keys (in key order) and how many.
@@ -214,7 +221,8 @@ pub(super) async fn broker_jobs(
     let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT t.key COLLATE \"C\", count(*) OVER ()::bigint FROM {s}.jobs t \
          WHERE t.queue = $1 AND t.finished IS NOT NULL AND t.finished = 'dead' AND t.state = 'dead' \
-           AND t.payload IS NULL AND ($2::text[] IS NULL OR t.key = ANY ($2::text[])) \
+           AND t.payload IS NULL AND t.key <> '' AND octet_length(t.key) <= 1024 \
+           AND ($2::text[] IS NULL OR t.key = ANY ($2::text[])) \
          ORDER BY t.key LIMIT $3"
     )))
     .persistent(false)

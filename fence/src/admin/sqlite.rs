@@ -123,7 +123,13 @@ pub(super) async fn dead(
 /// The condition that leaves out rows claimed from a broker (no payload: only the table queue's
 /// enqueue stores one), unless they are to be requeued too.
 fn broker_filter(brokers: bool) -> &'static str {
-    if brokers { "" } else { "AND payload IS NOT NULL" }
+    // Keys `JobKey` refuses (rows a claim made dead, issue #30 item 7) are never requeued: the
+    // claim would kill them again. They stay dead, listed with their key marked.
+    if brokers {
+        "AND key <> '' AND length(CAST(key AS BLOB)) <= 1024"
+    } else {
+        "AND key <> '' AND length(CAST(key AS BLOB)) <= 1024 AND payload IS NOT NULL"
+    }
 }
 
 /// Dead jobs of `which` claimed from a broker: some of their keys (in key order) and how many.
@@ -159,7 +165,8 @@ pub(super) async fn broker_jobs(
         Requeue::AllDead => {
             let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT key, count(*) OVER () FROM {s}_jobs \
-                 WHERE queue = ?1 AND state = 'dead' AND payload IS NULL ORDER BY key LIMIT ?2"
+                 WHERE queue = ?1 AND state = 'dead' AND payload IS NULL \
+                   AND key <> '' AND length(CAST(key AS BLOB)) <= 1024 ORDER BY key LIMIT ?2"
             )))
             .bind(queue.as_str().to_owned())
             .bind(shown)

@@ -604,10 +604,10 @@ impl PgFence {
         .persistent(false)
         .execute(&mut *tx)
         .await?;
-        if let Some(m) = record {
-            if self.recorded(&mut *tx, m.version).await? {
-                return Ok(tx.commit().await?);
-            }
+        if let Some(m) = record
+            && self.recorded(&mut tx, m.version).await?
+        {
+            return Ok(tx.commit().await?);
         }
         for stmt in statements {
             let (version, name) = record.map_or((0, "step"), |m| (m.version, m.name));

@@ -233,6 +233,26 @@ impl Inner {
         }
     }
 
+    /// Whether a handler that sent its own completion and then lost its lease had committed
+    /// it: completed under `lease` counts as a completion (and an own commit), like
+    /// [`after_own_commit`](Self::after_own_commit). An error reading the row is no: the
+    /// attempt ends as lost, and the redelivery finds the job done.
+    pub(super) async fn own_commit_landed(&self, lease: &Lease) -> bool {
+        match self.completed_under(lease).await {
+            Ok(true) => {
+                self.metrics.incr(Counter::Completions);
+                self.metrics.incr(Counter::OwnCommits);
+                tracing::debug!("result committed in the handler's transaction before its lease was found lost");
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read whether the handler's own commit landed; treated as lost");
+                false
+            }
+        }
+    }
+
     /// Whether the job of `lease` is completed under it, through the group read (see
     /// [`verify_loop`]), bounded like a commit's verdict.
     async fn completed_under(&self, lease: &Lease) -> Result<bool> {

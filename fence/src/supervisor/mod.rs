@@ -339,6 +339,14 @@ impl Supervisor {
         registered.settle();
 
         let outcome = match result {
+            // A handler that sent its own completion may have committed it before the loss was
+            // found (a context call after its COMMIT is fenced; the row read after a heartbeat
+            // can come too late): the row decides, so one commit is one ack (issue #30, item 5).
+            Err(LossReason::Superseded | LossReason::Unconfirmed)
+                if state.own_commit.load(Ordering::Acquire) && inner.own_commit_landed(&lease).await =>
+            {
+                Outcome::Completed
+            }
             Err(reason @ (LossReason::Superseded | LossReason::Unconfirmed)) => {
                 registered.leave();
                 inner.metrics.incr(Counter::LeaseLosses);

@@ -146,10 +146,13 @@ impl Inner {
         let answer = match tokio::time::timeout(interval, self.store.completed_under(&leases)).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(e)) => {
-                tracing::debug!(error = %e, leases = leases.len(), "could not read rows of handlers that committed on their own");
+                tracing::warn!(error = %e, leases = leases.len(), "could not read the rows of handlers that committed on their own; the next heartbeat asks again");
                 return;
             }
-            Err(_) => return,
+            Err(_) => {
+                tracing::warn!(leases = leases.len(), timeout = ?interval, "no answer reading the rows of handlers that committed on their own; the next heartbeat asks again");
+                return;
+            }
         };
         let mut gone = Vec::new();
         for ((l, s), committed) in own.into_iter().zip(answer.into_iter().chain(std::iter::repeat(false))) {

@@ -164,8 +164,15 @@ impl Holding {
             tracing::error!("the holding area is closed; the item cannot be kept");
             return;
         };
-        if let Ok(mut items) = self.items.lock() {
-            items.push(Held { due, item, route, failures, _place: place });
+        match self.items.lock() {
+            Ok(mut items) => items.push(Held { due, item, route, failures, _place: place }),
+            Err(_) => {
+                tracing::error!(
+                    ?route,
+                    "the holding area's lock is poisoned (a panic while it was held); the item is lost"
+                );
+                return;
+            }
         }
         self.wake.notify_one();
     }
