@@ -215,7 +215,7 @@ impl FenceStore for PgFence {
     /// live claims, commits and heartbeats for longer than that; on a lock timeout it backs off
     /// and tries again (see [`PgFence::with_migration_lock_timeout`]). Migrations add columns with
     /// constant defaults (no table rewrite); indexes are built CONCURRENTLY, backfills run in
-    /// batches, CHECKs are validated apart (see `postgres/migrations.rs`), and an interrupted
+    /// batches, CHECKs are validated apart (see `postgres/migrations/`), and an interrupted
     /// migration is resumed from its first step, which are all idempotent. The limit that remains: once granted, migration 2
     /// (byte-order keys) holds its exclusive lock while it rebuilds the indexes on the key
     /// columns, which takes time in proportion to the table (milliseconds for thousands of rows,
