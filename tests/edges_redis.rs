@@ -164,6 +164,7 @@ mod edges {
             list,
             ItemKey::Split(b'|'),
         )
+        .expect("retrofit")
     }
 
     /// The user's `BRPOP` loop with a quick handler, until the job of `key` is completed and the
@@ -749,6 +750,7 @@ mod edges {
             "stalled-list",
             ItemKey::Split(b'|'),
         )
+        .expect("retrofit")
         .command_timeout(response);
         let unsettled = ListProcessed { disposition: Disposition::Abandon, detail: None, lease_key: None };
         // The push-back's try is bounded too; the item Redis did not take is held (issue #30

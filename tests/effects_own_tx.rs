@@ -227,7 +227,8 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
         &redis,
         list.as_str(),
         ItemKey::Split(b'|'),
-    );
+    )
+    .expect("retrofit");
     for (k, _) in jobs() {
         let item = format!("{k}|payload");
         let (f, t) = (fence.clone(), table.clone());

@@ -185,7 +185,8 @@ async fn ergonomics_list_retrofit_in_a_brpop_loop_pg() {
     let queue = QueueName::new(list.as_str()).expect("queue");
     let config = SupervisorConfig::new(lease(10));
     let fence_list =
-        ListRetrofit::new(store.clone(), queue.clone(), config, &redis, list.as_str(), ItemKey::Split(b'|'));
+        ListRetrofit::new(store.clone(), queue.clone(), config, &redis, list.as_str(), ItemKey::Split(b'|'))
+            .expect("retrofit");
     let mut producer = redis.commands();
     for i in 1..=3 {
         let _: i64 = client::cmd("LPUSH")

@@ -502,7 +502,8 @@ async fn list_retrofit_in_a_brpop_loop() {
         &env.redis,
         list.as_str(),
         ItemKey::Split(b'|'),
-    );
+    )
+    .expect("retrofit");
     for item in ["r-0|slow", "r-1|a", "r-2|b", "r-1|a", "garbage"] {
         let _: i64 = client::cmd("LPUSH").arg(&list).arg(item).query_async(&mut conn).await.expect("LPUSH");
     }

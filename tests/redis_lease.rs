@@ -17,11 +17,11 @@ use tokio::sync::Semaphore;
 
 const TTL: Duration = Duration::from_secs(30);
 
-async fn get(conn: &mut client::aio::ConnectionManager, key: &str) -> Option<String> {
+async fn get(conn: &mut brokerfence::redis::RedisConn, key: &str) -> Option<String> {
     client::cmd("GET").arg(key).query_async(conn).await.expect("GET")
 }
 
-async fn pttl(conn: &mut client::aio::ConnectionManager, key: &str) -> i64 {
+async fn pttl(conn: &mut brokerfence::redis::RedisConn, key: &str) -> i64 {
     client::cmd("PTTL").arg(key).query_async(conn).await.expect("PTTL")
 }
 

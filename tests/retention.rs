@@ -684,7 +684,8 @@ async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S
         &redis,
         list.as_str(),
         ItemKey::ContentHash,
-    );
+    )
+    .expect("retrofit");
     let item = b"invoice 42 paid".as_slice();
     let (job_key, _) = ItemKey::ContentHash.decode(item).expect("content key");
     // How many times the handler ran, and the epoch of its last run.

@@ -147,6 +147,23 @@ pub trait Source: Send + Sync + 'static {
         0
     }
 
+    /// Checked once when the consumer starts, before anything is received: a configuration that
+    /// cannot work ends the run at once with [`SourceError::Fatal`] instead of failing at run
+    /// time. The Redis sources refuse, on a Redis Cluster, keys that one script would touch
+    /// together but that lie in different slots. A wrapper delegates it. The default accepts.
+    ///
+    /// ```no_run
+    /// # fn demo(source: brokerfence::redis::StreamSource) {
+    /// use brokerfence::Source;
+    /// if let Err(e) = source.check() {
+    ///     eprintln!("this source cannot work: {e}");
+    /// }
+    /// # }
+    /// ```
+    fn check(&self) -> Result<(), SourceError> {
+        Ok(())
+    }
+
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
     async fn receive(
         &self,

@@ -56,6 +56,10 @@ impl<S: Source> Source for EventSource<S> {
         self.0.kind()
     }
 
+    fn check(&self) -> Result<(), SourceError> {
+        self.0.check()
+    }
+
     fn default_batch(&self) -> usize {
         self.0.default_batch()
     }

@@ -11,8 +11,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use brokerfence::adapters::redis::RedisConn;
 use brokerfence::adapters::redis::RedisConnections;
-use brokerfence::adapters::redis::client::{self, Value, aio::ConnectionManager, aio::MultiplexedConnection};
+use brokerfence::adapters::redis::client::{self, Value, aio::MultiplexedConnection};
 use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source, SourceError};
 use brokerfence::fence::{
     FenceStore, JobRecord, Metrics, MetricsSnapshot, Owner, PgFence, QueueName, SupervisorConfig,
@@ -44,7 +45,7 @@ pub struct Env {
     pub store: PgFence,
     pub redis_url: String,
     pub redis: RedisConnections,
-    pub conn: ConnectionManager,
+    pub conn: RedisConn,
     pub prefix: String,
 }
 
@@ -75,7 +76,7 @@ impl Env {
     }
 
     /// A plain auto-reconnecting connection (a cheap clone).
-    pub fn conn(&self) -> ConnectionManager {
+    pub fn conn(&self) -> RedisConn {
         self.conn.clone()
     }
 
@@ -153,7 +154,7 @@ where
 }
 
 /// `XADD stream * f v …`; returns the id.
-pub async fn xadd(conn: &mut ConnectionManager, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
+pub async fn xadd(conn: &mut RedisConn, stream: &str, fields: &[(&[u8], &[u8])]) -> String {
     let mut cmd = client::cmd("XADD");
     cmd.arg(stream).arg("*");
     for (f, v) in fields {
@@ -167,12 +168,12 @@ pub async fn xadd(conn: &mut ConnectionManager, stream: &str, fields: &[(&[u8], 
 }
 
 /// `XADD` of a job with a `key` field and a `body`.
-pub async fn xadd_job(conn: &mut ConnectionManager, stream: &str, key: &str, body: &str) -> String {
+pub async fn xadd_job(conn: &mut RedisConn, stream: &str, key: &str, body: &str) -> String {
     xadd(conn, stream, &[(b"key", key.as_bytes()), (b"body", body.as_bytes())]).await
 }
 
 /// Number of pending entries of `group` (0 when the group or stream does not exist).
-pub async fn pending_count(conn: &mut ConnectionManager, stream: &str, group: &str) -> i64 {
+pub async fn pending_count(conn: &mut RedisConn, stream: &str, group: &str) -> i64 {
     let v: Result<Value, _> = client::cmd("XPENDING").arg(stream).arg(group).query_async(conn).await;
     match v {
         Ok(Value::Array(parts)) => match parts.first() {
@@ -184,12 +185,12 @@ pub async fn pending_count(conn: &mut ConnectionManager, stream: &str, group: &s
 }
 
 /// Pending rows: (id, consumer, idle ms, deliveries).
-pub async fn pending_rows(conn: &mut ConnectionManager, stream: &str, group: &str) -> Vec<(String, String, i64, i64)> {
+pub async fn pending_rows(conn: &mut RedisConn, stream: &str, group: &str) -> Vec<(String, String, i64, i64)> {
     client::cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(100).query_async(conn).await.expect("XPENDING")
 }
 
 /// The entries of a stream as (id, field/value pairs).
-pub async fn xrange(conn: &mut ConnectionManager, stream: &str) -> Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> {
+pub async fn xrange(conn: &mut RedisConn, stream: &str) -> Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> {
     let raw: Vec<(String, Vec<Vec<u8>>)> =
         client::cmd("XRANGE").arg(stream).arg("-").arg("+").query_async(conn).await.expect("XRANGE");
     raw.into_iter()

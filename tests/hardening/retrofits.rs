@@ -48,7 +48,7 @@ async fn rpop(env: &Env, list: &str) -> Vec<u8> {
 }
 
 fn list_fence(env: &Env, store: Arc<dyn FenceStore>, list: &str, config: SupervisorConfig) -> ListRetrofit {
-    ListRetrofit::new(store, queue(list), config, &env.redis, list, ItemKey::Split(b'|'))
+    ListRetrofit::new(store, queue(list), config, &env.redis, list, ItemKey::Split(b'|')).expect("retrofit")
 }
 
 /// A handler that panics with `message` (its result type named: nothing else says it).

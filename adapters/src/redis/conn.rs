@@ -4,13 +4,20 @@
 //!
 //! Every call this adapter makes is bounded ([`RedisTimeouts`]): a stalled Redis costs hints and
 //! reads, never a database lease, and nothing waits on it for ever.
+//!
+//! The pair is opened from one URL ([`RedisConnections::connect`]) for a single server, a Redis
+//! Cluster or a Sentinel master (the forms: [`RedisConnections::connect_with`]).
 
 use std::future::Future;
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
 
 use super::error::RedisError;
+use super::handle::{RedisConn, Topology};
+use super::sentinel::SentinelConn;
+use super::url::Target;
 use crate::builder::setters;
 
 /// How long this adapter waits for Redis.
@@ -54,11 +61,17 @@ pub struct RedisTimeouts {
     connect: Duration,
     response: Duration,
     block_margin: Duration,
+    sentinel_poll: Duration,
 }
 
 impl Default for RedisTimeouts {
     fn default() -> Self {
-        Self { connect: Duration::from_secs(2), response: Duration::from_secs(2), block_margin: Duration::from_secs(1) }
+        Self {
+            connect: Duration::from_secs(2),
+            response: Duration::from_secs(2),
+            block_margin: Duration::from_secs(1),
+            sentinel_poll: Duration::from_secs(1),
+        }
     }
 }
 
@@ -72,6 +85,17 @@ impl RedisTimeouts {
 
         /// How much longer than its block time a blocking read may take (default 1 s).
         pub fn block_margin(margin: Duration) { block_margin = margin }
+
+        /// How often the sentinels are asked where the master is (default 1 s, at least 10 ms;
+        /// only for a `redis+sentinel://` URL). They are also asked at once after a call failed.
+        /// After a failover the connections follow the new master within this interval and one
+        /// connect.
+        pub fn sentinel_poll(every: Duration) { sentinel_poll = every.max(Duration::from_millis(10)) }
+    }
+
+    /// How often the sentinels are asked where the master is.
+    pub fn sentinel_poll_interval(&self) -> Duration {
+        self.sentinel_poll
     }
 
     /// The connection timeout.
@@ -139,21 +163,24 @@ pub(crate) async fn bounded_op<T>(
 /// ```
 #[derive(Clone)]
 pub struct RedisConnections {
-    commands: ConnectionManager,
-    blocking: ConnectionManager,
+    commands: RedisConn,
+    blocking: RedisConn,
     timeouts: RedisTimeouts,
 }
 
 impl std::fmt::Debug for RedisConnections {
     // Never prints the URL: it may carry a password.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConnections").field("timeouts", &self.timeouts).finish_non_exhaustive()
+        f.debug_struct("RedisConnections")
+            .field("topology", &self.topology())
+            .field("timeouts", &self.timeouts)
+            .finish_non_exhaustive()
     }
 }
 
 impl RedisConnections {
-    /// Connects both connections to `url` (`redis://[user:password@]host:port[/db]`) with the
-    /// default [`RedisTimeouts`]. Both reconnect by themselves after the server restarts.
+    /// Connects both connections to `url` with the default [`RedisTimeouts`]. Both reconnect by
+    /// themselves after the server restarts. The URL forms: [`connect_with`](Self::connect_with).
     pub async fn connect(url: &str) -> Result<Self, RedisError> {
         Self::connect_with(url, RedisTimeouts::default()).await
     }
@@ -170,21 +197,57 @@ impl RedisConnections {
     /// # Ok(()) }
     /// ```
     ///
-    /// A URL of another scheme fails at once with [`RedisError::UnsupportedScheme`]; a server
-    /// that cannot be reached, or refuses the client, with [`RedisError::Unreachable`] naming its
-    /// address (see [`from_client_with`](Self::from_client_with)).
+    /// The forms of `url`:
+    ///
+    /// | topology | URL |
+    /// |---|---|
+    /// | one server | `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, `rediss://…` (TLS), `redis+unix:///PATH` |
+    /// | Redis Cluster | `redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…` (seed nodes; only database 0), `rediss+cluster://…` |
+    /// | Sentinel | `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…/MASTER[/DB]` (sentinels, then the master's name), `rediss+sentinel://…` |
+    ///
+    /// A port left out is 6379 (26379 for a sentinel). On a cluster, MOVED and ASK replies (a slot
+    /// being migrated) are followed by the client. Through Sentinel, the master the sentinels
+    /// agree on is followed after a failover ([`RedisTimeouts::sentinel_poll`]); the credentials
+    /// in the URL are the master's, and the sentinels are asked without any.
+    ///
+    /// A URL of another scheme fails at once with [`RedisError::UnsupportedScheme`], a malformed
+    /// cluster or Sentinel URL with [`RedisError::BadUrl`]; servers that cannot be reached, or
+    /// refuse the client, with [`RedisError::Unreachable`] naming their addresses (see
+    /// [`from_client_with`](Self::from_client_with)).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// use brokerfence::redis::{RedisConnections, RedisError};
     /// let err = RedisConnections::connect("http://127.0.0.1:6379").await.unwrap_err();
     /// assert!(matches!(err, RedisError::UnsupportedScheme { ref scheme } if scheme == "http"));
+    /// let err = RedisConnections::connect("redis+cluster://127.0.0.1:7000/2").await.unwrap_err();
+    /// assert!(matches!(err, RedisError::BadUrl { .. }));
     /// # }
     /// ```
     pub async fn connect_with(url: &str, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
-        check_scheme(url)?;
-        let client = ::redis::Client::open(url).map_err(RedisError::command("connect"))?;
-        Self::from_client_with(client, timeouts).await
+        let target = Target::parse(url)?;
+        let describe = target.describe();
+        match target {
+            Target::Single(url) => {
+                let client = ::redis::Client::open(url).map_err(RedisError::command("connect"))?;
+                Self::from_client_with(client, timeouts).await
+            }
+            Target::Cluster(nodes) => {
+                // MOVED, ASK and TRYAGAIN (a slot being migrated) are retried quickly; every call of the
+                // adapter is bounded anyway.
+                let client = ClusterClientBuilder::new(nodes)
+                    .retries(8)
+                    .min_retry_wait(10)
+                    .max_retry_wait(500)
+                    .build()
+                    .map_err(RedisError::command("connect"))?;
+                Self::open_cluster(client, timeouts, describe).await
+            }
+            Target::Sentinel(target) => {
+                let (commands, blocking) = SentinelConn::open(target, timeouts).await?;
+                Ok(Self { commands: RedisConn::sentinel(commands), blocking: RedisConn::sentinel(blocking), timeouts })
+            }
+        }
     }
 
     /// Connects both connections with a client you configured (TLS, credentials, protocol) and
@@ -204,6 +267,50 @@ impl RedisConnections {
         Self::open_with(client, timeouts).await.map_err(unreachable)
     }
 
+    /// Connects both connections to a Redis Cluster through a cluster client you configured (TLS
+    /// certificates, credentials, protocol), with your timeouts: the command connection gets the
+    /// `response` timeout, the blocking one none. The client's own retry settings apply to MOVED,
+    /// ASK and `TRYAGAIN`; each call of the adapter is still bounded as [`RedisTimeouts`] says.
+    ///
+    /// A cluster none of whose seed nodes answers fails with [`RedisError::Unreachable`].
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use brokerfence::redis::{RedisConnections, RedisTimeouts, client::cluster::ClusterClientBuilder};
+    /// let client = ClusterClientBuilder::new(vec!["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])
+    ///     .password("secret")
+    ///     .build()?;
+    /// let redis = RedisConnections::from_cluster_client_with(client, RedisTimeouts::default()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn from_cluster_client_with(client: ClusterClient, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
+        Self::open_cluster(client, timeouts, "the cluster client's seed nodes".into()).await
+    }
+
+    async fn open_cluster(client: ClusterClient, timeouts: RedisTimeouts, seeds: String) -> Result<Self, RedisError> {
+        let connect = timeouts.connect.saturating_mul(2).saturating_add(timeouts.response);
+        let config = ClusterConfig::new().set_connection_timeout(timeouts.connect);
+        let open = async {
+            let commands = bounded(
+                "connect",
+                connect,
+                client.get_async_connection_with_config(config.clone().set_response_timeout(timeouts.response)),
+            )
+            .await?;
+            // A day: the sources bound each blocking read by its own block time plus the margin.
+            let blocking = bounded(
+                "connect",
+                connect,
+                client.get_async_connection_with_config(config.set_response_timeout(Duration::from_secs(86_400))),
+            )
+            .await?;
+            Ok::<_, RedisError>((commands, blocking))
+        };
+        let (commands, blocking) =
+            open.await.map_err(|e| RedisError::Unreachable { addr: seeds, source: Box::new(e) })?;
+        Ok(Self { commands: commands.into(), blocking: blocking.into(), timeouts })
+    }
+
     async fn open_with(client: ::redis::Client, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeouts.connect))
@@ -220,14 +327,14 @@ impl RedisConnections {
         let blocking =
             bounded("connect", connect, client.get_connection_manager_with_config(base.set_response_timeout(None)))
                 .await?;
-        Ok(Self { commands, blocking, timeouts })
+        Ok(Self { commands: commands.into(), blocking: blocking.into(), timeouts })
     }
 
     /// Uses connections you built yourself, with the default [`RedisTimeouts`] (change them with
     /// [`with_timeouts`](Self::with_timeouts)). `blocking` must not time out responses sooner than
     /// the block time of the source that uses it plus the margin.
     pub fn from_managers(commands: ConnectionManager, blocking: ConnectionManager) -> Self {
-        Self { commands, blocking, timeouts: RedisTimeouts::default() }
+        Self { commands: commands.into(), blocking: blocking.into(), timeouts: RedisTimeouts::default() }
     }
 
     setters! {
@@ -240,26 +347,18 @@ impl RedisConnections {
         self.timeouts
     }
 
+    /// The kind of Redis these connections talk to.
+    pub fn topology(&self) -> Topology {
+        self.commands.topology()
+    }
+
     /// The connection for short commands (a cheap clone).
-    pub fn commands(&self) -> ConnectionManager {
+    pub fn commands(&self) -> RedisConn {
         self.commands.clone()
     }
 
     /// The connection for blocking reads (a cheap clone).
-    pub fn blocking(&self) -> ConnectionManager {
+    pub fn blocking(&self) -> RedisConn {
         self.blocking.clone()
-    }
-}
-
-/// Refuses a URL whose scheme the Redis client does not take (it would only say
-/// `InvalidClientConfig`).
-fn check_scheme(url: &str) -> Result<(), RedisError> {
-    const SCHEMES: &[&str] = &["redis", "rediss", "redis+unix", "unix", "valkey", "valkeys", "valkey+unix"];
-    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
-    if SCHEMES.iter().any(|s| s.eq_ignore_ascii_case(scheme)) {
-        Ok(())
-    } else {
-        let scheme = url.split_once(':').map(|(s, _)| s).filter(|s| !s.contains('/')).unwrap_or("");
-        Err(RedisError::UnsupportedScheme { scheme: scheme.to_owned() })
     }
 }

@@ -53,17 +53,60 @@ pub enum RedisError {
     /// assert_eq!(
     ///     e.to_string(),
     ///     "unsupported Redis URL scheme \"http:\": expected redis://[USER:PASSWORD@]HOST:PORT[/DB], \
-    ///      rediss://… for TLS, or redis+unix:///PATH/TO/SOCKET (also unix://)"
+    ///      rediss://… for TLS, redis+unix:///PATH/TO/SOCKET (also unix://), \
+    ///      redis+cluster://HOST:PORT,HOST:PORT,… for Redis Cluster, or \
+    ///      redis+sentinel://HOST:PORT,HOST:PORT,…/MASTER[/DB] for Sentinel"
     /// );
     /// assert!(e.is_fatal());
     /// ```
     #[error(
         "unsupported Redis URL scheme \"{scheme}:\": expected redis://[USER:PASSWORD@]HOST:PORT[/DB], \
-         rediss://… for TLS, or redis+unix:///PATH/TO/SOCKET (also unix://)"
+         rediss://… for TLS, redis+unix:///PATH/TO/SOCKET (also unix://), \
+         redis+cluster://HOST:PORT,HOST:PORT,… for Redis Cluster, or \
+         redis+sentinel://HOST:PORT,HOST:PORT,…/MASTER[/DB] for Sentinel"
     )]
     UnsupportedScheme {
         /// The scheme of the URL (empty when it has none), without the colon.
         scheme: String,
+    },
+    /// A cluster or Sentinel URL that is malformed (no master name, a port that is not a number,
+    /// a database other than 0 on a cluster): refused before any connection is made. Never
+    /// carries the password.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use brokerfence::redis::{RedisConnections, RedisError};
+    /// let err = RedisConnections::connect("redis+sentinel://:pw@127.0.0.1:26379").await.unwrap_err();
+    /// assert!(matches!(err, RedisError::BadUrl { .. }));
+    /// assert!(err.to_string().contains("names the master") && !err.to_string().contains("pw"));
+    /// assert!(err.is_fatal());
+    /// # }
+    /// ```
+    #[error("invalid Redis URL: {reason}")]
+    BadUrl {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Keys that one script or pipeline of a source touches together fall in different slots of
+    /// a Redis Cluster (a dead-letter stream or processing list named without the source key's
+    /// hash tag): refused when the consumer starts, before anything is received, never at run
+    /// time. Name them with the same `{tag}` (see [`sibling_key`](super::sibling_key)).
+    #[error(
+        "{what}: the keys {first:?} (slot {first_slot}) and {second:?} (slot {second_slot}) are in different \
+         Redis Cluster slots, and one script touches both; give them the same hash tag, e.g. {{orders}} and \
+         {{orders}}:dead"
+    )]
+    CrossSlot {
+        /// The source or retrofit that would touch them.
+        what: &'static str,
+        /// The key the others must share a slot with.
+        first: String,
+        /// Its slot.
+        first_slot: u16,
+        /// The key in another slot.
+        second: String,
+        /// Its slot.
+        second_slot: u16,
     },
     /// The connections could not be opened: nothing listens at the address, the server did not
     /// answer in time, or it refused the client (authentication, TLS). Names the address (never
@@ -171,7 +214,11 @@ impl RedisError {
     /// of the wrong type.
     pub fn is_fatal(&self) -> bool {
         match self {
-            RedisError::Config(_) | RedisError::UnsupportedScheme { .. } | RedisError::Refused(_) => true,
+            RedisError::Config(_)
+            | RedisError::UnsupportedScheme { .. }
+            | RedisError::BadUrl { .. }
+            | RedisError::CrossSlot { .. }
+            | RedisError::Refused(_) => true,
             RedisError::Unreachable { source, .. } => source.is_fatal(),
             RedisError::Reply { .. } | RedisError::Timeout { .. } | RedisError::StillHeld { .. } => false,
             RedisError::Command { source, .. } => {

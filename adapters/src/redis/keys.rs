@@ -4,6 +4,8 @@
 
 use fence::{JobKey, Owner, QueueName};
 
+use super::error::RedisError;
+
 /// The part of `key` that Redis Cluster hashes: the content of the first non-empty `{…}`, or the
 /// whole key.
 ///
@@ -23,6 +25,44 @@ pub fn slot_part(key: &[u8]) -> &[u8] {
         }
     }
     key
+}
+
+/// The Redis Cluster slot of `key` (CRC16/XMODEM of its [`slot_part`], modulo 16,384), as
+/// `CLUSTER KEYSLOT` computes it.
+///
+/// ```
+/// use brokerfence::redis::key_slot;
+/// assert_eq!(key_slot(b"foo"), 12182);
+/// assert_eq!(key_slot(b"{orders}:dead"), key_slot(b"orders"));
+/// ```
+pub fn key_slot(key: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in slot_part(key) {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc % 16384
+}
+
+/// Fails with [`RedisError::CrossSlot`] when one of `others` is not in the slot of `anchor`:
+/// `what` (a source) would touch them in one script.
+pub(crate) fn check_same_slot(what: &'static str, anchor: &str, others: &[&str]) -> Result<(), RedisError> {
+    let first_slot = key_slot(anchor.as_bytes());
+    for other in others {
+        let second_slot = key_slot(other.as_bytes());
+        if second_slot != first_slot {
+            return Err(RedisError::CrossSlot {
+                what,
+                first: anchor.to_owned(),
+                first_slot,
+                second: (*other).to_owned(),
+                second_slot,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A key named after `base` that lands in the same cluster slot: `base` + `suffix` when `base` has a
@@ -68,25 +108,14 @@ pub fn token(owner: &Owner, epoch: i64) -> String {
 mod tests {
     use super::*;
 
-    /// CRC16/XMODEM, as Redis Cluster uses for slots.
-    fn crc16(data: &[u8]) -> u16 {
-        let mut crc: u16 = 0;
-        for &b in data {
-            crc ^= u16::from(b) << 8;
-            for _ in 0..8 {
-                crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
-            }
-        }
-        crc
-    }
-
     fn slot(key: &str) -> u16 {
-        crc16(slot_part(key.as_bytes())) % 16384
+        key_slot(key.as_bytes())
     }
 
     #[test]
     fn crc16_matches_the_redis_reference() {
-        assert_eq!(crc16(b"123456789"), 0x31C3);
+        // CRC16/XMODEM("123456789") = 0x31C3, modulo 16384.
+        assert_eq!(key_slot(b"123456789"), 0x31C3 % 16384);
         assert_eq!(slot("foo"), 12182);
         assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
     }

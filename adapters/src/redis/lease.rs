@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
 use fence::{JobKey, Lease, LeaseHook, Owner, QueueName};
 
 use super::conn::{RedisConnections, RedisTimeouts, bounded, bounded_op};
 use super::error::RedisError;
+use super::handle::RedisConn;
 use super::keys;
 use super::reply;
 use super::scripts::SCRIPTS;
@@ -69,7 +69,7 @@ pub(crate) fn millis(d: Duration) -> u64 {
 /// ```
 #[derive(Clone)]
 pub struct LeaseKeys {
-    conn: ConnectionManager,
+    conn: RedisConn,
     anchor: Arc<str>,
     /// The response timeout in milliseconds, shared by every clone (a hook holds one).
     timeout_ms: Arc<AtomicU64>,
@@ -84,11 +84,12 @@ impl std::fmt::Debug for LeaseKeys {
 }
 
 impl LeaseKeys {
-    /// Lease keys named after `anchor` (they share its cluster slot).
-    pub fn new(conn: ConnectionManager, anchor: impl Into<String>) -> Self {
+    /// Lease keys named after `anchor` (they share its cluster slot), on `conn` (a
+    /// [`RedisConn`], or a `ConnectionManager` of your own).
+    pub fn new(conn: impl Into<RedisConn>, anchor: impl Into<String>) -> Self {
         let timeout = millis(RedisTimeouts::default().response_timeout());
         Self {
-            conn,
+            conn: conn.into(),
             anchor: Arc::from(anchor.into()),
             timeout_ms: Arc::new(AtomicU64::new(timeout)),
             held: Arc::new(Mutex::new(HashMap::new())),

@@ -34,6 +34,7 @@
 
 mod conn;
 mod error;
+mod handle;
 mod keys;
 mod lease;
 mod list;
@@ -41,14 +42,17 @@ mod list;
 mod outbox;
 mod reply;
 mod scripts;
+mod sentinel;
 mod stream;
+mod url;
 
 /// The `redis` client crate this adapter is built on (same version), for your own commands.
 pub use ::redis as client;
 
 pub use conn::{RedisConnections, RedisTimeouts};
 pub use error::RedisError;
-pub use keys::{lease_key, sibling_key, slot_part, token};
+pub use handle::{RedisConn, Topology};
+pub use keys::{key_slot, lease_key, sibling_key, slot_part, token};
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
 pub use list::{ItemKey, ListDelivery, ListProcessed, ListRetrofit, ReliableList};
 #[cfg(feature = "postgres")]

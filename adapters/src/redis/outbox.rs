@@ -1,17 +1,20 @@
 //! The outbox relay's Redis publisher: `XADD` to a stream, the fence stamp as fields.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use fence::OutboxRow;
 
 use super::conn::{RedisConnections, bounded};
+use super::handle::Topology;
+use super::keys::key_slot;
 use crate::builder::setters;
 use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 
 /// Publishes outbox rows to Redis streams: one `XADD` per row, all rows of a call in one
-/// pipeline (no `MULTI`), bounded by the response timeout of the connections.
+/// pipeline (no `MULTI`; on a Redis Cluster one pipeline per slot, sent side by side), each
+/// bounded by the response timeout of the connections.
 ///
 /// Each row's destination names a stream through [`route`](Self::route). An entry's fields are
 /// the fence stamp (`Fence-Queue`, `Fence-Job`, `Fence-Epoch`, `Fence-Owner`, see
@@ -67,13 +70,16 @@ impl Publisher for RedisPublisher {
 
     async fn publish(&self, rows: &[OutboxRow]) -> Result<Published, PublishError> {
         let mut out = Published::default();
-        let mut pipe = ::redis::pipe();
-        let mut ids = Vec::with_capacity(rows.len());
+        // On a cluster a pipeline must stay in one slot: one pipeline per slot, sent side by side.
+        let cluster = self.conns.topology() == Topology::Cluster;
+        let mut batches: BTreeMap<u16, (::redis::Pipeline, Vec<i64>)> = BTreeMap::new();
         for row in rows {
             let Some(stream) = self.routes.get(&row.destination) else {
                 out.failed.push((row.id, PublishError::NoRoute(row.destination.clone())));
                 continue;
             };
+            let slot = if cluster { key_slot(stream.as_bytes()) } else { 0 };
+            let (pipe, ids) = batches.entry(slot).or_insert_with(|| (::redis::pipe(), Vec::new()));
             let cmd = pipe.cmd("XADD").arg(stream).arg("*");
             for (name, value) in row.stamp().to_headers() {
                 cmd.arg(name).arg(value);
@@ -81,24 +87,28 @@ impl Publisher for RedisPublisher {
             cmd.arg(OUTBOX_ID).arg(row.id).arg(&self.body_field).arg(&row.payload[..]);
             ids.push(row.id);
         }
-        if ids.is_empty() {
-            return Ok(out);
-        }
-        let mut conn = self.conns.commands();
         let limit = self.limit();
-        let answer: Result<Vec<String>, _> = bounded("XADD", limit, pipe.query_async(&mut conn)).await;
-        match answer {
-            Ok(entry_ids) if entry_ids.len() == ids.len() => out.accepted.extend(ids),
-            Ok(entry_ids) => {
-                let why = format!("pipeline answered {} entry ids for {} XADDs", entry_ids.len(), ids.len());
-                out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Broker(why.clone()))));
+        let sends = batches.into_values().map(|(pipe, ids)| {
+            let mut conn = self.conns.commands();
+            async move {
+                let answer: Result<Vec<String>, _> = bounded("XADD", limit, pipe.query_async(&mut conn)).await;
+                (ids, answer)
             }
-            Err(super::RedisError::Timeout { after, .. }) => {
-                out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Timeout(after))));
-            }
-            Err(e) => {
-                let why = e.to_string();
-                out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Broker(why.clone()))));
+        });
+        for (ids, answer) in futures::future::join_all(sends).await {
+            match answer {
+                Ok(entry_ids) if entry_ids.len() == ids.len() => out.accepted.extend(ids),
+                Ok(entry_ids) => {
+                    let why = format!("pipeline answered {} entry ids for {} XADDs", entry_ids.len(), ids.len());
+                    out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Broker(why.clone()))));
+                }
+                Err(super::RedisError::Timeout { after, .. }) => {
+                    out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Timeout(after))));
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    out.failed.extend(ids.into_iter().map(|id| (id, PublishError::Broker(why.clone()))));
+                }
             }
         }
         Ok(out)

@@ -225,6 +225,10 @@ impl<S: Source> Consumer<S> {
     }
 
     async fn run_with_token<H: Handler>(&self, handler: H, shutdown: &CancellationToken) -> Result<(), SourceError> {
+        if let Err(e) = self.source.check() {
+            tracing::error!(error = %e, "the source's configuration cannot work; consumer refuses to start");
+            return Err(e);
+        }
         self.check_schema().await?;
         let places = self.config.places();
         // Every queued acknowledgement holds an unsettled place, so the channel never fills

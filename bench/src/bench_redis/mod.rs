@@ -93,7 +93,7 @@ mod bench {
     }
 
     async fn produce(
-        conn: &mut client::aio::ConnectionManager,
+        conn: &mut brokerfence::redis::RedisConn,
         stream: &str,
         n: usize,
     ) -> Result<(), client::RedisError> {

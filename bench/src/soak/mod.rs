@@ -277,7 +277,7 @@ mod redis_soak {
     use brokerfence::adapters::redis::{RedisConnections, StreamSource, client};
 
     struct StreamProducer {
-        conn: client::aio::ConnectionManager,
+        conn: brokerfence::redis::RedisConn,
         stream: String,
     }
 

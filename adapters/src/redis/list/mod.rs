@@ -15,7 +15,8 @@ use tokio::time::Instant;
 
 use super::conn::{RedisConnections, bounded};
 use super::error::RedisError;
-use super::keys::sibling_key;
+use super::handle::Topology;
+use super::keys::{check_same_slot, sibling_key};
 use super::lease::LeaseKeys;
 use super::reply;
 use super::scripts::SCRIPTS;
@@ -255,6 +256,14 @@ impl Source for ReliableList {
 
     fn queue(&self) -> &QueueName {
         &self.queue
+    }
+
+    fn check(&self) -> Result<(), SourceError> {
+        if self.conns.topology() != Topology::Cluster {
+            return Ok(());
+        }
+        let lease = self.lease_key_of(b"");
+        check_same_slot("ReliableList", &self.list, &[&self.processing, &self.dead, &lease]).map_err(SourceError::from)
     }
 
     fn kind(&self) -> &'static str {

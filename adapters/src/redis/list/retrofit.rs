@@ -15,7 +15,8 @@ use crate::disposition::Disposition;
 use crate::middleware::{Detail, Retrofit};
 use crate::redis::conn::RedisConnections;
 use crate::redis::error::RedisError;
-use crate::redis::keys::{sibling_key, token};
+use crate::redis::handle::Topology;
+use crate::redis::keys::{check_same_slot, sibling_key, token};
 use crate::redis::lease::{LeaseKeyHook, LeaseKeys};
 
 use super::ItemKey;
@@ -74,7 +75,7 @@ impl ListProcessed {
 /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
-/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'));
+/// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))?;
 /// fence.retrofit().check_schema().await?; // "… run migrations …" on a schema this build cannot use
 /// let mut conn = redis.blocking();
 /// let block = std::time::Duration::from_secs(5);
@@ -124,6 +125,10 @@ impl ListRetrofit {
     /// ([`RedisTimeouts::response`](crate::redis::RedisTimeouts::response), default 2 s; change it with
     /// [`command_timeout`](Self::command_timeout)); your blocking pop belongs on
     /// [`RedisConnections::blocking`], which has no response timeout of its own.
+    ///
+    /// On a Redis Cluster, a list name whose derived keys (`{list}:dead`, the lease keys) would
+    /// fall in another slot than the list (a `}` without a `{…}` hash tag before it) is refused
+    /// here with [`RedisError::CrossSlot`]; on one server every name is taken.
     pub fn new(
         store: Arc<dyn FenceStore>,
         queue: QueueName,
@@ -131,7 +136,7 @@ impl ListRetrofit {
         redis: &RedisConnections,
         list: impl Into<String>,
         item_key: ItemKey,
-    ) -> Self {
+    ) -> Result<Self, RedisError> {
         Self::with_owner(store, queue, Owner::unique("worker"), config, redis, list, item_key)
     }
 
@@ -144,16 +149,20 @@ impl ListRetrofit {
         redis: &RedisConnections,
         list: impl Into<String>,
         item_key: ItemKey,
-    ) -> Self {
+    ) -> Result<Self, RedisError> {
         let list = list.into();
         let dead = sibling_key(&list, ":dead");
         let leases = LeaseKeys::of_source(redis, &list);
+        if redis.topology() == Topology::Cluster {
+            let lease = sibling_key(&list, ":lease:");
+            check_same_slot("ListRetrofit", &list, &[&dead, &lease])?;
+        }
         let retrofit = Retrofit::with_owner(store, queue, owner.clone(), config);
         let target = Target::new(redis, &leases, &list, &dead, owner.as_str(), Arc::clone(retrofit.metrics()));
         retrofit.supervisor().add_hook(Arc::new(LeaseKeyHook::new(leases.clone())));
         let holding = Holding::start(DEFAULT_HOLDING, target.clone());
         let _close = Arc::new(CloseOnDrop(Arc::clone(&holding)));
-        Self { retrofit, leases, item_key, list, dead, target, holding, _close }
+        Ok(Self { retrofit, leases, item_key, list, dead, target, holding, _close })
     }
 
     /// How many popped items the holding area keeps (default 1,024, at least 1): items on their
@@ -166,7 +175,7 @@ impl ListRetrofit {
     /// use brokerfence::redis::{ItemKey, ListRetrofit};
     /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
-    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))?
     ///     .holding_capacity(64);
     /// assert_eq!(fence.held(), 0);
     /// # Ok(()) }
@@ -215,7 +224,7 @@ impl ListRetrofit {
     /// use brokerfence::redis::{ItemKey, ListRetrofit};
     /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
-    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))
+    /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))?
     ///     .command_timeout(Duration::from_millis(500));
     /// assert_eq!(fence.leases().timeout(), Duration::from_millis(500));
     /// # Ok(()) }

@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fence::{Lease, QueueName};
+use fence::{JobKey, Lease, QueueName};
 use tokio::time::Instant;
 
 use super::conn::{RedisConnections, bounded};
 use super::error::RedisError;
-use super::keys::sibling_key;
+use super::handle::Topology;
+use super::keys::{check_same_slot, sibling_key};
 use super::lease::LeaseKeys;
 use super::scripts::SCRIPTS;
 use crate::builder::{debug_some, setters};
@@ -210,6 +211,16 @@ impl StreamSource {
     pub fn leases(&self) -> &LeaseKeys {
         &self.leases
     }
+
+    /// On a Redis Cluster: the dead-letter stream and the lease keys must share the stream's
+    /// slot, since one script touches them together.
+    fn check_slots(&self) -> Result<(), RedisError> {
+        if self.conns.topology() != Topology::Cluster {
+            return Ok(());
+        }
+        let lease = self.leases.key(&self.queue, &JobKey::new("0-1").map_err(|e| RedisError::Config(e.to_string()))?);
+        check_same_slot("StreamSource", &self.stream, &[&self.dead, &lease])
+    }
 }
 
 #[async_trait]
@@ -218,6 +229,10 @@ impl Source for StreamSource {
 
     fn queue(&self) -> &QueueName {
         &self.queue
+    }
+
+    fn check(&self) -> Result<(), SourceError> {
+        self.check_slots().map_err(SourceError::from)
     }
 
     fn kind(&self) -> &'static str {
