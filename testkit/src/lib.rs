@@ -11,6 +11,9 @@
 //! - [`wait`]: the one polling loop (`wait_for`, `eventually`);
 //! - [`pg_topology`]: private PostgreSQL servers on free ports, a primary with a streaming standby
 //!   (async or sync), TCP relays (a VIP, the replication link) and PgBouncer, for failover tests;
+//! - [`redis_topology`] (feature `redis`): private `redis-server`s on free ports, a Redis Cluster
+//!   with slot migrations, a master and replica under sentinels, a primary whose replication link
+//!   a relay can cut;
 //! - [`process`]: child processes (the test binary re-executed as a worker, signals);
 //!   [`programs`]: the examples and the CLI binary a test runs, built by cargo for the test;
 //!   [`tree`]: the repository's files, for the layout tests;
@@ -31,6 +34,8 @@ pub mod receiver;
 #[cfg(feature = "redis")]
 #[allow(missing_docs)]
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod redis_topology;
 pub mod services;
 #[cfg(feature = "sqs")]
 #[allow(missing_docs)]
