@@ -1,0 +1,1 @@
+//! (issue #31: filled by this module's tests)
