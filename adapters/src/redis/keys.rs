@@ -114,7 +114,6 @@ mod tests {
 
     #[test]
     fn crc16_matches_the_redis_reference() {
-        // CRC16/XMODEM("123456789") = 0x31C3, modulo 16384.
         assert_eq!(key_slot(b"123456789"), 0x31C3); // CRC16/XMODEM("123456789"), below 16384
         assert_eq!(slot("foo"), 12182);
         assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));

@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use fence::{JobKey, Lease, LeaseHook, Owner, QueueName};
 
-use super::conn::{RedisConnections, RedisTimeouts, bounded, bounded_op};
+use super::conn::RedisConnections;
 use super::error::RedisError;
 use super::handle::RedisConn;
 use super::keys;
 use super::reply;
 use super::scripts::SCRIPTS;
+use super::timeouts::{RedisTimeouts, bounded, bounded_op};
 
 /// What acquiring one lease key did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -44,12 +44,13 @@ mod reply;
 mod scripts;
 mod sentinel;
 mod stream;
+mod timeouts;
 mod url;
 
 /// The `redis` client crate this adapter is built on (same version), for your own commands.
 pub use ::redis as client;
 
-pub use conn::{RedisConnections, RedisTimeouts};
+pub use conn::RedisConnections;
 pub use error::RedisError;
 pub use handle::{RedisConn, Topology};
 pub use keys::{key_slot, lease_key, sibling_key, slot_part, token};
@@ -58,3 +59,4 @@ pub use list::{ItemKey, ListDelivery, ListProcessed, ListRetrofit, ReliableList}
 #[cfg(feature = "postgres")]
 pub use outbox::RedisPublisher;
 pub use stream::{KeyFrom, StreamDelivery, StreamSource};
+pub use timeouts::RedisTimeouts;

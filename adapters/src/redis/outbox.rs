@@ -6,9 +6,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use fence::OutboxRow;
 
-use super::conn::{RedisConnections, bounded};
+use super::conn::RedisConnections;
 use super::handle::Topology;
 use super::keys::key_slot;
+use super::timeouts::bounded;
 use crate::builder::setters;
 use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 

@@ -19,8 +19,8 @@ use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, M
 use ::redis::{AsyncConnectionConfig, Client, Cmd, Pipeline, RedisFuture, Value};
 use tokio::sync::{Mutex, Notify, watch};
 
-use super::conn::{RedisTimeouts, bounded, bounded_op};
 use super::error::RedisError;
+use super::timeouts::{RedisTimeouts, bounded, bounded_op};
 use super::url::SentinelTarget;
 
 /// The master the sentinels agree on, numbered so that connections notice a change.

@@ -16,11 +16,12 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::redis::conn::{RedisConnections, bounded};
+use crate::redis::conn::RedisConnections;
 use crate::redis::error::RedisError;
 use crate::redis::keys::sibling_key;
 use crate::redis::lease::LeaseKeys;
 use crate::redis::scripts::SCRIPTS;
+use crate::redis::timeouts::bounded;
 
 /// The default number of items the holding area keeps.
 pub(super) const DEFAULT_HOLDING: usize = 1024;

@@ -13,13 +13,14 @@ use async_trait::async_trait;
 use fence::{Lease, QueueName};
 use tokio::time::Instant;
 
-use super::conn::{RedisConnections, bounded};
+use super::conn::RedisConnections;
 use super::error::RedisError;
 use super::handle::Topology;
 use super::keys::{check_same_slot, sibling_key};
 use super::lease::LeaseKeys;
 use super::reply;
 use super::scripts::SCRIPTS;
+use super::timeouts::bounded;
 use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
 use crate::source::{DeadLettered, Incoming, Source, SourceError};

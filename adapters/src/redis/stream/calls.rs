@@ -8,12 +8,12 @@ use ::redis::Value;
 use fence::{JobKey, Lease};
 use tokio::time::Instant;
 
-use crate::redis::conn::bounded;
 use crate::redis::error::RedisError;
 use crate::redis::keys::token;
 use crate::redis::lease::millis;
 use crate::redis::reply::{self, RawEntry};
 use crate::redis::scripts::SCRIPTS;
+use crate::redis::timeouts::bounded;
 use crate::source::Incoming;
 
 use super::{KeyFrom, State, StreamDelivery, StreamSource};

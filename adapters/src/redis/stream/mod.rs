@@ -10,12 +10,13 @@ use async_trait::async_trait;
 use fence::{JobKey, Lease, QueueName};
 use tokio::time::Instant;
 
-use super::conn::{RedisConnections, bounded};
+use super::conn::RedisConnections;
 use super::error::RedisError;
 use super::handle::Topology;
 use super::keys::{check_same_slot, sibling_key};
 use super::lease::LeaseKeys;
 use super::scripts::SCRIPTS;
+use super::timeouts::bounded;
 use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
