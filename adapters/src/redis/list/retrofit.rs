@@ -171,7 +171,7 @@ impl ListRetrofit {
     /// loop could not pop anyway). Set it before the first item.
     ///
     /// ```no_run
-    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, redis: brokerfence::redis::RedisConnections) -> brokerfence::Result<()> {
+    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, redis: brokerfence::redis::RedisConnections) -> Result<(), Box<dyn std::error::Error>> {
     /// use brokerfence::redis::{ItemKey, ListRetrofit};
     /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
@@ -219,7 +219,7 @@ impl ListRetrofit {
     /// timeout, or lower.
     ///
     /// ```no_run
-    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, redis: brokerfence::redis::RedisConnections) -> brokerfence::Result<()> {
+    /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>, redis: brokerfence::redis::RedisConnections) -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
     /// use brokerfence::redis::{ItemKey, ListRetrofit};
     /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
