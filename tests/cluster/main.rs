@@ -8,9 +8,11 @@
 //! |---|---|
 //! | [`start`] | URL forms, a cluster or sentinels that are down, cross-slot configurations refused at start |
 //! | [`sources`] | each Redis source and the retrofits end to end on a 3-primary cluster; a slot migrated mid-run |
+//! | [`reaper`] | a defect found on the way: two list reapers put one orphan back twice |
 //! | [`failover`] | a Sentinel failover mid-run; a replica promoted after a partition while workers kept writing to the old primary |
 #![cfg(all(feature = "redis", feature = "postgres"))]
 
 mod failover;
+mod reaper;
 mod sources;
 mod start;

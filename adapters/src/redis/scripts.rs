@@ -216,22 +216,32 @@ redis.call('XADD', KEYS[1], '*', 'dead.reason', ARGV[1], 'dead.list', ARGV[2], '
 return 1
 ";
 
-/// One pass of the reaper. KEYS[1]: processing; KEYS[2]: queue; KEYS[2+i]: lease key of item i.
-/// ARGV[i]: item i; ARGV[n+i]: '1' when item i was already seen without a lease key on the previous
-/// pass. Per item: 0 = has a lease key, 1 = no lease key (a suspect), 2 = put back on the queue.
+/// One pass of the reaper. KEYS[1]: processing; KEYS[2]: queue; KEYS[3]: the list's reap count
+/// (bumped whenever any reaper puts an item back); KEYS[3+i]: lease key of item i. ARGV[i]: item i;
+/// ARGV[n+i]: '1' when item i was already seen without a lease key on the previous pass;
+/// ARGV[2n+1]: the reap count at that pass. Per item: 0 = has a lease key, 1 = no lease key (a
+/// suspect), 2 = put back on the queue; then the reap count now. A suspect goes back only when no
+/// reaper put anything back since the previous pass: a value seen keyless then may be another
+/// copy now (put back by another reaper and taken again, its lease key not yet reserved).
 const LIST_REAP: &str = r"
-local n = #KEYS - 2
+local n = #KEYS - 3
+local count = tonumber(redis.call('GET', KEYS[3]) or '0')
+local quiet = tostring(count) == ARGV[2 * n + 1]
 local out = {}
+local back = 0
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[2 + i]) == 1 then
+  if redis.call('EXISTS', KEYS[3 + i]) == 1 then
     out[i] = 0
-  elseif ARGV[n + i] == '1' and redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+  elseif quiet and ARGV[n + i] == '1' and redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
     redis.call('RPUSH', KEYS[2], ARGV[i])
     out[i] = 2
+    back = back + 1
   else
     out[i] = 1
   end
 end
+if back > 0 then count = redis.call('INCR', KEYS[3]) end
+out[n + 1] = count
 return out
 ";
 

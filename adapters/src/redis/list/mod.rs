@@ -56,6 +56,8 @@ impl ListDelivery {
 struct ListState {
     next_reap: Option<Instant>,
     suspects: HashSet<Vec<u8>>,
+    /// The list's reap count at the previous pass (`None` before the first).
+    reap_count: Option<i64>,
     lease: Duration,
 }
 
@@ -94,6 +96,8 @@ pub struct ReliableList {
     list: String,
     processing: String,
     dead: String,
+    /// How many times any reaper put items back (`{list}:reaped`).
+    reap_count: String,
     item_key: ItemKey,
     leases: LeaseKeys,
     state: Mutex<ListState>,
@@ -120,6 +124,7 @@ impl ReliableList {
         Ok(Self {
             leases: LeaseKeys::of_source(&conns, &list),
             processing: sibling_key(&list, ":processing"),
+            reap_count: sibling_key(&list, ":reaped"),
             dead: sibling_key(&list, ":dead"),
             conns,
             queue,
@@ -128,7 +133,12 @@ impl ReliableList {
             block: Duration::from_secs(2),
             reap_every: Duration::from_secs(1),
             reap_scan: 256,
-            state: Mutex::new(ListState { next_reap: None, suspects: HashSet::new(), lease: Duration::from_secs(30) }),
+            state: Mutex::new(ListState {
+                next_reap: None,
+                suspects: HashSet::new(),
+                reap_count: None,
+                lease: Duration::from_secs(30),
+            }),
         })
     }
 
@@ -180,14 +190,16 @@ impl ReliableList {
     }
 
     /// One reaper pass: items of the processing list seen without a lease key on this pass and the
-    /// previous one go back on the queue. Returns how many went back.
+    /// previous one go back on the queue, unless any reaper (of any worker) put an item back in
+    /// between: the value may then be another copy, taken again and not yet reserved, and it is
+    /// only suspected again. Returns how many went back.
     pub async fn reap(&self) -> Result<usize, RedisError> {
         let scan = i64::try_from(self.reap_scan).unwrap_or(i64::MAX);
         let mut lrange = ::redis::cmd("LRANGE");
         lrange.arg(&self.processing).arg(-scan).arg(-1);
         let v: Value = bounded("LRANGE", self.response(), lrange.query_async(&mut self.conns.commands())).await?;
         let items = reply::bulks(v).map_err(|e| RedisError::reply("LRANGE", e))?;
-        let suspects = self.state.lock().map(|s| s.suspects.clone()).unwrap_or_default();
+        let (suspects, count) = self.state.lock().map(|s| (s.suspects.clone(), s.reap_count)).unwrap_or_default();
         if items.is_empty() {
             if let Ok(mut s) = self.state.lock() {
                 s.suspects.clear();
@@ -195,15 +207,17 @@ impl ReliableList {
             return Ok(0);
         }
         let mut inv = SCRIPTS.list_reap.prepare_invoke();
-        inv.key(&self.processing).key(&self.list);
+        inv.key(&self.processing).key(&self.list).key(&self.reap_count);
         for item in &items {
             inv.key(self.lease_key_of(item)).arg(item.as_slice());
         }
         for item in &items {
             inv.arg(if suspects.contains(item) { "1" } else { "0" });
         }
+        inv.arg(count.map_or_else(|| "none".to_owned(), |c| c.to_string()));
         let v: Value = bounded("EVALSHA reap", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
-        let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA reap", e))?;
+        let mut codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA reap", e))?;
+        let count = codes.pop().ok_or_else(|| RedisError::reply("EVALSHA reap", "no reap count"))?;
         let mut next = HashSet::new();
         let mut reaped = 0;
         for (item, code) in items.into_iter().zip(codes) {
@@ -217,6 +231,7 @@ impl ReliableList {
         }
         if let Ok(mut s) = self.state.lock() {
             s.suspects = next;
+            s.reap_count = Some(count);
         }
         if reaped > 0 {
             tracing::info!(reaped, list = %self.list, "items whose lease lapsed went back to the queue");
@@ -264,7 +279,8 @@ impl Source for ReliableList {
             return Ok(());
         }
         let lease = self.lease_key_of(b"");
-        check_same_slot("ReliableList", &self.list, &[&self.processing, &self.dead, &lease]).map_err(SourceError::from)
+        check_same_slot("ReliableList", &self.list, &[&self.processing, &self.dead, &self.reap_count, &lease])
+            .map_err(SourceError::from)
     }
 
     fn kind(&self) -> &'static str {

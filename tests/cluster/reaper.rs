@@ -1,0 +1,58 @@
+//! A defect the cluster tests found (issue #31), not a cluster one: two `ReliableList` reapers
+//! could put one orphaned item back twice. A reaper remembers suspects by value; worker B's
+//! reaper put the orphan back, a worker took it again and had not reserved its lease key yet, and
+//! worker A's reaper, which had seen the value keyless on its previous pass, put this new copy
+//! back too: a second delivery (answered by the fence, but run past its lease key and leaving a
+//! stale reservation). The reapers now share a count of put-backs (`{list}:reaped`): a suspect
+//! goes back only when no reaper put anything back since the pass that saw it.
+
+use brokerfence::adapters::redis::client;
+use brokerfence::adapters::redis::{ItemKey, ReliableList};
+use brokerfence::fence::QueueName;
+use brokerfence_testkit::redis::Env;
+
+async fn llen(env: &Env, key: &str) -> i64 {
+    client::cmd("LLEN").arg(key).query_async(&mut env.conn()).await.expect("LLEN")
+}
+
+/// Guard: the reap count. Deterministic: the passes of two reapers and a worker's take are made
+/// by hand, in the order that put the item back twice before the fix.
+#[tokio::test]
+async fn cluster_found_two_reapers_put_an_orphan_back_once() {
+    let env = Env::new().await;
+    let list = env.name("mail");
+    let queue = QueueName::new("mail").expect("queue");
+    let reaper = |_: &str| ReliableList::new(env.redis.clone(), queue.clone(), list.as_str(), ItemKey::Split(b'|'));
+    let (a, b) = (reaper("a").expect("source a"), reaper("b").expect("source b"));
+    let processing = a.processing_list().to_owned();
+    // A worker took the item and died before reserving its lease key: an orphan.
+    let _: i64 =
+        client::cmd("LPUSH").arg(&processing).arg("k1|body").query_async(&mut env.conn()).await.expect("LPUSH");
+
+    assert_eq!(a.reap().await.expect("reap"), 0, "A's first pass only suspects it");
+    assert_eq!(b.reap().await.expect("reap"), 0, "B's first pass only suspects it");
+    assert_eq!(b.reap().await.expect("reap"), 1, "B's second pass puts the orphan back");
+    assert_eq!((llen(&env, &list).await, llen(&env, &processing).await), (1, 0));
+
+    // Another worker takes it again; its lease key is not reserved yet.
+    let _: Option<Vec<u8>> = client::cmd("LMOVE")
+        .arg(&list)
+        .arg(&processing)
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(&mut env.conn())
+        .await
+        .expect("LMOVE");
+    assert_eq!(a.reap().await.expect("reap"), 0, "A saw the value keyless before, but this is another copy");
+    assert_eq!(
+        (llen(&env, &list).await, llen(&env, &processing).await),
+        (0, 1),
+        "the item was put back a second time: it would be delivered twice"
+    );
+
+    // Had that worker died too, the item still goes back: A's next pass finds it keyless again,
+    // with no put-back in between.
+    assert_eq!(a.reap().await.expect("reap"), 1);
+    assert_eq!((llen(&env, &list).await, llen(&env, &processing).await), (1, 0));
+    env.cleanup().await;
+}
