@@ -217,6 +217,25 @@ async fn entries(node: &RedisNode, key: &str) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
         .collect()
 }
 
+/// What both partition tests assert of the workers once the promoted replica settled: no job
+/// committed twice or claimed at a new epoch, the poison job buried once and dead-lettered on
+/// both primaries, each job settled alone on the old primary back once as a duplicate, and every
+/// handler run once.
+fn assert_partition_settled(snaps: &[MetricsSnapshot], work: &Work, duplicates: u64, redeliveries: u64) {
+    for s in snaps {
+        eprintln!("  {s}");
+    }
+    assert_eq!(total(snaps, |s| s.completions), (JOBS - 1) as u64, "no job committed twice: {snaps:?}");
+    assert_eq!(total(snaps, |s| s.claims), JOBS as u64, "no redelivery got a new epoch");
+    assert_eq!(total(snaps, |s| s.fenced_rejections), 0);
+    assert_eq!(total(snaps, |s| s.dead_jobs), 1, "the database buried the poison job once");
+    assert_eq!(duplicates, redeliveries, "every job settled during the partition came back once, as a duplicate");
+    assert_eq!(total(snaps, |s| s.dead_letters), 2, "dead-lettered on the old primary, then again on the new one");
+    let runs = work.runs_per_key();
+    assert_eq!(runs.len(), JOBS);
+    assert!(runs.values().all(|n| *n == 1), "a redelivery ran a handler again: {runs:?}");
+}
+
 /// Asserts the job rows of a partition test: every job completed once with the result of its
 /// only epoch (1), but `dead`, which is dead.
 async fn assert_rows(env: &Env, queue: &str, dead: &str) {
@@ -341,18 +360,7 @@ async fn cluster_partition_promoted_replica_stream_redeliveries_are_duplicates()
         total(&snaps, |s| s.dead_letters),
         t_all.elapsed()
     );
-    for s in &snaps {
-        eprintln!("  {s}");
-    }
-    assert_eq!(total(&snaps, |s| s.completions), (JOBS - 1) as u64, "no job committed twice: {snaps:?}");
-    assert_eq!(total(&snaps, |s| s.claims), JOBS as u64, "no redelivery got a new epoch");
-    assert_eq!(total(&snaps, |s| s.fenced_rejections), 0);
-    assert_eq!(total(&snaps, |s| s.dead_jobs), 1, "the database buried the poison job once");
-    assert_eq!(duplicates, redeliveries, "every job settled during the partition came back once, as a duplicate");
-    assert_eq!(total(&snaps, |s| s.dead_letters), 2, "dead-lettered on the old primary, then again on the new one");
-    let runs = work.runs_per_key();
-    assert_eq!(runs.len(), JOBS);
-    assert!(runs.values().all(|n| *n == 1), "a redelivery ran a handler again: {runs:?}");
+    assert_partition_settled(&snaps, &work, duplicates, redeliveries);
     assert_rows(&env, &stream, &dead_key).await;
     let dead = entries(&pair.replica, &dead_stream).await;
     assert_eq!(dead.len(), 1, "the new primary's dead stream: {dead:?}");
@@ -465,18 +473,7 @@ async fn cluster_partition_promoted_replica_list_redeliveries_are_duplicates() {
         total(&snaps, |s| s.dead_letters),
         t_all.elapsed()
     );
-    for s in &snaps {
-        eprintln!("  {s}");
-    }
-    assert_eq!(total(&snaps, |s| s.completions), (JOBS - 1) as u64, "no job committed twice: {snaps:?}");
-    assert_eq!(total(&snaps, |s| s.claims), JOBS as u64, "no redelivery got a new epoch");
-    assert_eq!(total(&snaps, |s| s.fenced_rejections), 0);
-    assert_eq!(total(&snaps, |s| s.dead_jobs), 1, "the database buried the poison job once");
-    assert_eq!(duplicates, redeliveries, "every job settled during the partition came back once, as a duplicate");
-    assert_eq!(total(&snaps, |s| s.dead_letters), 2, "dead-lettered on the old primary, then again on the new one");
-    let runs = work.runs_per_key();
-    assert_eq!(runs.len(), JOBS);
-    assert!(runs.values().all(|n| *n == 1), "a redelivery ran a handler again: {runs:?}");
+    assert_partition_settled(&snaps, &work, duplicates, redeliveries);
     assert_rows(&env, &list, &dead_key).await;
     let dead = entries(&pair.replica, &dead_stream).await;
     assert_eq!(dead.len(), 1, "the new primary's dead stream: {dead:?}");

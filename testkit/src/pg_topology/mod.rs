@@ -28,7 +28,7 @@ mod bouncer;
 mod pair;
 mod relay;
 mod server;
-mod sys;
+pub(crate) mod sys;
 #[cfg(test)]
 mod tests;
 

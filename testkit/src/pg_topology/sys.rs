@@ -176,7 +176,7 @@ pub(super) fn free_port() -> u16 {
 }
 
 /// The last [`LOG_TAIL`] lines of the file at `path`, indented, for a failure message.
-pub(super) fn tail(path: &Path) -> String {
+pub(crate) fn tail(path: &Path) -> String {
     let text = match std::fs::read(path) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         Err(e) => return format!("    ({} unreadable: {e})", path.display()),

@@ -12,9 +12,6 @@ const TMP: &str = "/tmp";
 /// The start of every temp dir's name: `brokerfence-redis-<pid>-<random>`.
 const PREFIX: &str = "brokerfence-redis-";
 
-/// How many lines of a log a failure message shows.
-const LOG_TAIL: usize = 30;
-
 /// The program `name` (`redis-server`, `redis-cli`): `/usr/bin/<name>` when it is there (the
 /// Debian packages), else looked up on PATH.
 pub(super) fn program(name: &str) -> PathBuf {
@@ -35,16 +32,7 @@ pub(super) fn read_lossy(path: &Path) -> String {
 }
 
 /// The last lines of the file at `path`, indented and headed by its path, for a failure message.
-pub(super) fn tail(path: &Path) -> String {
-    let text = match std::fs::read(path) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(e) => return format!("  ({} unreadable: {e})", path.display()),
-    };
-    let lines: Vec<&str> = text.lines().collect();
-    let from = lines.len().saturating_sub(LOG_TAIL);
-    let shown: Vec<String> = lines[from..].iter().map(|l| format!("    | {l}")).collect();
-    format!("  last {} lines of {}:\n{}", shown.len(), path.display(), shown.join("\n"))
-}
+pub(super) use crate::pg_topology::sys::tail;
 
 /// Runs `redis-cli <args>` for at most `within`, its output appended to `log`: stdout, or why it
 /// failed (with the output).
