@@ -18,6 +18,8 @@
 //! `chaos_table_pg_failover_*` (issue #29) run the table queue through PgBouncer on a private
 //! primary with a standby that fails over (the `pg-failover` fault), and assert besides that no
 //! fencing token was handed out twice; their negative control switches the timeline epochs off.
+//! `chaos_redis_cluster_failover` (issue #31) runs the Redis source on a private Redis Cluster
+//! whose stream's primary fails over (the `redis-failover` fault).
 
 #[path = "../bench/src/args.rs"]
 #[allow(dead_code)] // the chaos runner uses part of the harness's parser
@@ -172,6 +174,63 @@ fn chaos_table_pg_failover_without_timeline_epochs_hands_out_tokens_twice() {
     assert!(!report.violations().is_empty(), "{report}");
 }
 
+/// Issue #31 in the chaos harness: the Redis source on a private Redis Cluster (3 primaries, a
+/// replica each), its workers paused past their lease and killed while, once, the stream's
+/// primary fails over (`redis-failover`): replication to its replica is cut (the replica's
+/// replication credentials made wrong, its link dropped), the primary works alone for 2 s,
+/// is SIGKILLed, and the replica takes its slots over (`CLUSTER FAILOVER TAKEOVER`); the
+/// workers' cluster clients follow the slot map. The group's reads, acks, lease keys and dead
+/// letters of those 2 s are lost. Asserted: nothing lost, nothing committed twice, no stale
+/// accept, no fencing token handed out twice, no healthy cancellation (a Redis failover excuses
+/// no lost lease: the heartbeat renews in PostgreSQL only), every job completed or dead-lettered
+/// with its copy in the dead-letter stream, zombie commits refused; and the scenario did lose
+/// Redis writes (bytes never replicated, acks lost), which the broker settled again afterwards
+/// (the entries re-read or auto-claimed, found done in the database, acknowledged). The broker
+/// stall and the server restart do not apply on a cluster, and the report says so. Guards: the
+/// fenced commit and claim (`chaos_notices_a_missing_commit_guard` shows the same checks fail
+/// without the commit compare-and-set; by hand on the cluster: `chaos --source redis
+/// --redis-topology cluster --faults sigstop,sigkill,redis-failover --guards no-commit-cas`).
+#[cfg(feature = "redis")]
+#[test]
+fn chaos_redis_cluster_failover() {
+    use chaos::FaultKind;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut config = ChaosConfig::redis_cluster_failover(database_url(), launcher());
+    config.faults.extend([FaultKind::BrokerStall, FaultKind::RedisRestart]);
+    if let Ok(seed) = std::env::var("CHAOS_SEED") {
+        config.seed = seed.parse().expect("CHAOS_SEED is a number");
+    }
+    config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
+    config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
+    config.keep_logs = config.keep_on_failure;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
+    println!("{report}");
+    assert_eq!(report.redis_failovers, 1, "the Redis failover did not happen\n{report}");
+    assert_eq!(report.lost(), 0, "jobs lost\n{report}");
+    assert_eq!(report.committed_twice, 0, "results committed twice\n{report}");
+    assert_eq!(report.stale_accepts, 0, "receiver accepted a lower epoch\n{report}");
+    assert_eq!(report.tokens_handed_out_twice, 0, "a (job, epoch) reached the receiver from two owners\n{report}");
+    assert_eq!(report.losses.healthy, 0, "healthy cancellations\n{report}");
+    assert_eq!(report.loss_reports_missing, 0, "lost attempts went unreported\n{report}");
+    assert_eq!(report.completed + report.dead, report.jobs, "not every job completed or dead-lettered\n{report}");
+    assert_eq!(report.poison_not_dead_lettered, 0, "poison jobs not dead-lettered with their copy\n{report}");
+    assert!(report.zombie_commits_rejected >= 1, "no zombie commit was rejected\n{report}");
+    assert!(report.sigstops >= 1 && report.sigkills >= 1, "{report}");
+    for fault in ["broker-stall: the TCP proxy cannot sit in front of a Redis Cluster", "redis-restart: the cluster"] {
+        assert!(report.not_applicable.iter().any(|n| n.starts_with(fault)), "{fault}\n{report}");
+    }
+    assert_eq!((report.broker_stalls, report.redis_restarts), (0, 0), "{report}");
+    let failover = report.redis_failover.as_ref().expect("redis failover figures");
+    assert!(failover.bytes_not_replicated.is_some_and(|n| n > 0), "replication was not cut\n{report}");
+    assert!(
+        failover.acks_lost.is_some_and(|n| n >= 1),
+        "no ack was lost with the old primary: the failover lost nothing, it proved nothing\n{report}"
+    );
+    assert_eq!(failover.unsettled_at_end, Some(0), "entries left unacknowledged after the failover\n{report}");
+    assert!(report.violations().is_empty(), "{report}");
+}
+
 /// The faults of issue #12's "Done when": broker stalls and PostgreSQL stalls, per source.
 mod edges {
     use super::*;
@@ -304,7 +363,7 @@ mod edges {
 
     /// The rule that tells a healthy cancellation from an excused one (see `chaos::faults`): a
     /// pause or a database stall excuses only the worker it hit, within its window plus the
-    /// slack; a broker stall excuses nobody.
+    /// slack; a broker stall or a Redis failover excuses nobody.
     #[test]
     fn edges_chaos_healthy_cancellation_rule() {
         let slack = Duration::from_secs(4);
@@ -313,6 +372,7 @@ mod edges {
             fault(FaultKind::BrokerStall, Target::All, 20_000, 25_000),
             fault(FaultKind::PgLock, Target::Worker(2), 40_000, 45_000),
             fault(FaultKind::PgTerminate, Target::All, 60_000, 60_010),
+            fault(FaultKind::RedisFailover, Target::All, 80_000, 82_000),
         ];
         let excused = |w, t| judge(&loss(w, t), &faults, slack);
         assert_eq!(excused(1, 6_500), Judgement::Excused(FaultKind::SigStop));
@@ -324,6 +384,11 @@ mod edges {
         assert_eq!(excused(2, 44_000), Judgement::Excused(FaultKind::PgLock));
         assert_eq!(excused(0, 44_000), Judgement::Healthy(vec![FaultKind::PgLock]), "rows of another worker");
         assert_eq!(excused(0, 62_000), Judgement::Excused(FaultKind::PgTerminate));
+        assert_eq!(
+            excused(1, 81_000),
+            Judgement::Healthy(vec![FaultKind::RedisFailover]),
+            "the broker decides nothing"
+        );
         let losses = [loss(1, 6_500), loss(0, 22_000), loss(2, 44_000), loss(0, 99_000)];
         let s = summarize(&losses, &faults, slack, 0);
         assert_eq!((s.lost_attempts, s.healthy), (4, 2), "{s:?}");

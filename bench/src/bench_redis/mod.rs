@@ -1,14 +1,26 @@
 //! Benchmark (by hand, not a test): the fenced Redis Streams consumer against a plain
-//! `XREADGROUP`/`XACK` consumer, same stream size, same concurrency, same batch, one run each.
+//! `XREADGROUP`/`XACK` consumer, and (with `--topology sentinel`) the time from a Sentinel
+//! failover to the first commit through the new master.
 //!
 //! ```text
 //! cargo run --release -p brokerfence-bench --features redis --bin bench_redis -- --messages 20000 --concurrency 32 --work-ms 0
+//! cargo run --release -p brokerfence-bench --features redis --bin bench_redis -- --topology cluster --work-ms 1 --rounds 5
+//! cargo run --release -p brokerfence-bench --features redis --bin bench_redis -- --topology sentinel --rounds 5
 //! ```
 //!
-//! Prints messages per second of both, their ratio, and the database statements per message of
-//! the fenced one (counted by a wrapper around the store: every `FenceStore` call is one
-//! statement). Redis from `REDIS_URL`, PostgreSQL from `DATABASE_URL` (fallback
-//! `localstack/.env`); it uses fresh stream keys and a fresh schema, and removes both at the end.
+//! `--topology single` (the default) reads `REDIS_URL`; `cluster` starts a private Redis Cluster
+//! of 3 primaries (no replicas) and spreads the streams over them ([`rounds`]); `sentinel` starts
+//! a private master, replica and three sentinels per round ([`sentinel`]). Throughput: each round
+//! runs the plain consumer, then the fenced one, on fresh streams of the same size, with the same
+//! concurrency and reads; the program prints every round's rates, the median of the rounds'
+//! ratios, and the database statements per message of the fenced runs (counted by a wrapper
+//! around the store: every `FenceStore` call is one statement). PostgreSQL from `DATABASE_URL`
+//! (fallback `localstack/.env`); a fresh schema, removed at the end, as are the streams.
+
+#[cfg(feature = "redis")]
+mod rounds;
+#[cfg(feature = "redis")]
+mod sentinel;
 
 #[cfg(feature = "redis")]
 pub fn main() {
@@ -30,7 +42,7 @@ mod bench {
     use std::time::{Duration, Instant};
 
     use brokerfence::adapters::redis::client::{self, Value};
-    use brokerfence::adapters::redis::{KeyFrom, RedisConnections, StreamSource};
+    use brokerfence::adapters::redis::{KeyFrom, RedisConn, RedisConnections, StreamSource};
     use brokerfence::adapters::{Consumer, ConsumerConfig};
     use brokerfence::fence::{
         FenceStore, JobContext, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
@@ -40,21 +52,35 @@ mod bench {
     use tokio::sync::Semaphore;
 
     use crate::args::{self, Common, HELP_TEMPLATE, Load, Redis as RedisArgs, at_least_one};
-    use crate::counters::Counting;
     use tokio_util::sync::CancellationToken;
 
     /// Benchmark: the fenced Redis Streams consumer against a plain XREADGROUP/XACK consumer,
-    /// same stream size, concurrency and batch. Redis from REDIS_URL, PostgreSQL from
-    /// DATABASE_URL (fallback localstack/.env). Exit codes: 0 done, 1 failed, 2 bad command line.
+    /// same stream size, concurrency and batch, in paired rounds; on one server (REDIS_URL), on a
+    /// private Redis Cluster, or the time from a Sentinel failover to the first commit through the
+    /// new master. PostgreSQL from DATABASE_URL (fallback localstack/.env). Exit codes: 0 done,
+    /// 1 failed, 2 bad command line.
     #[derive(Debug, clap::Parser)]
     #[command(name = "bench_redis", help_template = HELP_TEMPLATE)]
     struct Cli {
-        /// Messages per run
+        /// Messages per run (spread over the streams)
         #[arg(long, value_name = "N", default_value = "20000", value_parser = at_least_one)]
         messages: usize,
         /// Lease in seconds
         #[arg(long, value_name = "S", default_value_t = 30)]
         lease: u64,
+        /// single (REDIS_URL), cluster (a private cluster of 3 primaries) or sentinel (a private
+        /// master and replica under 3 sentinels: failover to first commit)
+        #[arg(long, value_name = "TOPOLOGY", default_value = "single", value_parser = Topology::parse)]
+        topology: Topology,
+        /// Rounds: paired plain/fenced runs, or failovers [default: 1 on one server, else 5]
+        #[arg(long, value_name = "N", value_parser = at_least_one)]
+        rounds: Option<usize>,
+        /// Deliveries the fenced consumers claim ahead of their handlers [default: none, the brokers' default]
+        #[arg(long, value_name = "N")]
+        prefetch: Option<usize>,
+        /// sentinel: messages added per second while the failover runs
+        #[arg(long, value_name = "N", default_value_t = 200, value_parser = at_least_one)]
+        rate: usize,
         #[command(flatten)]
         common: Common,
         #[command(flatten)]
@@ -63,16 +89,39 @@ mod bench {
         redis: RedisArgs,
     }
 
+    /// Where the streams are.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum Topology {
+        Single,
+        Cluster,
+        Sentinel,
+    }
+
+    impl Topology {
+        fn parse(s: &str) -> Result<Self, String> {
+            match s {
+                "single" => Ok(Topology::Single),
+                "cluster" => Ok(Topology::Cluster),
+                "sentinel" => Ok(Topology::Sentinel),
+                other => Err(format!("unknown topology {other:?} (single|cluster|sentinel)")),
+            }
+        }
+    }
+
     /// The options, the shared flags' defaults applied.
     #[derive(Debug)]
-    struct Args {
-        messages: usize,
-        concurrency: usize,
-        batch: usize,
-        work: Duration,
-        lease: u64,
-        database_url: Result<String, String>,
-        redis_url: Result<String, String>,
+    pub(super) struct Args {
+        pub(super) messages: usize,
+        pub(super) concurrency: usize,
+        pub(super) batch: usize,
+        pub(super) work: Duration,
+        pub(super) lease: u64,
+        pub(super) topology: Topology,
+        pub(super) rounds: usize,
+        pub(super) rate: usize,
+        pub(super) prefetch: Option<usize>,
+        pub(super) database_url: Result<String, String>,
+        pub(super) redis_url: Result<String, String>,
     }
 
     /// The shared flags' defaults of this program.
@@ -86,17 +135,29 @@ mod bench {
                 batch: c.load.batch.unwrap_or(10),
                 work: c.load.work(0),
                 lease: c.lease,
+                topology: c.topology,
+                rounds: c.rounds.unwrap_or(if c.topology == Topology::Single { 1 } else { 5 }),
+                rate: c.rate,
+                prefetch: c.prefetch,
                 database_url: c.common.database_url(),
                 redis_url: c.redis.redis_url(),
             }
         }
     }
 
-    async fn produce(
-        conn: &mut brokerfence::redis::RedisConn,
-        stream: &str,
-        n: usize,
-    ) -> Result<(), client::RedisError> {
+    /// The fenced consumers' configuration: concurrency, batch, lease, prefetch.
+    pub(super) fn consumer_config(a: &Args) -> Result<ConsumerConfig, brokerfence::fence::FenceError> {
+        let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(a.lease)?))
+            .concurrency(a.concurrency)
+            .batch(a.batch);
+        Ok(match a.prefetch {
+            Some(n) => config.prefetch(n),
+            None => config,
+        })
+    }
+
+    /// Adds `n` entries (`key` = `m-<i>`) to `stream` and creates group `g` at its start.
+    pub(super) async fn produce(conn: &mut RedisConn, stream: &str, n: usize) -> Result<(), client::RedisError> {
         let ids: Vec<usize> = (0..n).collect();
         for chunk in ids.chunks(1000) {
             let mut pipe = client::pipe();
@@ -116,13 +177,19 @@ mod bench {
         Ok(())
     }
 
-    /// The baseline: read a batch, handle each entry in its own task (bounded), `XACK` each.
-    async fn plain(redis: &RedisConnections, stream: &str, a: &Args) -> Result<Duration, client::RedisError> {
+    /// The baseline: read a batch, handle each entry in its own task (bounded), `XACK` each;
+    /// until `n` are acknowledged.
+    pub(super) async fn plain(
+        redis: &RedisConnections,
+        stream: &str,
+        n: usize,
+        a: &Args,
+    ) -> Result<Duration, client::RedisError> {
         let permits = Arc::new(Semaphore::new(a.concurrency));
         let acked = Arc::new(AtomicU64::new(0));
         let started = Instant::now();
         let mut reader = redis.blocking();
-        let total = a.messages as u64;
+        let total = n as u64;
         while acked.load(Ordering::Relaxed) < total {
             let free = permits.available_permits().min(a.batch);
             if free == 0 {
@@ -183,20 +250,19 @@ mod bench {
         out
     }
 
-    /// The fenced consumer: the runtime, the stream source, PostgreSQL.
-    async fn fenced(
+    /// The fenced consumer (the runtime, the stream source, PostgreSQL) on `stream`, fenced
+    /// under `queue`, until `n` messages are completed and acknowledged.
+    pub(super) async fn fenced(
         redis: &RedisConnections,
-        store: Arc<Counting>,
-        stream: &str,
+        store: Arc<dyn FenceStore>,
+        (queue, stream): (&str, &str),
+        n: usize,
         a: &Args,
-    ) -> Result<Duration, Box<dyn std::error::Error>> {
-        let source = StreamSource::new(redis.clone(), QueueName::new(stream)?, stream, "g")?
+    ) -> Result<Duration, Box<dyn std::error::Error + Send + Sync>> {
+        let source = StreamSource::new(redis.clone(), QueueName::new(queue)?, stream, "g")?
             .key_from(KeyFrom::Field("key".into()))
             .block(Duration::from_millis(100));
-        let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(a.lease)?))
-            .concurrency(a.concurrency)
-            .batch(a.batch);
-        let consumer = Consumer::with_owner(source, store, Owner::new("bench")?, config);
+        let consumer = Consumer::with_owner(source, store, Owner::new("bench")?, consumer_config(a)?);
         let metrics = consumer.metrics();
         let stop = CancellationToken::new();
         let work = a.work;
@@ -207,7 +273,7 @@ mod bench {
             Ok(Vec::new())
         };
         let started = Instant::now();
-        let total = a.messages as u64;
+        let total = n as u64;
         let token = stop.clone();
         let watch = tokio::spawn(async move {
             loop {
@@ -218,69 +284,25 @@ mod bench {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         });
-        let run = tokio::spawn(async move {
-            let r = consumer.run(handler, token).await;
-            (r, consumer.metrics().snapshot())
-        });
+        let run = tokio::spawn(async move { consumer.run(handler, token).await });
         let done = watch.await?;
         stop.cancel();
-        let (r, snapshot) = run.await?;
-        r?;
-        println!("  fenced counters: {snapshot}");
+        run.await??;
         Ok(done.duration_since(started))
     }
 
-    async fn go(a: Args) -> Result<(), Box<dyn std::error::Error>> {
-        let redis_url = a.redis_url.clone()?;
+    async fn go(a: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let db_url = a.database_url.clone()?;
         let tag = format!("{:08x}", rand::random::<u32>());
         let schema = SchemaName::new(format!("bench_redis_{tag}"))?;
         let pg = PgFence::connect(&db_url).await?.with_schema(schema.clone());
         pg.migrate().await?;
-        let redis = RedisConnections::connect(&redis_url).await?;
-        let mut conn = redis.commands();
-        let (plain_stream, fenced_stream) = (format!("bench-{tag}-plain"), format!("bench-{tag}-fenced"));
-
-        println!(
-            "bench_redis: {} messages, concurrency {}, batch {}, work {} ms, lease {} s",
-            a.messages,
-            a.concurrency,
-            a.batch,
-            a.work.as_millis(),
-            a.lease
-        );
-        produce(&mut conn, &plain_stream, a.messages).await?;
-        let t_plain = plain(&redis, &plain_stream, &a).await?;
-        produce(&mut conn, &fenced_stream, a.messages).await?;
-        let store = Counting::new(Arc::new(pg.clone()));
-        let t_fenced = fenced(&redis, Arc::clone(&store), &fenced_stream, &a).await?;
-
-        let n = a.messages as f64;
-        let (plain_rate, fenced_rate) = (n / t_plain.as_secs_f64(), n / t_fenced.as_secs_f64());
-        println!("  plain  XREADGROUP/XACK: {:>9.0} msg/s ({:.2} s)", plain_rate, t_plain.as_secs_f64());
-        println!("  fenced (PostgreSQL):    {:>9.0} msg/s ({:.2} s)", fenced_rate, t_fenced.as_secs_f64());
-        println!("  ratio fenced/plain:     {:>9.3}", fenced_rate / plain_rate);
-        let claims = store.get("claim") + store.get("claim_batch") + store.get("claim_next");
-        let completes = store.get("complete") + store.get("complete_batch");
-        println!(
-            "  DB statements/message:  {:>9.3} (claim batches {}, completes {}, heartbeats {}, other {})",
-            store.total() as f64 / n,
-            claims,
-            completes,
-            store.get("heartbeat"),
-            ["enqueue", "checkpoint", "fail", "release"].iter().map(|m| store.get(m)).sum::<u64>()
-        );
-        println!(
-            "  DB round trip:          claim batch {:.2} ms avg ({:.1} jobs), group commit {:.2} ms avg ({:.1} jobs)",
-            store.mean_ms("claim_batch"),
-            n / claims.max(1) as f64,
-            store.mean_ms("complete_batch"),
-            n / completes.max(1) as f64,
-        );
-
-        let _: Value = client::cmd("DEL").arg(&plain_stream).arg(&fenced_stream).query_async(&mut conn).await?;
+        let result = match a.topology {
+            Topology::Single | Topology::Cluster => super::rounds::run(&a, &pg, &tag).await,
+            Topology::Sentinel => super::sentinel::run(&a, &pg, &tag).await,
+        };
         sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", schema.as_str()))).execute(pg.pool()).await?;
-        Ok(())
+        result
     }
 
     pub fn run(raw: Vec<String>) -> i32 {

@@ -87,8 +87,76 @@ impl Broker {
             #[cfg(feature = "sqs")]
             Broker::Sqs(_) => sqs_chaos::endpoint_host_port(),
             #[cfg(feature = "redis")]
-            Broker::Redis(b) => Some(format!("127.0.0.1:{}", b.port())),
+            Broker::Redis(b) => b.port().map(|p| format!("127.0.0.1:{p}")),
         }
+    }
+
+    /// The Redis Cluster of the run and the stream's key, when the Redis source runs on one.
+    #[cfg(feature = "redis")]
+    pub(crate) fn redis_cluster(&self) -> Option<(Arc<brokerfence_testkit::redis_topology::RedisCluster>, String)> {
+        match self {
+            Broker::Redis(b) => b.cluster().map(|c| (Arc::clone(c), b.stream().to_owned())),
+            _ => None,
+        }
+    }
+
+    /// Starts the `redis-failover` of the stream's primary in a task of its own (see
+    /// `redis_failover.rs`); `None` when the run has no cluster.
+    pub(crate) fn start_redis_failover(
+        &self,
+        alone: Duration,
+        log: FaultLog,
+    ) -> Option<tokio::task::JoinHandle<Result<RedisFailoverFigures, String>>> {
+        let _ = (alone, &log);
+        #[cfg(feature = "redis")]
+        if let Some((cluster, stream)) = self.redis_cluster() {
+            return Some(redis_failover::fail_over(cluster, stream, alone, log));
+        }
+        None
+    }
+
+    fn is_redis_cluster(&self) -> bool {
+        match self {
+            #[cfg(feature = "redis")]
+            Broker::Redis(b) => b.cluster().is_some(),
+            _ => false,
+        }
+    }
+
+    /// Why fault `kind` does not apply to this run (`None`: it does).
+    pub(crate) fn not_applicable(&self, c: &ChaosConfig, kind: FaultKind) -> Option<String> {
+        let cluster = self.is_redis_cluster();
+        let why = match kind {
+            FaultKind::RedisRestart if cluster => {
+                "redis-restart: the cluster's nodes keep nothing on disk, so a restarted primary would come back \
+                 empty (redis-failover replaces a primary instead)"
+            }
+            FaultKind::RedisRestart if !self.can_restart_server() => {
+                "redis-restart: only the Redis source runs a private server that can be restarted"
+            }
+            FaultKind::BrokerStall if cluster => {
+                "broker-stall: the TCP proxy cannot sit in front of a Redis Cluster (its clients connect to the \
+                 addresses the nodes announce, not to one address)"
+            }
+            FaultKind::BrokerStall if self.upstream().is_none() => match c.source {
+                SourceKind::Table => {
+                    "broker-stall: the table queue has no broker (its receive is a PostgreSQL statement: pg-lock \
+                     and pg-pause stall that path)"
+                }
+                _ => "broker-stall: the broker endpoint is not a plain address on 127.0.0.1",
+            },
+            FaultKind::PgFailover if c.source != SourceKind::Table => {
+                "pg-failover: the table queue only (its jobs, claims and commits all live in the database that \
+                 fails over; an SQS or Redis source keeps its deliveries in the broker, which the failover does \
+                 not touch)"
+            }
+            FaultKind::RedisFailover if !cluster => {
+                "redis-failover: the Redis source on a Redis Cluster only (`--source redis --redis-topology \
+                 cluster`)"
+            }
+            _ => return None,
+        };
+        Some(why.to_owned())
     }
 
     /// The workers' arguments; with `proxy`, they reach the broker through it.
@@ -123,7 +191,7 @@ impl Broker {
     pub(crate) fn can_restart_server(&self) -> bool {
         match self {
             #[cfg(feature = "redis")]
-            Broker::Redis(_) => true,
+            Broker::Redis(b) => b.port().is_some(),
             _ => false,
         }
     }
@@ -150,6 +218,16 @@ impl Broker {
             Broker::Sqs(b) => b.dead_letters(poison).await.map(Some),
             #[cfg(feature = "redis")]
             Broker::Redis(b) => b.dead_letters(poison).await.map(Some),
+        }
+    }
+
+    /// Deliveries the broker still holds unacknowledged (pending or not yet delivered); `None`
+    /// when it cannot tell (the table queue, SQS).
+    pub(crate) async fn unsettled(&self) -> Result<Option<u64>, String> {
+        match self {
+            #[cfg(feature = "redis")]
+            Broker::Redis(b) => b.unsettled().await.map(Some),
+            _ => Ok(None),
         }
     }
 

@@ -35,6 +35,36 @@ impl SourceKind {
     }
 }
 
+/// Which Redis the Redis source reads (`--redis-topology`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedisTopology {
+    /// One private redis-server, persisting every write (AOF, fsync always).
+    Single,
+    /// A private Redis Cluster of 3 primaries with a replica each
+    /// (`brokerfence_testkit::redis_topology::RedisCluster`); the workers get its
+    /// `redis+cluster://` seed URL.
+    Cluster,
+}
+
+impl RedisTopology {
+    /// Parses `single` or `cluster`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "single" => Ok(RedisTopology::Single),
+            "cluster" => Ok(RedisTopology::Cluster),
+            other => Err(format!("unknown Redis topology {other:?} (single|cluster)")),
+        }
+    }
+
+    /// The name.
+    pub fn name(self) -> &'static str {
+        match self {
+            RedisTopology::Single => "single",
+            RedisTopology::Cluster => "cluster",
+        }
+    }
+}
+
 /// How worker processes are started.
 #[derive(Debug, Clone)]
 pub struct Launcher {
@@ -105,8 +135,11 @@ pub struct ChaosConfig {
     /// `pg-failover`: a synchronous standby (`synchronous_standby_names`) instead of an
     /// asynchronous one.
     pub failover_sync: bool,
-    /// `pg-failover`: how long the primary works alone (replication cut) before it dies.
+    /// `pg-failover`, `redis-failover`: how long the primary works alone (replication cut)
+    /// before it dies.
     pub failover_alone: Duration,
+    /// The Redis source's topology (ignored by the other sources).
+    pub redis_topology: RedisTopology,
     /// Seed of the fault schedule.
     pub seed: u64,
     /// PostgreSQL URL.
@@ -146,6 +179,7 @@ impl ChaosConfig {
             max_faults: None,
             failover_sync: false,
             failover_alone: Duration::from_millis(3000),
+            redis_topology: RedisTopology::Single,
             seed: rand::random(),
             database_url,
             launcher,
@@ -219,6 +253,29 @@ impl ChaosConfig {
         }
     }
 
+    /// A small instance of the Redis source on a Redis Cluster (3 primaries, a replica each)
+    /// whose stream's primary fails over (`redis-failover`) after a first round of `sigstop` and
+    /// `sigkill`: the primary works alone for 2 s, on jobs of about 100 ms, so that the group's
+    /// reads and acks of that time are lost with it. About 30 s here.
+    pub fn redis_cluster_failover(database_url: String, launcher: Launcher) -> Self {
+        Self {
+            workers: 3,
+            jobs: 200,
+            concurrency: 2,
+            batch: 4,
+            work: Duration::from_millis(100),
+            fault_every: Duration::from_millis(800),
+            deadline: Duration::from_secs(60),
+            poison_every: 40,
+            flaky_every: 17,
+            faults: vec![FaultKind::SigStop, FaultKind::SigKill, FaultKind::RedisFailover],
+            failover_alone: Duration::from_millis(2000),
+            redis_topology: RedisTopology::Cluster,
+            verbose: false,
+            ..Self::new(SourceKind::Redis, database_url, launcher)
+        }
+    }
+
     /// The wait of a slow job.
     pub fn slow_work(&self) -> Duration {
         self.slow_work.unwrap_or(Duration::from_secs(self.lease_secs * 2))
@@ -284,9 +341,12 @@ pub(crate) struct RunnerCli {
     /// pg-failover: a synchronous standby (default: asynchronous)
     #[arg(long)]
     pub(crate) failover_sync: bool,
-    /// pg-failover: milliseconds the primary works alone before it dies [default: 3000]
+    /// pg-failover, redis-failover: milliseconds the primary works alone before it dies [default: 3000]
     #[arg(long = "failover-alone-ms", value_name = "MS")]
     pub(crate) failover_alone_ms: Option<u64>,
+    /// The redis source's Redis: single (a private server) or cluster (3 primaries, a replica each) [default: single]
+    #[arg(long, value_name = "TOPOLOGY", value_parser = RedisTopology::parse)]
+    pub(crate) redis_topology: Option<RedisTopology>,
     /// Random seed
     #[arg(long, value_name = "N")]
     pub(crate) seed: Option<u64>,
@@ -380,6 +440,9 @@ pub(crate) fn parse_runner_args(args: &[String]) -> Result<ChaosConfig, RunnerAr
     c.failover_sync = cli.failover_sync;
     if let Some(v) = cli.failover_alone_ms {
         c.failover_alone = Duration::from_millis(v);
+    }
+    if let Some(v) = cli.redis_topology {
+        c.redis_topology = v;
     }
     if let Some(v) = cli.seed {
         c.seed = v;

@@ -51,7 +51,10 @@ pub(crate) struct FailoverTimes {
 
 /// Runs `fut` (pg_topology calls, which panic when something fails) in a task of its own, so a
 /// panic becomes an error of the run.
-async fn caught<T: Send + 'static>(what: &str, fut: impl Future<Output = T> + Send + 'static) -> Result<T, String> {
+pub(crate) async fn caught<T: Send + 'static>(
+    what: &str,
+    fut: impl Future<Output = T> + Send + 'static,
+) -> Result<T, String> {
     tokio::spawn(fut).await.map_err(|e| {
         let why = match e.try_into_panic() {
             Ok(p) => p

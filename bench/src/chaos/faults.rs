@@ -23,6 +23,7 @@
 //! | `pg-failover` | every worker, from the cut of replication until the address (the VIP) leads to the promoted standby | writes the primary took alone are lost with it, and the database is unreachable while the standby is promoted: a lease confirmed by the old primary may not exist on the new one |
 //! | `broker-stall` | nobody | a slow broker may cost a visibility hint, never a healthy lease (issue #12, item 1) |
 //! | `redis-restart` | nobody | the same: the broker is not the authority |
+//! | `redis-failover` | nobody | the same: the writes the old primary took alone (reads of the group, acks, lease keys, dead letters) are lost with it, which costs deliveries again, never a lease: the heartbeat renews in PostgreSQL only, which the failover does not touch |
 //! | `sigkill` | nobody (the killed worker reports nothing any more) | |
 //!
 //! A loss that the rule does not excuse is named in the report with the faults that were in
@@ -55,11 +56,16 @@ pub enum FaultKind {
     /// primary works alone for a while, dies, the standby is promoted and the address the
     /// workers use (a VIP, behind PgBouncer) is re-pointed to it. Once per run.
     PgFailover,
+    /// The Redis Cluster primary of the stream fails over (Redis source on a cluster only):
+    /// replication to its replica is cut, the primary works alone for a while, dies, and the
+    /// replica takes its slots over (`CLUSTER FAILOVER TAKEOVER`); the workers' cluster clients
+    /// follow the slot map. Once per run.
+    RedisFailover,
 }
 
 impl FaultKind {
     /// Every kind, in the order a run injects its first round.
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 9] = [
         FaultKind::SigStop,
         FaultKind::PgTerminate,
         FaultKind::SigKill,
@@ -68,6 +74,7 @@ impl FaultKind {
         FaultKind::PgLock,
         FaultKind::PgPause,
         FaultKind::PgFailover,
+        FaultKind::RedisFailover,
     ];
 
     /// The faults a run injects when none are named: the four of the original chaos run.
@@ -85,6 +92,7 @@ impl FaultKind {
             FaultKind::PgLock => "pg-lock",
             FaultKind::PgPause => "pg-pause",
             FaultKind::PgFailover => "pg-failover",
+            FaultKind::RedisFailover => "redis-failover",
         }
     }
 
@@ -102,7 +110,7 @@ impl FaultKind {
                     None => {
                         return Err(format!(
                             "unknown fault {other:?} (sigstop, sigkill, pg-terminate, redis-restart, broker-stall, \
-                             pg-lock, pg-pause, pg-failover, pg-stall, classic, all)"
+                             pg-lock, pg-pause, pg-failover, redis-failover, pg-stall, classic, all)"
                         ));
                     }
                 },

@@ -125,7 +125,7 @@ pub(crate) async fn inject(
             say(format!("pg_terminate_backend: {n} connections of {pattern}"));
         }
         // The run starts it itself, in a task of its own (see `failover.rs`).
-        FaultKind::PgFailover => return Ok(false),
+        FaultKind::PgFailover | FaultKind::RedisFailover => return Ok(false),
         FaultKind::RedisRestart => {
             let start = now_ms();
             broker.restart_server().await?;

@@ -13,6 +13,7 @@
 //! | zombie commits rejected (`Fenced`) | ≥ 1 when `sigstop` is injected (the pauses really happened) |
 //! | jobs completed or dead-lettered | all of them |
 //! | failovers | 1 when `pg-failover` is selected (table queue) |
+//! | Redis failovers | 1 when `redis-failover` is selected (Redis source on a cluster) |
 //!
 //! Besides, the report counts the receiver's `Conflict` verdicts (the same epoch from another
 //! owner, refused), and after a failover: the jobs re-run after it (their receiver calls span
@@ -27,11 +28,13 @@
 //! | `sigstop` | SIGSTOP a worker for lease + 1.2–2.5 s, then SIGCONT (it comes back a zombie) |
 //! | `pg-terminate` | `pg_terminate_backend` on the connections of one worker or of all (behind PgBouncer: all its server connections) |
 //! | `sigkill` | SIGKILL a worker and start it again |
-//! | `redis-restart` | kill and restart the run's private redis-server (Redis only) |
-//! | `broker-stall` | a TCP proxy between the workers and the broker (LocalStack, or the private redis-server) holds every byte, both directions, for `--stall-ms` (default lease + 2 s); not applicable to the table queue, which has no broker (the report says so) |
+//! | `redis-restart` | kill and restart the run's private redis-server (Redis on one server only: a cluster's nodes keep nothing on disk) |
+//! | `broker-stall` | a TCP proxy between the workers and the broker (LocalStack, or the private redis-server) holds every byte, both directions, for `--stall-ms` (default lease + 2 s); not applicable to the table queue, which has no broker, nor to a Redis Cluster, whose clients connect to the addresses its nodes announce (the report says so) |
 //! | `pg-lock` | a runner transaction holds `FOR UPDATE` locks on the rows one worker is running, for `--stall-ms` |
 //! | `pg-pause` | the idle PostgreSQL backends of one worker (by `application_name`; behind PgBouncer, of every worker) are SIGSTOPped for `--stall-ms` |
 //! | `pg-failover` | table queue only, once per run (after the first round of the others, at about a quarter of the jobs finished; at half of them whatever the round), the other faults waiting while it is under way: the replication link of a private primary/standby pair is cut, the primary works alone for `--failover-alone-ms` (default 3000), is killed, the standby is promoted and the VIP re-pointed to it (its connections dropped); see [`failover`] |
+//!
+//! | `redis-failover` | Redis source on a cluster only (`--redis-topology cluster`), once per run, when `pg-failover` would come: replication from the stream's primary to its replica is cut (the replica's replication credentials made wrong, its link dropped), the primary works alone for `--failover-alone-ms`, is killed, and the replica takes its slots over (`CLUSTER FAILOVER TAKEOVER`); the workers' cluster clients follow the slot map. Afterwards the run waits (up to four leases) until the group holds nothing unacknowledged; see `redis_failover.rs` |
 //!
 //! `pg-stall` names both PostgreSQL stalls, `all` every fault (for the table queue, the failover
 //! too). The broker and PostgreSQL
@@ -58,7 +61,14 @@
 //! target/debug/chaos --source redis --workers 4 --jobs 1000 --faults all --slow-every 5
 //! target/debug/chaos --source table --workers 3 --jobs 400 --faults pg-failover,sigstop,sigkill,pg-terminate
 //! target/debug/chaos --source table --jobs 400 --faults pg-failover --failover-sync --failover-alone-ms 5000
+//! target/debug/chaos --source redis --redis-topology cluster --workers 3 --jobs 200 --concurrency 2 --batch 4 \
+//!     --work-ms 100 --faults sigstop,sigkill,redis-failover --failover-alone-ms 2000
 //! ```
+//!
+//! With `--redis-topology cluster` the Redis source reads a private Redis Cluster of 3 primaries
+//! with a replica each (`brokerfence_testkit::redis_topology::RedisCluster`, nothing on disk):
+//! the workers get its `redis+cluster://` seed URL, and the stream (one slot, so one primary)
+//! lives wherever its name hashes.
 //!
 //! Options: `--source table|sqs|redis`, `--workers N`, `--jobs M`, `--concurrency C` (per worker),
 //! `--batch B`, `--work-ms W` (blocking work per job: a zombie paused inside it reaches its commit
@@ -68,7 +78,7 @@
 //! (every S-th job also waits T ms, cancellably, so it needs heartbeats: default twice the
 //! lease; a stall only bites attempts in flight with more than a lease still to go), `--faults LIST`, `--stall-ms D`, `--seed S`,
 //! `--max-faults N` (stop injecting after N; the failover comes all the same), `--failover-sync`,
-//! `--failover-alone-ms MS`, `--guards LIST` (test only: e.g. `no-timeline-epochs`), `--keep-logs`, `--quiet`.
+//! `--failover-alone-ms MS`, `--redis-topology single|cluster`, `--guards LIST` (test only: e.g. `no-timeline-epochs`), `--keep-logs`, `--quiet`.
 //! PostgreSQL comes from `DATABASE_URL` (else `localstack/.env`), SQS from the AWS environment,
 //! Redis is a private `redis-server` the runner starts on a free port (never the shared one).
 //! Exit code 0 when every invariant holds, 1 when one is violated, 2 on a setup error.
@@ -157,6 +167,8 @@ mod inject;
 mod receiver;
 #[cfg(feature = "redis")]
 mod redis_chaos;
+#[cfg(feature = "redis")]
+mod redis_failover;
 mod report;
 mod run;
 #[cfg(feature = "sqs")]

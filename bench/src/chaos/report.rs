@@ -70,6 +70,10 @@ pub struct Report {
     pub pg_failovers: u64,
     /// The failover's figures (informational), when one happened.
     pub failover: Option<FailoverFigures>,
+    /// Redis failovers (`redis-failover`: cut, primary alone, killed, replica took over).
+    pub redis_failovers: u64,
+    /// The Redis failover's figures, when one happened.
+    pub redis_failover: Option<RedisFailoverFigures>,
     /// Jobs whose receiver calls span timeline 1 and a later one: work done on the primary that
     /// failed over (lost with it, or cut short) and done again on the promoted standby.
     pub jobs_rerun_after_failover: usize,
@@ -130,6 +134,26 @@ pub struct FailoverFigures {
     pub commits_lost: Option<usize>,
 }
 
+/// What the Redis failover did and lost (times in ms since the Unix epoch).
+#[derive(Debug, Clone, Default)]
+pub struct RedisFailoverFigures {
+    /// The primary that failed (`nodeI (port P)`) and the replica that took its slots over.
+    pub primary: String,
+    pub replica: String,
+    /// Replication cut, primary killed, and the replica named the slot's primary.
+    pub cut_ms: u64,
+    pub killed_ms: u64,
+    pub takeover_ms: u64,
+    /// Replication bytes the old primary took alone (lost with it).
+    pub bytes_not_replicated: Option<i64>,
+    /// Entries the old primary had acknowledged that the new one had not.
+    pub acks_lost: Option<usize>,
+    /// From the end of the drain until the group held nothing unacknowledged.
+    pub settle_secs: Option<f64>,
+    /// What the group held unacknowledged (pending plus undelivered) when the wait ended.
+    pub unsettled_at_end: Option<u64>,
+}
+
 impl Report {
     /// Every invariant that does not hold, in words. Empty means the run passed.
     pub fn violations(&self) -> Vec<String> {
@@ -155,6 +179,12 @@ impl Report {
         }
         if self.faults.contains(&FaultKind::PgFailover) && self.source == "table" && self.pg_failovers < 1 {
             v.push("pg-failover was selected but never injected (the jobs drained first)".into());
+        }
+        if self.faults.contains(&FaultKind::RedisFailover)
+            && !self.not_applicable.iter().any(|n| n.starts_with("redis-failover"))
+            && self.redis_failovers < 1
+        {
+            v.push("redis-failover was selected but never injected (the jobs drained first)".into());
         }
         if self.faults.contains(&FaultKind::SigStop) && self.zombie_commits_rejected < 1 {
             v.push("no zombie commit was rejected: the pauses did not bite".into());
@@ -206,8 +236,14 @@ impl std::fmt::Display for Report {
         }
         writeln!(
             f,
-            "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts, {} failovers",
-            self.sigstops, self.sigkills, self.connections_terminated, self.redis_restarts, self.pg_failovers,
+            "  faults: {} SIGSTOP>lease, {} SIGKILL+restart, {} pg_terminate_backend, {} redis restarts, {} failovers, \
+             {} redis failovers",
+            self.sigstops,
+            self.sigkills,
+            self.connections_terminated,
+            self.redis_restarts,
+            self.pg_failovers,
+            self.redis_failovers,
         )?;
         let stalls = [FaultKind::BrokerStall, FaultKind::PgLock, FaultKind::PgPause];
         if self.faults.iter().any(|k| stalls.contains(k)) {
@@ -243,6 +279,29 @@ impl std::fmt::Display for Report {
                 "  failover: {} commits lost with the old primary, {} jobs re-run after it (calls on timelines 1 and 2)",
                 fo.commits_lost.map_or("?".to_owned(), |n| n.to_string()),
                 self.jobs_rerun_after_failover
+            )?;
+        }
+        if let Some(fo) = &self.redis_failover {
+            let secs = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1000.0;
+            let opt = |v: Option<String>| v.unwrap_or_else(|| "?".to_owned());
+            writeln!(
+                f,
+                "  redis failover: {} alone {:.1} s, killed; {} took its slots over {:.2} s later; {} bytes never \
+                 replicated, {} acks lost",
+                fo.primary,
+                secs(fo.cut_ms, fo.killed_ms),
+                fo.replica,
+                secs(fo.killed_ms, fo.takeover_ms),
+                opt(fo.bytes_not_replicated.map(|n| n.to_string())),
+                opt(fo.acks_lost.map(|n| n.to_string())),
+            )?;
+            writeln!(
+                f,
+                "  redis failover: the group settled (nothing unacknowledged) {} after the drain",
+                fo.settle_secs.map_or_else(
+                    || format!("not within the wait ({} left)", opt(fo.unsettled_at_end.map(|n| n.to_string()))),
+                    |s| format!("{s:.1} s")
+                )
             )?;
         }
         if !self.timeline.is_empty() {

@@ -57,24 +57,11 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let mut kinds: Vec<FaultKind> = Vec::new();
     let mut not_applicable = Vec::new();
     for &k in &c.faults {
-        match k {
-            FaultKind::RedisRestart if !broker.can_restart_server() => not_applicable
-                .push("redis-restart: only the Redis source runs a private server that can be restarted".to_owned()),
-            FaultKind::BrokerStall if broker.upstream().is_none() => not_applicable.push(match c.source {
-                SourceKind::Table => "broker-stall: the table queue has no broker (its receive is a PostgreSQL \
-                                      statement: pg-lock and pg-pause stall that path)"
-                    .to_owned(),
-                _ => "broker-stall: the broker endpoint is not a plain address on 127.0.0.1".to_owned(),
-            }),
-            FaultKind::PgFailover if c.source != SourceKind::Table => not_applicable.push(
-                "pg-failover: the table queue only (its jobs, claims and commits all live in the database that \
-                 fails over; an SQS or Redis source keeps its deliveries in the broker, which the failover does \
-                 not touch)"
-                    .to_owned(),
-            ),
+        match broker.not_applicable(&c, k) {
+            Some(why) => not_applicable.push(why),
             // Once per run, started by the loop below in a task of its own.
-            FaultKind::PgFailover => {}
-            k => kinds.push(k),
+            None if matches!(k, FaultKind::PgFailover | FaultKind::RedisFailover) => {}
+            None => kinds.push(k),
         }
     }
     let proxy = match broker.upstream() {
@@ -185,6 +172,10 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let mut failover_due = topology.is_some();
     let mut failover_task: Option<tokio::task::JoinHandle<Result<failover::FailoverTimes, String>>> = None;
     let mut failover_times: Option<failover::FailoverTimes> = None;
+    // The same for redis-failover (the Redis source on a cluster).
+    let mut redis_failover_due =
+        c.injects(FaultKind::RedisFailover) && broker.not_applicable(&c, FaultKind::RedisFailover).is_none();
+    let mut redis_task: Option<tokio::task::JoinHandle<Result<RedisFailoverFigures, String>>> = None;
     // The runner's store loses its connections in a failover: how long it has been failing.
     let mut store_failing_since: Option<Instant> = None;
     let mut finished = 0;
@@ -214,7 +205,20 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             report.pg_failovers += 1;
             next_fault = Instant::now() + c.fault_every;
         }
-        let failing_over = failover_task.is_some();
+        if redis_task.as_ref().is_some_and(|t| t.is_finished())
+            && let Some(task) = redis_task.take()
+        {
+            let t = task.await.map_err(|e| format!("redis-failover task: {e}"))??;
+            let took = t.takeover_ms.saturating_sub(t.cut_ms) as f64 / 1000.0;
+            say(format!(
+                "redis-failover done: {} serves the slots of {} {took:.1} s after the cut",
+                t.replica, t.primary
+            ));
+            report.redis_failover = Some(t);
+            report.redis_failovers += 1;
+            next_fault = Instant::now() + c.fault_every;
+        }
+        let failing_over = failover_task.is_some() || redis_task.is_some();
         match count_finished(&store, &queue).await {
             Ok(n) => {
                 finished = n;
@@ -268,6 +272,18 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         }
+        if redis_failover_due && ((round_over && finished >= c.jobs / 4) || finished >= c.jobs / 2) {
+            redis_failover_due = false;
+            report.faults_injected += 1;
+            say(format!(
+                "redis-failover: replication cut at {finished}/{} finished; the primary alone for {:.1} s",
+                c.jobs,
+                c.failover_alone.as_secs_f64()
+            ));
+            redis_task = broker.start_redis_failover(c.failover_alone, log.clone());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
         let injected = report.faults_injected;
         if now >= next_fault && !failing_over && !kinds.is_empty() && c.max_faults.is_none_or(|m| injected < m) {
             let fault = schedule.pop().unwrap_or_else(|| {
@@ -310,6 +326,28 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
         let t = task.await.map_err(|e| format!("pg-failover task: {e}"))??;
         failover_times = Some(t);
         report.pg_failovers += 1;
+    }
+    if let Some(task) = redis_task.take() {
+        report.redis_failover = Some(task.await.map_err(|e| format!("redis-failover task: {e}"))??);
+        report.redis_failovers += 1;
+    }
+    // After a Redis failover the broker holds again what the old primary had settled alone
+    // (deliveries it acknowledged, dead letters it copied): the jobs are done in the database,
+    // and their entries come back (re-read, or auto-claimed after the lease) to be acknowledged
+    // (or dead-lettered) once more. Wait for that (four leases at most).
+    if let Some(fo) = report.redis_failover.as_mut() {
+        let from = Instant::now();
+        let until = from + lease * 4;
+        let unsettled = loop {
+            let left = broker.unsettled().await.ok().flatten();
+            if left == Some(0) || Instant::now() >= until {
+                break left;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        fo.unsettled_at_end = unsettled;
+        fo.settle_secs = (unsettled == Some(0)).then(|| from.elapsed().as_secs_f64());
+        say(format!("broker after the redis-failover: {unsettled:?} entries unacknowledged"));
     }
     // A broker stall still in force ends now: the workers need their broker to stop cleanly.
     if let Some(p) = &proxy {
