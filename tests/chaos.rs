@@ -111,17 +111,23 @@ fn chaos_notices_a_missing_commit_guard() {
 /// One failover run (the small instance of [`ChaosConfig::failover`]) with the workers'
 /// `guards` switched off; the report.
 fn run_failover(guards: &[&str], faults: Option<&[chaos::FaultKind]>) -> chaos::Report {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let mut config = ChaosConfig::failover(database_url(), launcher());
     if let Some(faults) = faults {
         config.faults = faults.to_vec();
     }
+    config.worker_guards = guards.iter().map(|g| (*g).to_owned()).collect();
+    run_kept(config)
+}
+
+/// Runs `config` (one run at a time) with the environment's `CHAOS_SEED` and `CHAOS_VERBOSE`;
+/// the worker logs and the receiver's schema of a failed run stay only when asked for
+/// (`CHAOS_KEEP`). Prints the report and returns it.
+fn run_kept(mut config: ChaosConfig) -> chaos::Report {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     if let Ok(seed) = std::env::var("CHAOS_SEED") {
         config.seed = seed.parse().expect("CHAOS_SEED is a number");
     }
-    config.worker_guards = guards.iter().map(|g| (*g).to_owned()).collect();
     config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
-    // The worker logs and the receiver's schema of a failed run stay only when asked for.
     config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
     config.keep_logs = config.keep_on_failure;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
@@ -194,18 +200,9 @@ fn chaos_table_pg_failover_without_timeline_epochs_hands_out_tokens_twice() {
 #[test]
 fn chaos_redis_cluster_failover() {
     use chaos::FaultKind;
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let mut config = ChaosConfig::redis_cluster_failover(database_url(), launcher());
     config.faults.extend([FaultKind::BrokerStall, FaultKind::RedisRestart]);
-    if let Ok(seed) = std::env::var("CHAOS_SEED") {
-        config.seed = seed.parse().expect("CHAOS_SEED is a number");
-    }
-    config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
-    config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
-    config.keep_logs = config.keep_on_failure;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
-    println!("{report}");
+    let report = run_kept(config);
     assert_eq!(report.redis_failovers, 1, "the Redis failover did not happen\n{report}");
     assert_eq!(report.lost(), 0, "jobs lost\n{report}");
     assert_eq!(report.committed_twice, 0, "results committed twice\n{report}");
@@ -240,19 +237,7 @@ mod edges {
     use std::time::Duration;
 
     fn run_edges(source: SourceKind, faults: &[FaultKind]) -> chaos::Report {
-        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-        let mut config = ChaosConfig::edges(source, faults, database_url(), launcher());
-        if let Ok(seed) = std::env::var("CHAOS_SEED") {
-            config.seed = seed.parse().expect("CHAOS_SEED is a number");
-        }
-        config.verbose = std::env::var_os("CHAOS_VERBOSE").is_some();
-        // The schema and the worker logs of a failed run stay only when asked for (CHAOS_KEEP).
-        config.keep_on_failure = std::env::var_os("CHAOS_KEEP").is_some();
-        config.keep_logs = config.keep_on_failure;
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-        let report = rt.block_on(chaos::run(config)).expect("chaos run could not be set up");
-        println!("{report}");
-        report
+        run_kept(ChaosConfig::edges(source, faults, database_url(), launcher()))
     }
 
     /// What every edge run must show: nothing lost, nothing committed twice, no stale accept,
