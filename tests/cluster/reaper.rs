@@ -8,8 +8,9 @@
 
 use brokerfence::adapters::redis::client;
 use brokerfence::adapters::redis::{ItemKey, ReliableList};
-use brokerfence::fence::QueueName;
-use brokerfence_testkit::redis::Env;
+use brokerfence::adapters::{Incoming, ReceiveContext, Source};
+use brokerfence::fence::{Owner, QueueName};
+use brokerfence_testkit::redis::{Env, lease};
 
 async fn llen(env: &Env, key: &str) -> i64 {
     client::cmd("LLEN").arg(key).query_async(&mut env.conn()).await.expect("LLEN")
@@ -54,5 +55,40 @@ async fn cluster_found_two_reapers_put_an_orphan_back_once() {
     // with no put-back in between.
     assert_eq!(a.reap().await.expect("reap"), 1);
     assert_eq!((llen(&env, &list).await, llen(&env, &processing).await), (1, 0));
+    env.cleanup().await;
+}
+
+/// The same guard for a put-back by `abandon` (a review finding): a worker whose reservation had
+/// not landed gives its item back while a reaper suspects it, another worker takes it again, and
+/// the reaper's next pass must not put that new copy back. `abandon` bumps the reap count too.
+#[tokio::test]
+async fn cluster_found_an_abandoned_item_is_not_put_back_again_by_a_reaper() {
+    let env = Env::new().await;
+    let list = env.name("mail");
+    let queue = QueueName::new("mail").expect("queue");
+    let source = || ReliableList::new(env.redis.clone(), queue.clone(), list.as_str(), ItemKey::Split(b'|'));
+    let (a, w) = (source().expect("reaper a"), source().expect("worker w"));
+    let processing = a.processing_list().to_owned();
+    let _: i64 = client::cmd("LPUSH").arg(&list).arg("k2|body").query_async(&mut env.conn()).await.expect("LPUSH");
+    let ctx = ReceiveContext { owner: Owner::new("w").expect("owner"), lease: lease(3) };
+    let delivery = match w.receive(1, &ctx).await.expect("receive").pop() {
+        Some(Incoming::Unclaimed { delivery, .. }) => delivery,
+        other => panic!("one unclaimed delivery, got {other:?}"),
+    };
+    // Its reservation did not land (a Redis hiccup): the item sits keyless.
+    let _: i64 = client::cmd("DEL").arg(delivery.lease_key()).query_async(&mut env.conn()).await.expect("DEL");
+    assert_eq!(a.reap().await.expect("reap"), 0, "A suspects the keyless item");
+
+    w.abandon(delivery).await.expect("abandon");
+    let _: Option<Vec<u8>> = client::cmd("LMOVE")
+        .arg(&list)
+        .arg(&processing)
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(&mut env.conn())
+        .await
+        .expect("LMOVE");
+    assert_eq!(a.reap().await.expect("reap"), 0, "the copy taken again after the abandon is another copy");
+    assert_eq!((llen(&env, &list).await, llen(&env, &processing).await), (0, 1));
     env.cleanup().await;
 }

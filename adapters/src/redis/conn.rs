@@ -74,7 +74,7 @@ impl RedisConnections {
     /// |---|---|
     /// | one server | `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, `rediss://…` (TLS), `redis+unix:///PATH` |
     /// | Redis Cluster | `redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…` (seed nodes; only database 0), `rediss+cluster://…` |
-    /// | Sentinel | `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…/MASTER[/DB]` (sentinels, then the master's name), `rediss+sentinel://…` |
+    /// | Sentinel | `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…/MASTER[/DB]` (sentinels, then the master's name), `rediss+sentinel://…` (TLS to the master and the sentinels) |
     ///
     /// A port left out is 6379 (26379 for a sentinel). On a cluster, MOVED and ASK replies (a slot
     /// being migrated) are followed by the client. Through Sentinel, the master the sentinels
@@ -143,7 +143,10 @@ impl RedisConnections {
     /// `response` timeout, the blocking one none. The client's own retry settings apply to MOVED,
     /// ASK and `TRYAGAIN`; each call of the adapter is still bounded as [`RedisTimeouts`] says.
     ///
-    /// A cluster none of whose seed nodes answers fails with [`RedisError::Unreachable`].
+    /// A cluster none of whose seed nodes answers fails with [`RedisError::Unreachable`]. Leave
+    /// the builder's `response_timeout` unset, or also call `.overall_response_timeout(None)`:
+    /// the client crate bounds every request by that overall timeout, which the settings given
+    /// here do not change, and a blocking read must be free to block for its block time.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

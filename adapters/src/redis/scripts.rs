@@ -177,12 +177,14 @@ return removed
 
 /// Give a list item back: remove one copy from the processing list, push it on the consuming end
 /// of the queue (it is next), release the lease key if it is ours.
-/// KEYS[1]: processing; KEYS[2]: queue; KEYS[3]: lease key. ARGV[1]: item; ARGV[2]: token.
+/// KEYS[1]: processing; KEYS[2]: queue; KEYS[3]: lease key; KEYS[4]: the list's reap count (a
+/// put-back, as the reaper's: see `LIST_REAP`). ARGV[1]: item; ARGV[2]: token.
 /// Returns 1 when the item was moved back.
 const LIST_REQUEUE: &str = r"
 local moved = 0
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
   redis.call('RPUSH', KEYS[2], ARGV[1])
+  redis.call('INCR', KEYS[4])
   moved = 1
 end
 if redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
@@ -217,7 +219,7 @@ return 1
 ";
 
 /// One pass of the reaper. KEYS[1]: processing; KEYS[2]: queue; KEYS[3]: the list's reap count
-/// (bumped whenever any reaper puts an item back); KEYS[3+i]: lease key of item i. ARGV[i]: item i;
+/// (bumped whenever an item is put back, by any reaper or by an abandon); KEYS[3+i]: lease key of item i. ARGV[i]: item i;
 /// ARGV[n+i]: '1' when item i was already seen without a lease key on the previous pass;
 /// ARGV[2n+1]: the reap count at that pass. Per item: 0 = has a lease key, 1 = no lease key (a
 /// suspect), 2 = put back on the queue; then the reap count now. A suspect goes back only when no

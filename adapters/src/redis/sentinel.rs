@@ -3,8 +3,9 @@
 //! One task per [`RedisConnections`](super::RedisConnections) asks every sentinel where the
 //! master is (`SENTINEL GET-MASTER-ADDR-BY-NAME`), takes the address most of those that answered
 //! give, checks that the server there says `ROLE` = master, and publishes it. It asks every
-//! [`sentinel_poll`](super::RedisTimeouts::sentinel_poll) (default 1 s) and at once after any
-//! call failed (a killed master refuses connections, a demoted one answers `READONLY`). Each
+//! [`sentinel_poll`](super::RedisTimeouts::sentinel_poll) (default 1 s) and at once after a call
+//! failed in a way that may mean the master moved (a killed master refuses connections, a demoted
+//! one answers `READONLY`), at most every 100 ms. Each
 //! [`SentinelConn`] reconnects when the published master changes, so after a failover the workers
 //! follow the new master within one poll and one connect, without a restart.
 //!
@@ -76,10 +77,12 @@ impl SentinelConn {
 
     /// The connection to the master published now, opened again when it changed.
     async fn current(&self) -> ::redis::RedisResult<ConnectionManager> {
-        let master = self.shared.master.borrow().clone();
         let mut cached = self.cached.lock().await;
+        // Read under the lock: a call that waited for it must not go back to an older master
+        // than the one the call before it connected to.
+        let master = self.shared.master.borrow().clone();
         if let Some((generation, conn)) = cached.as_ref()
-            && *generation == master.generation
+            && *generation >= master.generation
         {
             return Ok(conn.clone());
         }
@@ -96,8 +99,18 @@ impl SentinelConn {
         Ok(conn)
     }
 
-    fn failed(&self) {
-        self.shared.poke.notify_one();
+    /// Asks the sentinels at once when `e` may mean the master moved: the connection failed or
+    /// timed out, or the server is no master any more (`READONLY`, `MASTERDOWN`, `LOADING`). A
+    /// script's own error, `NOGROUP` and the like ask nothing.
+    fn failed(&self, e: &::redis::RedisError) {
+        let moved = e.is_io_error()
+            || e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || e.is_timeout()
+            || matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
+        if moved {
+            self.shared.poke.notify_one();
+        }
     }
 
     pub fn get_db(&self) -> i64 {
@@ -110,8 +123,8 @@ impl SentinelConn {
                 Ok(mut conn) => conn.req_packed_command(cmd).await,
                 Err(e) => Err(e),
             };
-            if out.is_err() {
-                self.failed();
+            if let Err(e) = &out {
+                self.failed(e);
             }
             out
         })
@@ -128,8 +141,8 @@ impl SentinelConn {
                 Ok(mut conn) => conn.req_packed_commands(pipeline, offset, count).await,
                 Err(e) => Err(e),
             };
-            if out.is_err() {
-                self.failed();
+            if let Err(e) = &out {
+                self.failed(e);
             }
             out
         })
@@ -237,10 +250,17 @@ fn host_port(host: &str, port: u16) -> String {
     if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
 }
 
+/// The shortest time between two questions to the sentinels, however often calls fail.
+const MIN_ASK_GAP: Duration = Duration::from_millis(100);
+
 /// The task that follows the master until every connection is gone.
 async fn follow(mut asker: Asker, tx: watch::Sender<Master>, poke: Arc<Notify>, poll: Duration) {
     let mut warned = false;
     loop {
+        tokio::select! {
+            () = tx.closed() => return,
+            () = tokio::time::sleep(MIN_ASK_GAP) => {}
+        }
         tokio::select! {
             () = tx.closed() => return,
             () = poke.notified() => {}

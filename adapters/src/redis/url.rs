@@ -5,8 +5,8 @@
 //! - Redis Cluster: `redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…` (seed nodes; the rest
 //!   of the cluster is found from them), `rediss+cluster://…` for TLS; only database 0;
 //! - Sentinel: `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT,…/MASTER[/DB]` (the
-//!   sentinels, then the master's name), `rediss+sentinel://…` for TLS to the master. The
-//!   credentials are the master's; the sentinels are asked without any.
+//!   sentinels, then the master's name), `rediss+sentinel://…` for TLS to the master and the
+//!   sentinels. The credentials are the master's; the sentinels are asked without any.
 //!
 //! A port left out is 6379 (26379 for a sentinel). Nothing here ever prints a password.
 
@@ -98,8 +98,7 @@ impl Target {
         if !(path.is_empty() || path == "0") {
             return Err(bad(format!("Redis Cluster has only database 0, the URL asks for /{path}")));
         }
-        let scheme = if parts.scheme.starts_with("rediss") { "rediss" } else { "redis" };
-        let auth = parts.userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+        let (scheme, auth) = (parts.client_scheme(), parts.auth());
         let query = parts.query.map(|q| format!("?{q}")).unwrap_or_default();
         let nodes = hosts(parts.hosts, 6379)?;
         Ok(Target::Cluster(nodes.into_iter().map(|h| format!("{scheme}://{auth}{h}{query}")).collect()))
@@ -124,16 +123,16 @@ impl Target {
         Ok(SentinelTarget {
             sentinels: hosts(parts.hosts, 26379)?,
             master: master.to_owned(),
-            scheme: if parts.scheme.starts_with("rediss") { "rediss" } else { "redis" },
-            userinfo: parts.userinfo.map(str::to_owned),
+            scheme: parts.client_scheme(),
+            userinfo: parts.auth().strip_suffix('@').map(str::to_owned),
             db,
         })
     }
 }
 
-/// `scheme://[userinfo@]hosts[/path][?query]`, split without decoding.
+/// `scheme://[userinfo@]hosts[/path][?query]`, split without decoding; the scheme in lower case.
 struct Parts<'a> {
-    scheme: &'a str,
+    scheme: String,
     userinfo: Option<&'a str>,
     hosts: &'a str,
     path: &'a str,
@@ -143,20 +142,47 @@ struct Parts<'a> {
 impl<'a> Parts<'a> {
     fn split(url: &'a str) -> Result<Parts<'a>, RedisError> {
         let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no `://` after the scheme"))?;
+        // The credentials end at the last `@`: a password written with an unencoded `/`, `?`, `#`
+        // or `@` stays in them, so that no error below ever quotes a piece of it.
+        let (userinfo, rest) = match rest.rsplit_once('@') {
+            Some((u, r)) => (Some(u), r),
+            None => (None, rest),
+        };
         let rest = rest.split_once('#').map_or(rest, |(r, _)| r);
         let (rest, query) = match rest.split_once('?') {
             Some((r, q)) => (r, Some(q)),
             None => (rest, None),
         };
-        let (authority, path) = match rest.find('/') {
+        let (hosts, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, ""),
         };
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        Ok(Parts { scheme, userinfo, hosts, path, query })
+        Ok(Parts { scheme: scheme.to_ascii_lowercase(), userinfo, hosts, path, query })
+    }
+
+    /// `redis` or `rediss` (TLS), whatever the case the URL wrote it in.
+    fn client_scheme(&self) -> &'static str {
+        if self.scheme.starts_with("rediss") { "rediss" } else { "redis" }
+    }
+
+    /// The credentials as a client URL takes them (`user:password@`), the characters that would
+    /// end them early percent-encoded; empty without credentials.
+    fn auth(&self) -> String {
+        let Some(userinfo) = self.userinfo else { return String::new() };
+        let mut out = String::with_capacity(userinfo.len() + 1);
+        for c in userinfo.chars() {
+            match c {
+                '/' => out.push_str("%2F"),
+                '?' => out.push_str("%3F"),
+                '#' => out.push_str("%23"),
+                '@' => out.push_str("%40"),
+                '[' => out.push_str("%5B"),
+                ']' => out.push_str("%5D"),
+                c => out.push(c),
+            }
+        }
+        out.push('@');
+        out
     }
 }
 
@@ -236,6 +262,30 @@ mod tests {
             "redis+sentinel://s1/m/1/2",
         ] {
             assert!(matches!(Target::parse(url), Err(RedisError::BadUrl { .. })), "{url}");
+        }
+    }
+
+    /// Review finding: an upper-case `REDISS+…` scheme once built plain `redis://` client URLs.
+    #[test]
+    fn tls_is_kept_whatever_the_case_of_the_scheme() {
+        let t = Target::parse("REDISS+CLUSTER://u:pw@h:1").unwrap();
+        assert!(matches!(&t, Target::Cluster(n) if n == &["rediss://u:pw@h:1".to_owned()]), "{t:?}");
+        let Target::Sentinel(s) = Target::parse("Rediss+Sentinel://:pw@s1/m").unwrap() else { panic!("sentinel") };
+        assert_eq!(s.master_url("h:2"), "rediss://:pw@h:2/0");
+    }
+
+    /// Review finding: a password written with an unencoded `/`, `?` or `#` ended the credentials
+    /// early, and an error quoted the rest of it.
+    #[test]
+    fn a_password_with_reserved_characters_stays_whole_and_unquoted() {
+        let t = Target::parse("redis+cluster://u:pa/s?s#w@h:1,h:2").unwrap();
+        assert!(
+            matches!(&t, Target::Cluster(n) if n == &["redis://u:pa%2Fs%3Fs%23w@h:1".to_owned(), "redis://u:pa%2Fs%3Fs%23w@h:2".to_owned()]),
+            "{t:?}"
+        );
+        for url in ["redis+cluster://u:pa/ss@h:x", "redis+cluster://u:p?ss@h:1/4", "redis+sentinel://u:p#ss@s1"] {
+            let e = Target::parse(url).unwrap_err().to_string();
+            assert!(!e.contains("ss"), "{url}: {e}");
         }
     }
 

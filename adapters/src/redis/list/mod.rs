@@ -367,7 +367,8 @@ impl Source for ReliableList {
     async fn abandon(&self, delivery: ListDelivery) -> Result<(), SourceError> {
         let tok = self.leases.forget(delivery.lease_key()).unwrap_or_default();
         let mut inv = SCRIPTS.list_requeue.prepare_invoke();
-        inv.key(&self.processing).key(&self.list).key(delivery.lease_key()).arg(delivery.item()).arg(tok);
+        inv.key(&self.processing).key(&self.list).key(delivery.lease_key()).key(&self.reap_count);
+        inv.arg(delivery.item()).arg(tok);
         let _: i64 = bounded("EVALSHA requeue", self.response(), inv.invoke_async(&mut self.conns.commands())).await?;
         Ok(())
     }
