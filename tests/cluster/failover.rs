@@ -217,6 +217,42 @@ async fn entries(node: &RedisNode, key: &str) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
         .collect()
 }
 
+/// Before the cut: the first [`PRE`] jobs committed and acknowledged, the next ones in flight.
+async fn wait_first_done_and_in_flight(workers: &[Running], work: &Work) {
+    wait_for("the first jobs acknowledged and the next ones in flight", PHASE, || {
+        let (done, acked, started) = (sum(workers, |s| s.completions), sum(workers, |s| s.acks), work.started());
+        async move { (done == PRE as u64 && acked == PRE as u64 && started == PRE + 2 * PLACES).then_some(()) }
+    })
+    .await;
+}
+
+/// Cuts the replica's link and lets the workers run on the old primary alone: the jobs in flight
+/// keep their database leases and every heartbeat's hint lands on the old primary alone; then
+/// they and all the rest may complete there. Returns when the cut was made and how many lease
+/// renewals the old primary took alone before the rest was let go.
+async fn run_alone(pair: &RedisPair, workers: &[Running], work: &Work) -> (Instant, u64) {
+    pair.cut_link();
+    let t_cut = Instant::now();
+    let renewed_before = sum(workers, |s| s.renewals);
+    wait_for("a heartbeat of every job in flight during the partition", PHASE, || {
+        let renewed = sum(workers, |s| s.renewals) - renewed_before;
+        async move { (renewed >= (2 * PLACES) as u64).then_some(()) }
+    })
+    .await;
+    let renewed_alone = sum(workers, |s| s.renewals) - renewed_before;
+    work.gate.add_permits(JOBS);
+    (t_cut, renewed_alone)
+}
+
+/// The old primary dies, the replica is promoted and the clients' VIP re-pointed to it; returns
+/// when it took over.
+async fn promote_replica(pair: &RedisPair) -> Instant {
+    pair.kill_primary().await;
+    pair.promote_replica().await;
+    pair.repoint_clients_to_replica();
+    Instant::now()
+}
+
 /// What both partition tests assert of the workers once the promoted replica settled: no job
 /// committed twice or claimed at a new epoch, the poison job buried once and dead-lettered on
 /// both primaries, each job settled alone on the old primary back once as a duplicate, and every
@@ -296,11 +332,7 @@ async fn cluster_partition_promoted_replica_stream_redeliveries_are_duplicates()
 
     // Before the cut: the first jobs committed and acknowledged, the next ones in flight; the
     // replica has all of it.
-    wait_for("the first jobs acknowledged and the next ones in flight", PHASE, || {
-        let (done, acked, started) = (sum(&workers, |s| s.completions), sum(&workers, |s| s.acks), work.started());
-        async move { (done == PRE as u64 && acked == PRE as u64 && started == PRE + 2 * PLACES).then_some(()) }
-    })
-    .await;
+    wait_first_done_and_in_flight(&workers, &work).await;
     pair.wait_caught_up().await;
     let (pending_at_cut, unread_at_cut) = group_state(&pair.replica, &stream).await.expect("replica's group");
     assert_eq!(
@@ -310,18 +342,7 @@ async fn cluster_partition_promoted_replica_stream_redeliveries_are_duplicates()
     );
 
     // The partition: everything left completes on the old primary alone.
-    pair.cut_link();
-    let t_cut = Instant::now();
-    // The jobs in flight keep their database leases; every heartbeat's hint lands on the old
-    // primary alone. Then they and all the rest complete there.
-    let renewed_before = sum(&workers, |s| s.renewals);
-    wait_for("a heartbeat of every job in flight during the partition", PHASE, || {
-        let renewed = sum(&workers, |s| s.renewals) - renewed_before;
-        async move { (renewed >= (2 * PLACES) as u64).then_some(()) }
-    })
-    .await;
-    let renewed_alone = sum(&workers, |s| s.renewals) - renewed_before;
-    work.gate.add_permits(JOBS);
+    let (t_cut, renewed_alone) = run_alone(&pair, &workers, &work).await;
     wait_for("every job settled on the old primary alone", PHASE, || async {
         let done = sum(&workers, |s| s.completions) == (JOBS - 1) as u64;
         let dead = sum(&workers, |s| s.dead_jobs) == 1 && sum(&workers, |s| s.dead_letters) == 1;
@@ -337,10 +358,7 @@ async fn cluster_partition_promoted_replica_stream_redeliveries_are_duplicates()
     assert_eq!(sum(&workers, |s| s.duplicates), 0, "no redelivery before the promotion");
 
     // The old primary dies; the replica, without those acks, takes over behind the VIP.
-    pair.kill_primary().await;
-    pair.promote_replica().await;
-    pair.repoint_clients_to_replica();
-    let t_promoted = Instant::now();
+    let t_promoted = promote_replica(&pair).await;
     let redeliveries = (JOBS - PRE) as u64;
     wait_for("every redelivery answered by the fence and acknowledged on the new primary", PHASE, || async {
         let dups = sum(&workers, |s| s.duplicates) >= redeliveries && sum(&workers, |s| s.dead_letters) >= 2;
@@ -410,28 +428,13 @@ async fn cluster_partition_promoted_replica_list_redeliveries_are_duplicates() {
         workers.push(spawn_consumer(source, env.store(), name, consumer_config(3, PLACES), work.handler()));
     }
 
-    wait_for("the first jobs acknowledged and the next ones in flight", PHASE, || {
-        let (done, acked, started) = (sum(&workers, |s| s.completions), sum(&workers, |s| s.acks), work.started());
-        async move { (done == PRE as u64 && acked == PRE as u64 && started == PRE + 2 * PLACES).then_some(()) }
-    })
-    .await;
+    wait_first_done_and_in_flight(&workers, &work).await;
     pair.wait_caught_up().await;
     let in_flight_at_cut = llen(&pair.replica, &processing).await.expect("LLEN");
     let queued_at_cut = llen(&pair.replica, &list).await.expect("LLEN");
     assert_eq!((in_flight_at_cut + queued_at_cut) as usize, JOBS - PRE, "the replica has the first {PRE} LREMs");
 
-    pair.cut_link();
-    let t_cut = Instant::now();
-    // The jobs in flight keep their database leases; every heartbeat's hint lands on the old
-    // primary alone. Then they and all the rest complete there.
-    let renewed_before = sum(&workers, |s| s.renewals);
-    wait_for("a heartbeat of every job in flight during the partition", PHASE, || {
-        let renewed = sum(&workers, |s| s.renewals) - renewed_before;
-        async move { (renewed >= (2 * PLACES) as u64).then_some(()) }
-    })
-    .await;
-    let renewed_alone = sum(&workers, |s| s.renewals) - renewed_before;
-    work.gate.add_permits(JOBS);
+    let (t_cut, renewed_alone) = run_alone(&pair, &workers, &work).await;
     wait_for("every job settled on the old primary alone", PHASE, || async {
         let done = sum(&workers, |s| s.completions) == (JOBS - 1) as u64;
         let dead = sum(&workers, |s| s.dead_jobs) == 1 && sum(&workers, |s| s.dead_letters) == 1;
@@ -447,10 +450,7 @@ async fn cluster_partition_promoted_replica_list_redeliveries_are_duplicates() {
     let committed_alone = sum(&workers, |s| s.completions) - PRE as u64;
     assert_eq!(sum(&workers, |s| s.duplicates), 0, "no redelivery before the promotion");
 
-    pair.kill_primary().await;
-    pair.promote_replica().await;
-    pair.repoint_clients_to_replica();
-    let t_promoted = Instant::now();
+    let t_promoted = promote_replica(&pair).await;
     let redeliveries = (JOBS - PRE) as u64;
     wait_for("every redelivery answered by the fence and removed on the new primary", PHASE, || async {
         let dups = sum(&workers, |s| s.duplicates) >= redeliveries && sum(&workers, |s| s.dead_letters) >= 2;

@@ -16,6 +16,19 @@ async fn llen(env: &Env, key: &str) -> i64 {
     client::cmd("LLEN").arg(key).query_async(&mut env.conn()).await.expect("LLEN")
 }
 
+/// A worker takes the next item of `list` (`LMOVE` to `processing`); its lease key is not
+/// reserved yet.
+async fn take_again(env: &Env, list: &str, processing: &str) {
+    let _: Option<Vec<u8>> = client::cmd("LMOVE")
+        .arg(list)
+        .arg(processing)
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(&mut env.conn())
+        .await
+        .expect("LMOVE");
+}
+
 /// Guard: the reap count. Deterministic: the passes of two reapers and a worker's take are made
 /// by hand, in the order that put the item back twice before the fix.
 #[tokio::test]
@@ -36,14 +49,7 @@ async fn cluster_found_two_reapers_put_an_orphan_back_once() {
     assert_eq!((llen(&env, &list).await, llen(&env, &processing).await), (1, 0));
 
     // Another worker takes it again; its lease key is not reserved yet.
-    let _: Option<Vec<u8>> = client::cmd("LMOVE")
-        .arg(&list)
-        .arg(&processing)
-        .arg("RIGHT")
-        .arg("LEFT")
-        .query_async(&mut env.conn())
-        .await
-        .expect("LMOVE");
+    take_again(&env, &list, &processing).await;
     assert_eq!(a.reap().await.expect("reap"), 0, "A saw the value keyless before, but this is another copy");
     assert_eq!(
         (llen(&env, &list).await, llen(&env, &processing).await),
@@ -80,14 +86,7 @@ async fn cluster_found_an_abandoned_item_is_not_put_back_again_by_a_reaper() {
     assert_eq!(a.reap().await.expect("reap"), 0, "A suspects the keyless item");
 
     w.abandon(delivery).await.expect("abandon");
-    let _: Option<Vec<u8>> = client::cmd("LMOVE")
-        .arg(&list)
-        .arg(&processing)
-        .arg("RIGHT")
-        .arg("LEFT")
-        .query_async(&mut env.conn())
-        .await
-        .expect("LMOVE");
+    take_again(&env, &list, &processing).await;
     assert_eq!(a.reap().await.expect("reap"), 0, "the copy taken again after the abandon is another copy");
     assert_eq!((llen(&env, &list).await, llen(&env, &processing).await), (0, 1));
     env.cleanup().await;
