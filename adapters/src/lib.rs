@@ -21,10 +21,10 @@ mod builder;
 mod caught;
 mod disposition;
 mod handler;
-mod middleware;
 #[cfg(feature = "postgres")]
 pub mod outbox;
 pub mod postgres;
+mod retrofit;
 mod runtime;
 mod source;
 pub mod table;
@@ -44,7 +44,7 @@ pub mod sqs;
 
 pub use disposition::Disposition;
 pub use handler::{Handler, HandlerFuture};
-pub use middleware::{Detail, Processed, Retrofit};
+pub use retrofit::{Detail, Processed, Retrofit};
 pub use runtime::{Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, ReceiveContext, shutdown_signal};
 pub use source::{DeadLettered, Incoming, Source, SourceError};
 /// The token [`Consumer::run`] stops on (tokio-util's), so no direct dependency is needed.

@@ -31,12 +31,11 @@ pub mod epoch;
 mod error;
 mod group;
 mod guards;
-mod hook_runner;
 mod job;
 mod key;
+mod lease;
 pub mod ledger;
 mod metrics;
-mod model;
 #[cfg(feature = "postgres")]
 pub mod outbox;
 mod own_tx;
@@ -58,16 +57,16 @@ pub use guards::Guards;
 pub use job::Json;
 pub use job::{BoxError, IntoJobResult, JobError, JobResultExt};
 pub use key::{JobKey, MAX_KEY_BYTES, MAX_NAME_BYTES, Owner, QueueName};
+pub use lease::{
+    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
+    RetryPolicy,
+};
 #[cfg(feature = "postgres")]
 pub use ledger::PgLedger;
 #[cfg(feature = "sqlite")]
 pub use ledger::SqliteLedger;
 pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, Verdict};
 pub use metrics::{Counter, Distribution, Metrics, MetricsSnapshot};
-pub use model::{
-    Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
-    RetryPolicy,
-};
 #[cfg(feature = "postgres")]
 pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;

@@ -33,7 +33,7 @@ use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgConnection;
 
 use crate::error::{FenceError, Result};
-use crate::model::Lease;
+use crate::lease::Lease;
 use crate::postgres::PgFence;
 use crate::wire::FenceStamp;
 

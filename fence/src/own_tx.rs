@@ -11,7 +11,7 @@ use sqlx::PgConnection;
 use sqlx::SqliteConnection;
 
 use crate::error::{FenceError, Result};
-use crate::model::Lease;
+use crate::lease::Lease;
 use crate::store::Backend;
 
 /// A connection a handler's own transaction runs on: `sqlx::PgConnection` for a

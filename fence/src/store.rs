@@ -6,7 +6,7 @@ use async_trait::async_trait;
 
 use crate::error::Result;
 use crate::key::{JobKey, Owner, QueueName};
-use crate::model::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy};
+use crate::lease::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy};
 
 /// The epoch authority. Every method that writes on behalf of a lease is a compare-and-set on
 /// (queue, key, owner, epoch, state = running): zero rows matched is
@@ -250,7 +250,7 @@ pub(crate) fn split_heartbeat(
             Ok(i) => {
                 let mut l = l.clone();
                 l.lease_until = crate::DbTime(renewed[i].4);
-                l.ttl = crate::model::millis(renewed[i].5);
+                l.ttl = crate::lease::millis(renewed[i].5);
                 out.renewed.push(l);
             }
             Err(_)
@@ -286,7 +286,7 @@ pub(crate) fn job_record(queue: &QueueName, key: &JobKey, row: JobRow) -> Result
     Ok(JobRecord {
         queue: queue.clone(),
         key: key.clone(),
-        state: crate::model::JobState::parse(&state)?,
+        state: crate::lease::JobState::parse(&state)?,
         epoch,
         owner,
         lease_until: lease_until.map(crate::DbTime),
@@ -309,7 +309,7 @@ pub(crate) fn distinct_keys(keys: &[JobKey]) -> Vec<&JobKey> {
 /// The verdict of [`FenceStore::check_schema`] from the newest applied migration version.
 /// Whether `job` is completed under `lease` (its epoch and owner): the lease's own commit.
 pub(crate) fn completed_under_lease(job: &JobRecord, lease: &Lease) -> bool {
-    job.state == crate::model::JobState::Completed
+    job.state == crate::lease::JobState::Completed
         && job.epoch == lease.epoch
         && job.owner.as_deref() == Some(lease.owner.as_str())
 }
@@ -337,7 +337,7 @@ pub(crate) fn backoff_ms(policy: &RetryPolicy) -> (i64, i64) {
 pub(crate) fn fail_outcome(answer: &str) -> Result<FailOutcome> {
     match answer.split_once(':') {
         Some(("failed", ms)) => Ok(FailOutcome::Retry {
-            retry_in: crate::model::millis(
+            retry_in: crate::lease::millis(
                 ms.parse().map_err(|_| crate::FenceError::Corrupt(format!("fail answered {answer:?}")))?,
             ),
         }),
@@ -365,7 +365,7 @@ pub(crate) fn claim_outcome(queue: &QueueName, key: &JobKey, owner: &Owner, row:
             epoch: *epoch,
             owner: owner.clone(),
             lease_until: crate::DbTime(lease_until.unwrap_or(0)),
-            ttl: crate::model::millis(ttl.unwrap_or(0)),
+            ttl: crate::lease::millis(ttl.unwrap_or(0)),
             attempts: *attempts,
         }),
         other => match crate::JobState::parse(other)? {
@@ -373,12 +373,12 @@ pub(crate) fn claim_outcome(queue: &QueueName, key: &JobKey, owner: &Owner, row:
                 owner: holder.clone(),
                 epoch: *epoch,
                 lease_until: crate::DbTime(lease_until.unwrap_or(0)),
-                ttl: crate::model::millis(ttl.unwrap_or(0)),
+                ttl: crate::lease::millis(ttl.unwrap_or(0)),
             },
             crate::JobState::Completed => Claim::Done { epoch: *epoch },
             crate::JobState::Dead => Claim::Dead { epoch: *epoch },
             crate::JobState::Failed => {
-                Claim::Backoff { epoch: *epoch, retry_in: crate::model::millis(run_in.unwrap_or(0)) }
+                Claim::Backoff { epoch: *epoch, retry_in: crate::lease::millis(run_in.unwrap_or(0)) }
             }
             // Pending rows are always claimable; seeing one here means the row changed under us.
             crate::JobState::Pending => {

@@ -31,8 +31,8 @@
 
 use std::fmt;
 
+use crate::lease::Lease;
 use crate::ledger::{Ledger, Verdict};
-use crate::model::Lease;
 
 /// Name of the queue header / attribute.
 pub const QUEUE: &str = "Fence-Queue";

@@ -18,7 +18,7 @@ use super::delivery::SqsDelivery;
 use super::error::SqsError;
 use super::source::SqsSource;
 use crate::disposition::Disposition;
-use crate::middleware::{Detail, Retrofit};
+use crate::retrofit::{Detail, Retrofit};
 use crate::source::DeadLettered;
 
 /// What happened to one message in [`SqsRetrofit::process`].

@@ -7,7 +7,7 @@ use super::{
 };
 use crate::error::FenceError;
 use crate::key::{JobKey, QueueName};
-use crate::model::{DbTime, JobState};
+use crate::lease::{DbTime, JobState};
 
 /// A key read back from the database.
 pub(crate) fn stored_key(k: String) -> Result<JobKey, AdminError> {

@@ -1,7 +1,7 @@
 //! The typed answers of the admin calls: queue status, one job, dead letters, requeue reports.
 
 use crate::key::{JobKey, QueueName};
-use crate::model::{DbTime, JobState};
+use crate::lease::{DbTime, JobState};
 
 /// Jobs per state in one queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

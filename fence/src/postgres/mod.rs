@@ -8,7 +8,7 @@ use sqlx::postgres::{PgConnection, PgPool};
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
 use crate::key::{JobKey, QueueName};
-use crate::model::Lease;
+use crate::lease::Lease;
 use crate::schema::SchemaName;
 
 /// Milliseconds since the Unix epoch of a timestamptz expression.

@@ -6,7 +6,7 @@ use sqlx::AssertSqlSafe;
 
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
-use crate::model::Lease;
+use crate::lease::Lease;
 use crate::schema::SchemaName;
 
 /// The statements, rendered once for a schema and a set of guards.

@@ -9,7 +9,7 @@ use super::statements::{detached, lease_columns, sql};
 use super::{Lane, PgFence};
 use crate::error::{FenceError, Result};
 use crate::key::{JobKey, Owner, QueueName};
-use crate::model::{
+use crate::lease::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::store::{

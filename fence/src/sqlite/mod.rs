@@ -18,7 +18,7 @@ use sqlx::sqlite::{
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
 use crate::key::{JobKey, QueueName};
-use crate::model::Lease;
+use crate::lease::Lease;
 use crate::schema::SchemaName;
 use crate::store::default_max_claims;
 

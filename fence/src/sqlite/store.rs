@@ -9,7 +9,7 @@ use super::SqliteFence;
 use super::statements::{MIGRATIONS, NOW, REQUIRED_VERSION, sql};
 use crate::error::{FenceError, Result};
 use crate::key::{JobKey, Owner, QueueName};
-use crate::model::{
+use crate::lease::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, Lease, LeaseDuration, RetryPolicy, millis,
 };
 use crate::schema::render;

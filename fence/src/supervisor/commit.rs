@@ -11,8 +11,8 @@ use super::registry::Inner;
 use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::job::JobError;
+use crate::lease::{FailOutcome, Lease};
 use crate::metrics::{Counter, Distribution, Metrics};
-use crate::model::{FailOutcome, Lease};
 use crate::store::FenceStore;
 
 /// A result waiting for the group commit, and where to send the verdict.

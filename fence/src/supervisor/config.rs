@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::model::{LeaseDuration, RetryPolicy};
+use crate::lease::{LeaseDuration, RetryPolicy};
 
 /// How a supervisor runs attempts.
 ///

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::commit::COMMITS_IN_FLIGHT;
 use super::*;
 use crate::error::Result;
-use crate::model::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, LeaseDuration, RetryPolicy};
+use crate::lease::{Claim, ClaimedJob, FailOutcome, Heartbeat, JobRecord, LeaseDuration, RetryPolicy};
 use crate::{DbTime, JobKey, QueueName, SqliteFence};
 
 const LEASE_SECS: u64 = 3;

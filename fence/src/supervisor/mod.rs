@@ -23,29 +23,30 @@ use tracing::Instrument;
 
 use crate::Owner;
 use crate::group::Grouper;
-use crate::hook_runner::{HookRunner, LiveCheck};
 use crate::job::{IntoJobResult, JobError};
+use crate::lease::Lease;
 #[cfg(feature = "metrics")]
 use crate::metrics::LossKind;
 use crate::metrics::{Counter, Distribution, Metrics};
-use crate::model::Lease;
 use crate::store::FenceStore;
+use hook_runner::{HookRunner, LiveCheck};
 
 mod commit;
 mod config;
 mod context;
 mod guarded;
+mod heartbeat;
+mod hook_runner;
 mod outcome;
 mod registry;
-mod tick;
 
 use commit::{COMMIT_QUEUE, MAX_COMMIT_BATCH, commit_loop, verify_loop};
 pub use config::{DEFAULT_COMMIT_WINDOW, SupervisorConfig};
 pub use context::JobContext;
 use guarded::Guarded;
+use heartbeat::heartbeat_loop;
 pub use outcome::{LeaseHook, LossReason, Outcome};
 use registry::{Inner, Registered, Slot, SlotState};
-use tick::tick_loop;
 
 /// Runs handlers under leases for one worker (one owner).
 ///
@@ -127,7 +128,7 @@ impl Supervisor {
             .busy(move || running.upgrade().is_some_and(|inner| inner.in_flight() > 0));
         tokio::spawn(verify_loop(Arc::clone(&inner.store), groups));
         let interval = inner.config.lease.heartbeat_interval();
-        tokio::spawn(tick_loop(Arc::downgrade(&inner), inner.stop.clone(), interval));
+        tokio::spawn(heartbeat_loop(Arc::downgrade(&inner), inner.stop.clone(), interval));
         Self { inner }
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::error::FenceError;
-use crate::model::Lease;
+use crate::lease::Lease;
 
 /// Why a handler was stopped before it finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,11 +10,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::commit::{CommitRequest, VerifyRequest};
 use super::config::SupervisorConfig;
+use super::hook_runner::HookRunner;
 use super::outcome::LossReason;
 use crate::Owner;
-use crate::hook_runner::HookRunner;
+use crate::lease::Lease;
 use crate::metrics::Metrics;
-use crate::model::Lease;
 use crate::store::FenceStore;
 
 pub(super) struct SlotState {

@@ -12,12 +12,12 @@ use fence::{
 use tokio::time::Instant;
 
 use crate::disposition::Disposition;
-use crate::middleware::{Detail, Retrofit};
 use crate::redis::conn::RedisConnections;
 use crate::redis::error::RedisError;
 use crate::redis::handle::Topology;
 use crate::redis::keys::{check_same_slot, sibling_key, token};
 use crate::redis::lease::{LeaseKeyHook, LeaseKeys};
+use crate::retrofit::{Detail, Retrofit};
 
 use super::ItemKey;
 use super::holding::{CloseOnDrop, DEFAULT_HOLDING, FIRST_PAUSE, Holding, Route, Target};

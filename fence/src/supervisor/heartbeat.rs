@@ -10,8 +10,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::outcome::LossReason;
 use super::registry::{Inner, SlotState};
+use crate::lease::Lease;
 use crate::metrics::{Counter, Distribution};
-use crate::model::Lease;
 
 impl Inner {
     /// One heartbeat: renews every in-flight lease in one statement. Returns false when the
@@ -183,7 +183,7 @@ impl Inner {
         &self,
         leases: &[Lease],
         unless_locked: bool,
-    ) -> Option<std::result::Result<crate::model::Heartbeat, String>> {
+    ) -> Option<std::result::Result<crate::lease::Heartbeat, String>> {
         if leases.is_empty() {
             return None;
         }
@@ -206,7 +206,7 @@ impl Inner {
     }
 }
 
-pub(super) async fn tick_loop(inner: Weak<Inner>, stop: CancellationToken, interval: Duration) {
+pub(super) async fn heartbeat_loop(inner: Weak<Inner>, stop: CancellationToken, interval: Duration) {
     let retry = interval.min(Duration::from_millis(250));
     let mut wait = interval;
     loop {

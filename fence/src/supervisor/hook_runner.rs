@@ -22,8 +22,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::key::{JobKey, QueueName};
+use crate::lease::Lease;
 use crate::metrics::{Counter, Metrics};
-use crate::model::Lease;
 use crate::supervisor::LeaseHook;
 
 /// Says, for each lease, whether it may still be extended now: its attempt is in the registry,
