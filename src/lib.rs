@@ -7,37 +7,27 @@
 //! Every claim of a job increments a monotonic **epoch** (a fencing token) in PostgreSQL or
 //! SQLite, judged on the database clock. Heartbeats, checkpoints, completion and failure are
 //! compare-and-set on (job, owner, epoch): zero rows matched means the worker was superseded, its
-//! handler is cancelled at once and its result dropped ([`FenceError::Fenced`]). Broker adapters
-//! map a delivery onto that epoch, so the broker's visibility timeout is only a hint: **the
-//! database epoch decides which result commits**, and the broker is acknowledged only after that
-//! commit. Downstream receivers keep the newest epoch per job ([`Ledger`]) and refuse older ones.
+//! handler is cancelled at once and its result dropped ([`FenceError::Fenced`]). The broker's
+//! visibility timeout is only a hint: **the database epoch decides which result commits**, and the
+//! broker is acknowledged only after that commit. Downstream receivers keep the newest epoch per
+//! job ([`Ledger`]) and refuse older ones.
 //!
 //! ## Ways in
-//!
-//! Pick the one that matches what you have today. Each runs your handler under a lease that a
-//! heartbeat renews every lease/3. A handler is a closure `|ctx| async move { … }` (no type
-//! annotation needed) taking a [`JobContext`] and returning its result — anything
-//! [`IntoJobResult`]: bytes, a `String`, a `&'static str`, `()`, or with the feature `serde` a
-//! `Json(value)` — or a [`JobError`]. `?` works on any error
-//! (`std::error::Error + Send + Sync + 'static`, and `anyhow::Error` with the feature `anyhow`):
-//! the attempt fails and is retried, with the
-//! error's whole chain as the job's last error; [`.fatal()`](JobResultExt::fatal) makes a failure
-//! final (the job goes dead at once). The retrofits await the handler in place, so there it may be
-//! any `FnOnce`, moving loop state in or borrowing locals; [`Consumer`] runs many at once, so its
-//! handler is a [`Handler`] (`Fn + Clone + Send + Sync + 'static`). With the feature `tower`, a
-//! tower `Service<JobContext>` stack is a handler too ([`tower::handler`][tower-handler]).
 //!
 //! | you have | use | feature |
 //! |---|---|---|
 //! | no broker: jobs in a database table | [`Consumer`] over a [`TableQueue`], on [`PgFence`] or [`SqliteFence`] | `postgres` / `sqlite` |
-//! | your own receive loop, any broker | [`Retrofit::process`] per delivery; you ack when [`Processed::should_ack`] says so | — |
-//! | your own SQS `ReceiveMessage` loop | [`SqsRetrofit::process`][sqs-retrofit] per message: it deletes the message itself | `sqs` |
+//! | your own receive loop, any broker | [`Retrofit::process`] per delivery; ack when [`Processed::should_ack`] says so | — |
+//! | your own SQS `ReceiveMessage` loop | [`SqsRetrofit::process`][sqs-retrofit]: it deletes the message itself | `sqs` |
 //! | your own Redis `BRPOP` loop | [`ListRetrofit::process`][list-retrofit], then [`requeue_popped`][list-requeue] | `redis` |
 //! | an SQS queue, a Redis stream or list, and no loop yet | [`Consumer`] over an [`SqsSource`][sqs-source], [`StreamSource`][stream-source] or [`ReliableList`][reliable-list] | `sqs` / `redis` |
 //! | a handler that writes its own rows | [`JobContext::complete_in`]: your rows and the fenced completion in one transaction | `postgres` / `sqlite` |
 //! | a downstream HTTP receiver | [`EpochGuard`][epoch-guard] / [`AtomicEpochGuard`][atomic-guard] on an axum router | `http` |
 //!
-//! ### A table queue
+//! A handler is a closure `|ctx| async move { … }` taking a [`JobContext`] and returning its
+//! result (anything [`IntoJobResult`]: bytes, a `String`, `()`, …) or a [`JobError`]: `?` on any
+//! error retries the attempt, [`.fatal()`](JobResultExt::fatal) makes the failure final. With the
+//! feature `tower`, a tower service stack is a handler too ([`tower::handler`][tower-handler]).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -60,100 +50,52 @@
 //!             // send ctx.stamp() (queue, job, epoch, owner) with every downstream call
 //!             Ok(format!("sent at epoch {}", ctx.epoch()))
 //!         },
-//!         shutdown_signal(), // or `run_until(handler, any_future)`
+//!         shutdown_signal(),
 //!     )
 //!     .await?;
 //! # Ok(()) }
 //! ```
 //!
-//! [`SqliteFence::open`]`("sqlite:jobs.db")` is the embedded single-host store with the same API.
-//!
-//! ### Inside a loop you already own
-//!
-//! ```no_run
-//! use brokerfence::{FenceStore, JobKey, JobResultExt, LeaseDuration, QueueName, Retrofit, SupervisorConfig};
-//!
-//! # async fn demo(store: std::sync::Arc<dyn FenceStore>) -> brokerfence::Result<()> {
-//! let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
-//! let fence = Retrofit::new(store, QueueName::new("orders")?, config); // one per process
-//! let mut handled = 0; // your loop's state: the handler may borrow it
-//! // for each delivery your loop received:
-//! let count = &mut handled;
-//! let done = fence
-//!     .process(&JobKey::new("msg-id")?, b"body".to_vec(), |ctx| async move {
-//!         let body = std::str::from_utf8(ctx.payload()).fatal()?; // not UTF-8: dead, never retried
-//!         std::fs::write("/tmp/last-order", body)?; // an io::Error: retried
-//!         *count += 1;
-//!         Ok(format!("handled at epoch {}", ctx.epoch()))
-//!     })
-//!     .await;
-//! if done.should_ack() { /* delete / XACK / LREM the delivery */ }
-//! # Ok(()) }
-//! ```
-//!
-//! [`Processed::disposition`] says exactly what to tell the broker ([`Disposition`]): `Ack`,
-//! `RetryLater`, `DeadLetter`, `Hold` (another worker holds a live lease), `Abandon`, or `Leave`
-//! (lease lost or commit fenced: never touch the delivery with a stale handle).
-//!
-//! The SQS, Redis list and stream versions, with code, are in the repository's README and on
-//! the pages of [`adapters::sqs`][sqs-mod] and [`adapters::redis`][redis-mod].
-//!
 //! ## Features
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `postgres` | yes | [`PgFence`], [`PgLedger`], the transactional outbox ([`PgFence::outbox_in`], [`adapters::outbox::OutboxRelay`]) |
+//! | `postgres` | yes | [`PgFence`], [`PgLedger`], the transactional outbox |
 //! | `sqlite` | yes | [`SqliteFence`], [`SqliteLedger`] (compiles the bundled SQLite from C) |
-//! | `sqs` | | [`adapters::sqs`][sqs-mod]: source, retrofit and outbox publisher (aws-sdk-sqs, one rustls/*ring* HTTP stack) |
-//! | `redis` | | [`adapters::redis`][redis-mod]: streams, lists, lease keys, outbox publisher |
-//! | `redis-tls` | | `rediss://` URLs (rustls on *ring*, system roots) |
-//! | `http` | | [`adapters::http`][http-mod]: the axum middleware that enforces the epoch on a receiver |
-//! | `tls` | | TLS to PostgreSQL (rustls on *ring*, system roots): see [`PgFence::connect_with`] |
-//! | `tower` | | [`tower::handler`][tower-handler]: a tower `Service<JobContext>` stack (timeout, concurrency limit, retry, tracing layers) as the handler |
-//! | `serde` | | typed payloads and results: `ctx.json::<T>()` and the `Json(T)` result (serde_json) |
-//! | `anyhow` | | `?` on `anyhow::Error` (and `.fatal()` on `anyhow::Result`) in a handler: `JobError::from_anyhow` |
-//!
-//! A PostgreSQL-only application depends on
-//! `brokerfence = { version = "0.1", default-features = false, features = ["postgres"] }`, so
-//! SQLite's C sources are not compiled.
-//!
-//! ## Paths
-//!
-//! Everything public of the two member crates is re-exported here, at the crate root
-//! (`brokerfence::PgFence`, `brokerfence::Consumer`, `brokerfence::sqs::SqsRetrofit`), and
-//! under the member's name ([`brokerfence::fence`](fence), the epoch authority: store, supervisor,
-//! ledger, wire format; [`brokerfence::adapters`](adapters), the consumer runtime, the sources
-//! and the retrofit middleware). Both paths name the same items. The outbox's rows are in
-//! [`outbox`] (`brokerfence::fence::outbox`), its relay in `brokerfence::adapters::outbox`
-//! (both PostgreSQL only). Depend on `brokerfence` only: the members are an implementation
-//! detail that keeps the layering (adapters → fence) compiler-enforced.
+//! | `sqs` | | [`sqs`][sqs-mod]: source, retrofit and outbox publisher |
+//! | `redis` | | [`redis`][redis-mod]: streams, lists, lease keys, outbox publisher |
+//! | `redis-tls` | | `rediss://` URLs |
+//! | `http` | | [`http`][http-mod]: the axum middleware that enforces the epoch on a receiver |
+//! | `tls` | | TLS to PostgreSQL |
+//! | `tower` | | [`tower::handler`][tower-handler]: a tower `Service<JobContext>` stack as the handler |
+//! | `serde` | | `ctx.json::<T>()` and the `Json(T)` result |
+//! | `anyhow` | | `?` on `anyhow::Error` in a handler |
+//! | `metrics` | | counters and histograms through the `metrics` façade |
 //!
 //! ## Where to read next
 //!
-//! - [`Consumer`] and [`ConsumerConfig`]: concurrency, prefetch, claim and ack batching,
-//!   shutdown, retention.
-//! - [`SupervisorConfig`] and [`JobContext`]: leases, heartbeats, cancellation, checkpoints.
-//! - [`FenceStore`]: the statements every store runs; [`Retention`]: how long a key is
-//!   remembered.
-//! - [`wire`] and [`Ledger`]: the stamp a worker sends downstream and how a receiver checks it.
-//! - The repository's README: side effects, retention, what happens at the edges (slow brokers,
-//!   rolling deploys, destructive pops, dead letters) and the tests that show each rule;
-//!   `docs/performance.md` for the measurements; `examples/` for workers to copy.
+//! The [`guide`] modules: [handlers](guide::handlers), [SQS](guide::sqs), [Redis](guide::redis),
+//! [side effects](guide::side_effects), [at the edges](guide::edges),
+//! [operations](guide::operations), [the model and the guards](guide::model),
+//! [performance](guide::performance). In the reference: [`ConsumerConfig`] (concurrency,
+//! prefetch, batching, shutdown, retention), [`SupervisorConfig`] and [`JobContext`] (leases,
+//! heartbeats, cancellation), [`FenceStore`] (the statements every store runs), [`wire`] and
+//! [`Ledger`] (the stamp a worker sends downstream and how a receiver checks it).
 //!
 #![cfg_attr(
     feature = "sqs",
-    doc = "[sqs-retrofit]: sqs::SqsRetrofit::process\n[sqs-source]: sqs::SqsSource\n[sqs-mod]: adapters::sqs"
+    doc = "[sqs-retrofit]: sqs::SqsRetrofit::process\n[sqs-source]: sqs::SqsSource\n[sqs-mod]: sqs"
 )]
 #![cfg_attr(
     not(feature = "sqs"),
     doc = "[sqs-retrofit]: https://docs.rs/brokerfence/latest/brokerfence/sqs/struct.SqsRetrofit.html#method.process\n\
            [sqs-source]: https://docs.rs/brokerfence/latest/brokerfence/sqs/struct.SqsSource.html\n\
-           [sqs-mod]: https://docs.rs/brokerfence/latest/brokerfence/adapters/sqs/index.html"
+           [sqs-mod]: https://docs.rs/brokerfence/latest/brokerfence/sqs/index.html"
 )]
 #![cfg_attr(
     any(feature = "redis", feature = "redis-tls"),
     doc = "[list-retrofit]: redis::ListRetrofit::process\n[list-requeue]: redis::ListRetrofit::requeue_popped\n\
-           [stream-source]: redis::StreamSource\n[reliable-list]: redis::ReliableList\n[redis-mod]: adapters::redis"
+           [stream-source]: redis::StreamSource\n[reliable-list]: redis::ReliableList\n[redis-mod]: redis"
 )]
 #![cfg_attr(
     not(any(feature = "redis", feature = "redis-tls")),
@@ -161,17 +103,17 @@
            [list-requeue]: https://docs.rs/brokerfence/latest/brokerfence/redis/struct.ListRetrofit.html#method.requeue_popped\n\
            [stream-source]: https://docs.rs/brokerfence/latest/brokerfence/redis/struct.StreamSource.html\n\
            [reliable-list]: https://docs.rs/brokerfence/latest/brokerfence/redis/struct.ReliableList.html\n\
-           [redis-mod]: https://docs.rs/brokerfence/latest/brokerfence/adapters/redis/index.html"
+           [redis-mod]: https://docs.rs/brokerfence/latest/brokerfence/redis/index.html"
 )]
 #![cfg_attr(
     feature = "http",
-    doc = "[epoch-guard]: http::EpochGuard\n[atomic-guard]: http::AtomicEpochGuard\n[http-mod]: adapters::http"
+    doc = "[epoch-guard]: http::EpochGuard\n[atomic-guard]: http::AtomicEpochGuard\n[http-mod]: http"
 )]
 #![cfg_attr(
     not(feature = "http"),
     doc = "[epoch-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/struct.EpochGuard.html\n\
            [atomic-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/struct.AtomicEpochGuard.html\n\
-           [http-mod]: https://docs.rs/brokerfence/latest/brokerfence/adapters/http/index.html"
+           [http-mod]: https://docs.rs/brokerfence/latest/brokerfence/http/index.html"
 )]
 #![cfg_attr(feature = "tower", doc = "[tower-handler]: tower::handler")]
 #![cfg_attr(
@@ -180,6 +122,8 @@
 )]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+
+pub mod guide;
 
 #[doc(inline)]
 pub use fence::*;
