@@ -30,7 +30,7 @@ mod item_key;
 mod retrofit;
 
 pub use item_key::ItemKey;
-pub use retrofit::{ListProcessed, ListRetrofit};
+pub use retrofit::ListRetrofit;
 
 /// The handle on one list item taken by a [`ReliableList`]: the item itself (list entries have no
 /// id; it is removed from the processing list by value) and its lease key.
