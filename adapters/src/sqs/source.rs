@@ -197,7 +197,11 @@ impl SqsSource {
     fn queue_not_found(&self) -> SqsError {
         let client = &self.inner.client;
         let region = client.config().region().map_or_else(|| "not set".to_owned(), |r| r.to_string());
-        SqsError::QueueNotFound { queue_url: self.inner.config.queue_url.clone(), endpoint: endpoint_of(client), region }
+        SqsError::QueueNotFound {
+            queue_url: self.inner.config.queue_url.clone(),
+            endpoint: endpoint_of(client),
+            region,
+        }
     }
 
     /// An error of a call on this source's queue, with a refusal because the queue does not

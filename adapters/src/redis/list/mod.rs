@@ -119,7 +119,7 @@ impl ReliableList {
     ) -> Result<Self, RedisError> {
         let list = list.into();
         if list.is_empty() {
-            return Err(RedisError::Config("list name must not be empty".into()));
+            return Err(RedisError::Config("ReliableList::new: the list name must not be empty".into()));
         }
         Ok(Self {
             leases: LeaseKeys::of_source(&conns, &list),
