@@ -131,7 +131,7 @@ pub use fence::*;
 #[doc(inline)]
 pub use adapters::{
     CancellationToken, Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, DeadLettered, Detail, Disposition, Handler,
-    HandlerFuture, Incoming, Processed, ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
+    HandlerFuture, Incoming, Processed, Reason, ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
 };
 
 /// The table-queue source: jobs in the fence's own table, no broker. It runs on [`PgFence`] and

@@ -23,10 +23,12 @@ mod edges {
     use async_trait::async_trait;
     use brokerfence::adapters::redis::client;
     use brokerfence::adapters::redis::{
-        ItemKey, KeyFrom, LeaseKeys, ListProcessed, ListRetrofit, RedisConnections, RedisError, RedisTimeouts,
-        StreamDelivery, StreamSource,
+        ItemKey, KeyFrom, LeaseKeys, ListRetrofit, RedisConnections, RedisError, RedisTimeouts, StreamDelivery,
+        StreamSource,
     };
-    use brokerfence::adapters::{ConsumerConfig, Detail, Disposition, Incoming, ReceiveContext, Source, SourceError};
+    use brokerfence::adapters::{
+        ConsumerConfig, Detail, Disposition, Incoming, Processed, ReceiveContext, Source, SourceError,
+    };
     use brokerfence::fence::{
         Claim, ClaimedJob, DbTime, FailOutcome, FenceError, FenceStore, Heartbeat, JobContext, JobError, JobKey,
         JobRecord, JobState, Lease, LeaseDuration, LossReason, Outcome, Owner, PgFence, QueueName, RetryPolicy,
@@ -222,7 +224,7 @@ mod edges {
             })
             .await;
         assert!(
-            matches!(&done.detail, Some(Detail::Ran(Outcome::LeaseLost { reason: LossReason::Unconfirmed }))),
+            matches!(&done.detail, Detail::Ran(Outcome::LeaseLost { reason: LossReason::Unconfirmed })),
             "{done:?}"
         );
         let row = env.job(&list, "job-1").await.expect("row");
@@ -267,7 +269,7 @@ mod edges {
                 }
             })
             .await;
-        assert!(matches!(&done.detail, Some(Detail::Ran(Outcome::Fenced(_)))), "{done:?}");
+        assert!(matches!(&done.detail, Detail::Ran(Outcome::Fenced(_))), "{done:?}");
         let row = env.job(&list, "job-1").await.expect("row");
         assert_eq!((row.state, row.epoch), (JobState::Pending, 1), "no newer holder");
         fence.requeue_popped(&item, &done).await.expect("requeue");
@@ -296,7 +298,7 @@ mod edges {
         store.commits_fail.store(true, Ordering::SeqCst);
         let done = fence.process(&item, |_ctx: JobContext| async move { Ok(b"lost?".to_vec()) }).await;
         store.commits_fail.store(false, Ordering::SeqCst);
-        assert!(matches!(&done.detail, Some(Detail::Ran(Outcome::StoreError(_)))), "{done:?}");
+        assert!(matches!(&done.detail, Detail::Ran(Outcome::StoreError(_))), "{done:?}");
         fence.requeue_popped(&item, &done).await.expect("requeue");
         assert_eq!(llen(&env, &list).await, 1, "disposition {:?}", done.disposition);
         assert_eq!(drain_until_completed(&env, &fence, &list, "job-1").await, 1);
@@ -352,7 +354,7 @@ mod edges {
         let done = rival.process(&rival_item, |_ctx: JobContext| async move { Ok(b"rival".to_vec()) }).await;
         assert!(done.should_ack(), "{done:?}");
         let zombie_done = zombie_run.await.expect("zombie task");
-        assert!(matches!(&zombie_done.detail, Some(Detail::Ran(Outcome::Fenced(_)))), "{zombie_done:?}");
+        assert!(matches!(&zombie_done.detail, Detail::Ran(Outcome::Fenced(_))), "{zombie_done:?}");
         assert_eq!(llen(&env, &list).await, 0, "the zombie's copy was pushed back although epoch 2 completed the job");
         let row = env.job(&list, "job-1").await.expect("row");
         assert_eq!((row.state, row.epoch), (JobState::Completed, 2));
@@ -752,7 +754,7 @@ mod edges {
         )
         .expect("retrofit")
         .command_timeout(response);
-        let unsettled = ListProcessed { disposition: Disposition::Abandon, detail: None, lease_key: None };
+        let unsettled = Processed::new(Disposition::Abandon, Detail::Ran(Outcome::Released));
         // The push-back's try is bounded too; the item Redis did not take is held (issue #30
         // item 3), not handed back as an error that the caller's `?` would drop.
         let sent = Instant::now();

@@ -705,6 +705,7 @@ mod edges {
             .expect("a consumer on an old schema must return at once, not run");
         match outcome {
             Err(SourceError::Fatal(msg)) => {
+                let msg = msg.to_string();
                 assert!(msg.contains("migrat"), "the refusal should say to run migrations: {msg}");
             }
             other => panic!("expected a fatal refusal, got {other:?}"),

@@ -542,7 +542,7 @@ async fn list_retrofit_in_a_brpop_loop() {
     // BRPOP takes from the right: the order of LPUSH.
     assert!(by_item(0).should_ack() && by_item(1).should_ack() && by_item(2).should_ack());
     assert!(
-        matches!(&by_item(3).detail, Some(Detail::NotClaimed(Claim::Done { epoch: 1 }))) && by_item(3).should_ack(),
+        matches!(&by_item(3).detail, Detail::NotClaimed(Claim::Done { epoch: 1 })) && by_item(3).should_ack(),
         "duplicate: {:?}",
         by_item(3)
     );

@@ -44,7 +44,7 @@ pub mod sqs;
 
 pub use disposition::Disposition;
 pub use handler::{Handler, HandlerFuture};
-pub use retrofit::{Detail, Processed, Retrofit};
+pub use retrofit::{Detail, Processed, Reason, Retrofit};
 pub use runtime::{Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, ReceiveContext, shutdown_signal};
 pub use source::{DeadLettered, Incoming, Source, SourceError};
 /// The token [`Consumer::run`] stops on (tokio-util's), so no direct dependency is needed.

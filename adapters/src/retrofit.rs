@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use crate::caught::run_caught;
 use crate::disposition::Disposition;
+use crate::source::SourceError;
 
 /// How long a retrofit waits for the store's schema check (the consumer runtime's bound too).
 const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -23,17 +24,42 @@ const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// calling costs at most one check per interval, not one per delivery.
 const SCHEMA_RECHECK: Duration = Duration::from_secs(5);
 
-/// What happened to one delivery, and what to tell your broker.
+/// What happened to one delivery, and what to tell your broker: the one answer of
+/// [`Retrofit::process`], [`SqsRetrofit::process`](crate::sqs::SqsRetrofit::process) and
+/// [`ListRetrofit::process`](crate::redis::ListRetrofit::process).
+///
+/// [`should_ack`](Self::should_ack) says whether the delivery is done with, [`reason`](Self::reason)
+/// says why in words, [`disposition`](Self::disposition) what the broker is told, and
+/// [`detail`](Self::detail) what the fence saw.
+///
+/// ```no_run
+/// # async fn demo(fence: brokerfence::Retrofit, key: brokerfence::JobKey) {
+/// use brokerfence::Reason;
+/// let done = fence.process(&key, b"body".to_vec(), |_ctx| async move { Ok(()) }).await;
+/// match done.reason() {
+///     Reason::Committed | Reason::Duplicate => assert!(done.should_ack()),
+///     other => println!("{key}: {other}, so {:?}", done.disposition),
+/// }
+/// # }
+/// ```
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Processed {
-    /// What to do at the broker.
+    /// What to do at the broker (for SQS: what was done). The redis list retrofit says, when
+    /// the attempt ended without a verdict of its own, what the database says of the job now
+    /// (see [`ListRetrofit::process`](crate::redis::ListRetrofit::process)).
     pub disposition: Disposition,
     /// What the fence saw: the claim outcome when the job was not claimed, else the attempt's.
     pub detail: Detail,
+    /// The broker call that applied the disposition failed (SQS: the delivery comes back and
+    /// the fence settles it again); its cause is the broker's typed error (`SqsError`). `None`
+    /// when the retrofit makes no broker call itself (the table, the redis list).
+    pub broker_error: Option<SourceError>,
 }
 
 /// The fence's side of a [`Processed`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Detail {
     /// The job was not claimed (busy, done, dead, backing off).
     NotClaimed(Claim),
@@ -43,29 +69,137 @@ pub enum Detail {
     /// the fence's refusal to claim on a schema older than this build needs
     /// ([`FenceError::SchemaTooOld`], see [`Processed::refused`]).
     ClaimFailed(FenceError),
+    /// The delivery cannot be turned into a job (no usable job key, an undecodable item, an SQS
+    /// message without its id or receipt handle), with the reason; nothing was claimed.
+    Malformed(String),
+}
+
+/// Why a delivery ended as it did, in words ([`Processed::reason`]); its `Display` gives the
+/// words.
+///
+/// ```
+/// use brokerfence::Reason;
+/// assert_eq!(Reason::Committed.to_string(), "committed");
+/// assert_eq!(Reason::Retried.to_string(), "failed and retried");
+/// assert_eq!(Reason::NotMigrated.to_string(), "not migrated");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Reason {
+    /// The handler's result is committed.
+    Committed,
+    /// The job was already completed: the delivery duplicates it.
+    Duplicate,
+    /// Another worker holds a live lease on the job.
+    Busy,
+    /// The attempt failed and the job is retried after its backoff (or the delivery came while
+    /// an earlier failure's backoff runs).
+    Retried,
+    /// The job is dead: its last attempt failed for good, or it was buried before.
+    Dead,
+    /// The lease was lost while the handler ran (superseded, or its renewal unconfirmed).
+    LeaseLost,
+    /// The commit was fenced: a newer epoch holds or finished the job.
+    Fenced,
+    /// The attempt was released (shutdown, or its caller stopped waiting); no attempt is spent.
+    Released,
+    /// The store failed: the claim was not made, or the commit's fate is unknown.
+    StoreFailed,
+    /// The fence refused to claim: the schema is older than this build needs.
+    NotMigrated,
+    /// The delivery cannot be turned into a job.
+    Malformed,
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reason::Committed => "committed",
+            Reason::Duplicate => "duplicate",
+            Reason::Busy => "busy",
+            Reason::Retried => "failed and retried",
+            Reason::Dead => "dead",
+            Reason::LeaseLost => "lease lost",
+            Reason::Fenced => "fenced",
+            Reason::Released => "released",
+            Reason::StoreFailed => "store failed",
+            Reason::NotMigrated => "not migrated",
+            Reason::Malformed => "malformed",
+        })
+    }
 }
 
 impl Detail {
     /// The schema check's refusal, when the fence refused to claim because the schema is older
-    /// than this build needs ([`FenceError::SchemaTooOld`], whose message says to run migrations).
-    pub fn refused(&self) -> Option<&FenceError> {
+    /// than this build needs.
+    fn refused(&self) -> Option<&FenceError> {
         match self {
             Detail::ClaimFailed(e @ FenceError::SchemaTooOld { .. }) => Some(e),
             _ => None,
         }
     }
+
+    /// The reason in words.
+    fn reason(&self) -> Reason {
+        match self {
+            Detail::NotClaimed(claim) => match claim {
+                Claim::Done { .. } => Reason::Duplicate,
+                Claim::Busy { .. } => Reason::Busy,
+                Claim::Backoff { .. } => Reason::Retried,
+                Claim::Dead { .. } => Reason::Dead,
+                // `Claimed` is never "not claimed".
+                _ => Reason::StoreFailed,
+            },
+            Detail::Ran(outcome) => match outcome {
+                Outcome::Completed => Reason::Committed,
+                Outcome::Failed { .. } => Reason::Retried,
+                Outcome::Dead { .. } => Reason::Dead,
+                Outcome::LeaseLost { .. } => Reason::LeaseLost,
+                Outcome::Fenced(_) => Reason::Fenced,
+                Outcome::Released => Reason::Released,
+                // `StoreError`: the commit's fate is unknown.
+                _ => Reason::StoreFailed,
+            },
+            Detail::ClaimFailed(FenceError::SchemaTooOld { .. }) => Reason::NotMigrated,
+            Detail::ClaimFailed(_) => Reason::StoreFailed,
+            Detail::Malformed(_) => Reason::Malformed,
+        }
+    }
 }
 
 impl Processed {
-    /// True when the delivery should be acknowledged (deleted) now.
+    /// A result for a delivery your loop settles itself, e.g. one it popped but never ran,
+    /// handed to [`ListRetrofit::requeue_popped`](crate::redis::ListRetrofit::requeue_popped)
+    /// to be put back.
+    ///
+    /// ```
+    /// use brokerfence::{Detail, Disposition, Outcome, Processed, Reason};
+    /// let released = Processed::new(Disposition::Abandon, Detail::Ran(Outcome::Released));
+    /// assert_eq!(released.reason(), Reason::Released);
+    /// assert!(!released.should_ack());
+    /// ```
+    pub fn new(disposition: Disposition, detail: Detail) -> Self {
+        Self { disposition, detail, broker_error: None }
+    }
+
+    /// True when the delivery should be acknowledged (deleted) now: its result is committed, or
+    /// it duplicates a completed job (for SQS: the message is deleted, unless
+    /// [`broker_error`](Self::broker_error) says the delete failed).
     pub fn should_ack(&self) -> bool {
         self.disposition == Disposition::Ack
     }
 
+    /// Why the delivery ended as it did; its `Display` says it in words ("committed",
+    /// "duplicate", "failed and retried", …).
+    pub fn reason(&self) -> Reason {
+        self.detail.reason()
+    }
+
     /// `Some` when the fence refused to run the delivery because the schema is older than this
-    /// build needs: nothing was claimed, the disposition is [`Disposition::Abandon`] (give the
-    /// delivery back), and your loop should stop with this error, as
-    /// [`Consumer::run`](crate::Consumer::run) does (its message says to run migrations).
+    /// build needs ([`Reason::NotMigrated`]): nothing was claimed, the disposition is
+    /// [`Disposition::Abandon`] (give the delivery back; SQS: made visible again at once), and
+    /// your loop should stop with this error, as [`Consumer::run`](crate::Consumer::run) does
+    /// (its message says to run migrations).
     ///
     /// ```no_run
     /// # async fn demo(fence: brokerfence::Retrofit, key: brokerfence::JobKey) -> Result<(), Box<dyn std::error::Error>> {
@@ -268,14 +402,14 @@ impl Retrofit {
         R: IntoJobResult,
     {
         if let Some(refusal) = self.schema_refusal().await {
-            return Processed { disposition: Disposition::Abandon, detail: Detail::ClaimFailed(refusal) };
+            return Processed::new(Disposition::Abandon, Detail::ClaimFailed(refusal));
         }
         let claim_sent = std::time::Instant::now();
         let claim = match self.claim_detached(key).await {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(%key, error = %e, "claim failed; leaving the delivery to the broker");
-                return Processed { disposition: Disposition::Leave, detail: Detail::ClaimFailed(e) };
+                return Processed::new(Disposition::Leave, Detail::ClaimFailed(e));
             }
         };
         match claim {
@@ -290,7 +424,7 @@ impl Retrofit {
                 let handler = move |ctx: JobContext| run_caught(handler, ctx);
                 let outcome = self.supervisor.run_claimed_at(lease, claim_sent, payload, None, handler).await;
                 guard.lease = None;
-                Processed { disposition: Disposition::after_run(&outcome), detail: Detail::Ran(outcome) }
+                Processed::new(Disposition::after_run(&outcome), Detail::Ran(outcome))
             }
             other => {
                 let disposition = Disposition::after_claim(&other).unwrap_or(Disposition::Leave);
@@ -299,7 +433,7 @@ impl Retrofit {
                     Disposition::Ack | Disposition::DeadLetter(_) => self.metrics().incr(Counter::Duplicates),
                     _ => {}
                 }
-                Processed { disposition, detail: Detail::NotClaimed(other) }
+                Processed::new(disposition, Detail::NotClaimed(other))
             }
         }
     }

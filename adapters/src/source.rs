@@ -51,15 +51,35 @@ pub enum DeadLettered {
     AlreadyMoved,
 }
 
-/// A failure of the broker side.
+/// A failure of the broker side, and whether it is worth retrying. Each variant carries its cause
+/// as the error's [`source`](std::error::Error::source): the broker's own typed error (`SqsError`,
+/// `RedisError`, [`FenceError`](fence::FenceError) for the table queue), which a caller of
+/// [`Consumer::run`](crate::Consumer::run) reaches by downcasting, or a message (`"…".into()`)
+/// from a source of your own. The error's message says what happened in words.
+///
+/// ```
+/// use std::error::Error as _;
+/// use brokerfence::{FenceError, SourceError};
+/// let e = SourceError::Fatal(Box::new(FenceError::SchemaTooOld { found: 0, required: 3 }));
+/// assert!(e.to_string().starts_with("source error: the fence schema is at migration version 0"));
+/// let cause = e.source().and_then(|c| c.downcast_ref::<FenceError>());
+/// assert!(matches!(cause, Some(FenceError::SchemaTooOld { .. })));
+///
+/// // A source of your own may give a message instead.
+/// let e = SourceError::Transient("the broker is restarting".into());
+/// assert_eq!(e.to_string(), "transient source error: the broker is restarting");
+/// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SourceError {
-    /// Worth retrying (throttling, a dropped connection, a timeout).
+    /// Worth retrying (throttling, a dropped connection, a timeout): the consumer backs off and
+    /// receives again.
     #[error("transient source error: {0}")]
-    Transient(String),
-    /// Not worth retrying (bad configuration, missing queue, permissions).
+    Transient(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// Not worth retrying (bad configuration, missing queue, permissions): ends
+    /// [`Consumer::run`](crate::Consumer::run).
     #[error("source error: {0}")]
-    Fatal(String),
+    Fatal(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
 /// A source of deliveries: SQS, a Redis stream, the table queue, or your own.

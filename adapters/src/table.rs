@@ -103,7 +103,7 @@ impl Source for TableQueue {
             .store
             .claim_next(&self.queue, &ctx.owner, ctx.lease, n)
             .await
-            .map_err(|e| SourceError::Transient(e.to_string()))?;
+            .map_err(|e| SourceError::Transient(Box::new(e)))?;
         if jobs.is_empty() {
             tokio::time::sleep(self.idle_wait).await;
         }

@@ -26,7 +26,7 @@ pub enum FenceError {
         current_owner: Option<String>,
     },
     /// A lease was asked for that is shorter than the minimum (heartbeats run at lease/3).
-    #[error("lease of {lease:?} is shorter than the minimum {min:?}")]
+    #[error("LeaseDuration::new: a lease of {lease:?} is shorter than the minimum {min:?}")]
     LeaseTooShort {
         /// What was asked for.
         lease: Duration,

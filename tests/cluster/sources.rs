@@ -379,7 +379,7 @@ async fn cluster_list_retrofit_in_a_brpop_loop() {
     /// (job key, epoch, lease key holder seen by the handler, its PTTL)
     type Seen = Arc<Mutex<Vec<(String, i64, Option<String>, i64)>>>;
     let observed: Seen = Arc::default();
-    let mut outcomes: Vec<(String, brokerfence::adapters::redis::ListProcessed)> = Vec::new();
+    let mut outcomes: Vec<(String, brokerfence::adapters::Processed)> = Vec::new();
     let mut blocking = env.redis.blocking();
     loop {
         // The user's loop, unchanged but for the calls to `process` and `requeue_popped`.
@@ -419,7 +419,7 @@ async fn cluster_list_retrofit_in_a_brpop_loop() {
     let outcome = |i: usize| &outcomes[i].1;
     assert!(outcome(0).should_ack() && outcome(1).should_ack() && outcome(2).should_ack());
     assert!(
-        matches!(&outcome(3).detail, Some(Detail::NotClaimed(Claim::Done { epoch: 1 }))) && outcome(3).should_ack(),
+        matches!(&outcome(3).detail, Detail::NotClaimed(Claim::Done { epoch: 1 })) && outcome(3).should_ack(),
         "duplicate: {:?}",
         outcome(3)
     );

@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use brokerfence::TableQueue;
 use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{ItemKey, ListProcessed, ListRetrofit, RedisError, ReliableList};
-use brokerfence::adapters::sqs::{SqsConfig, SqsDetail, SqsRetrofit, SqsSource};
-use brokerfence::adapters::{DeadLettered, Detail, Disposition, Incoming, ReceiveContext, Source};
+use brokerfence::adapters::redis::{ItemKey, ListRetrofit, RedisError, ReliableList};
+use brokerfence::adapters::sqs::{SqsConfig, SqsRetrofit, SqsSource};
+use brokerfence::adapters::{DeadLettered, Detail, Disposition, Incoming, Processed, ReceiveContext, Source};
 use brokerfence::admin::{Admin, AdminError, Requeue};
 use brokerfence::fence::{
     Claim, FenceError, FenceStore, JobContext, JobError, JobKey, JobState, Outcome, Owner, QueueName, RetryPolicy,
@@ -92,7 +92,7 @@ async fn hardening_item3_popped_items_survive_a_redis_restart() {
         .await;
     assert!(matches!(failed.disposition, Disposition::RetryLater(_)), "{failed:?}");
     // A release (the worker shutting down before it ran the item): give it back at once.
-    let released = ListProcessed { disposition: Disposition::Abandon, detail: None, lease_key: None };
+    let released = Processed::new(Disposition::Abandon, Detail::Ran(Outcome::Released));
 
     redis.kill().await;
     let answered =
@@ -398,7 +398,7 @@ async fn hardening_item12_a_panic_in_the_sqs_retrofit_is_a_failed_attempt() {
     });
     let done = run.await.unwrap_or_else(|e| panic!("process() let the handler's panic through: {e}"));
     assert!(matches!(done.disposition, Disposition::RetryLater(_)), "{:?}", done.disposition);
-    assert!(matches!(&done.detail, SqsDetail::Fence(Detail::Ran(Outcome::Failed { .. }))), "{:?}", done.detail);
+    assert!(matches!(&done.detail, Detail::Ran(Outcome::Failed { .. })), "{:?}", done.detail);
     assert_panic_recorded(pg.job(&q.fence_queue(), &JobKey::new(id).expect("key")).await.expect("read"), "kaboom-sqs");
     q.delete(&client).await;
     store::drop_schema(&pg).await;

@@ -233,6 +233,6 @@ impl RedisError {
 
 impl From<RedisError> for SourceError {
     fn from(e: RedisError) -> Self {
-        if e.is_fatal() { SourceError::Fatal(e.to_string()) } else { SourceError::Transient(e.to_string()) }
+        if e.is_fatal() { SourceError::Fatal(Box::new(e)) } else { SourceError::Transient(Box::new(e)) }
     }
 }

@@ -55,7 +55,7 @@ pub use error::RedisError;
 pub use handle::{RedisConn, Topology};
 pub use keys::{key_slot, lease_key, sibling_key, slot_part, token};
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
-pub use list::{ItemKey, ListDelivery, ListProcessed, ListRetrofit, ReliableList};
+pub use list::{ItemKey, ListDelivery, ListRetrofit, ReliableList};
 #[cfg(feature = "postgres")]
 pub use outbox::RedisPublisher;
 pub use stream::{KeyFrom, StreamDelivery, StreamSource};

@@ -131,7 +131,7 @@ impl<S: Source> Consumer<S> {
         match tokio::time::timeout(SCHEMA_CHECK_TIMEOUT, store.check_schema()).await {
             Ok(Err(e @ fence::FenceError::SchemaTooOld { .. })) => {
                 tracing::error!(error = %e, "schema too old; consumer refuses to start");
-                Err(SourceError::Fatal(e.to_string()))
+                Err(SourceError::Fatal(Box::new(e)))
             }
             Ok(Ok(())) | Ok(Err(fence::FenceError::Unsupported(_))) => Ok(()),
             Ok(Err(e)) => {

@@ -84,7 +84,9 @@ impl SqsSource {
                 .await
                 .map_err(|e| classify("GetQueueAttributes", e))
         };
-        let attrs = bounded("GetQueueAttributes", self.inner.config.call_timeout, call).await?;
+        let attrs = bounded("GetQueueAttributes", self.inner.config.call_timeout, call)
+            .await
+            .map_err(|e| self.name_missing_queue(e))?;
         let Some(policy) = attrs.attributes().and_then(|a| a.get(&QueueAttributeName::RedrivePolicy)) else {
             return Ok(Redrive::default());
         };

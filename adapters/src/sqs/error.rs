@@ -208,7 +208,7 @@ impl SqsError {
 
 impl From<SqsError> for SourceError {
     fn from(e: SqsError) -> Self {
-        if e.is_transient() { SourceError::Transient(e.to_string()) } else { SourceError::Fatal(e.to_string()) }
+        if e.is_transient() { SourceError::Transient(Box::new(e)) } else { SourceError::Fatal(Box::new(e)) }
     }
 }
 

@@ -69,7 +69,7 @@ pub use error::{SqsError, error_chain};
 pub use key::KeyStrategy;
 #[cfg(feature = "postgres")]
 pub use outbox::SqsPublisher;
-pub use retrofit::{SqsDetail, SqsProcessed, SqsRetrofit};
+pub use retrofit::SqsRetrofit;
 pub use source::{CHECK_ATTEMPTS, SqsSource};
 
 /// The AWS configuration loader, re-exported for the same reason.

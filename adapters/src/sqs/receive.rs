@@ -97,7 +97,8 @@ impl SqsSource {
         let limit = Duration::from_secs(u64::try_from(wait).unwrap_or(20)) + self.inner.config.call_timeout;
         let out =
             bounded("ReceiveMessage", limit, async { call.send().await.map_err(|e| classify("ReceiveMessage", e)) })
-                .await?;
+                .await
+                .map_err(|e| self.name_missing_queue(e))?;
         // SQS starts a message's visibility timeout when it hands the message out: during a long
         // poll, any time between the call and its answer, in practice just before the answer.
         // Count from the answer less a slack for its way back (never before the call was sent).

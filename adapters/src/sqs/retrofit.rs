@@ -18,68 +18,8 @@ use super::delivery::SqsDelivery;
 use super::error::SqsError;
 use super::source::SqsSource;
 use crate::disposition::Disposition;
-use crate::retrofit::{Detail, Retrofit};
-use crate::source::DeadLettered;
-
-/// What happened to one message in [`SqsRetrofit::process`].
-#[derive(Debug)]
-pub struct SqsProcessed {
-    /// What was done at SQS.
-    pub disposition: Disposition,
-    /// Why.
-    pub detail: SqsDetail,
-    /// The SQS call applying the disposition failed (the message comes back and the fence
-    /// deduplicates it).
-    pub broker_error: Option<SqsError>,
-}
-
-/// The fence's side of an [`SqsProcessed`].
-#[derive(Debug)]
-pub enum SqsDetail {
-    /// The message has no usable job key; it was dead-lettered with this reason.
-    Malformed(String),
-    /// The message lacks a MessageId or ReceiptHandle; nothing could be done with it.
-    Unusable(SqsError),
-    /// The fence's verdict: not claimed, or the attempt's outcome.
-    Fence(Detail),
-}
-
-impl SqsProcessed {
-    /// True when the handler's result was committed and the message deleted.
-    ///
-    /// (A crate of its own: a user's `async fn` around `process` and nothing else, whose layout
-    /// overflowed the compiler's query depth before `process` boxed its inner future.)
-    ///
-    /// ```no_run,standalone_crate
-    /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
-    /// let done = fence.process(&m, |_ctx| async move { Ok(()) }).await;
-    /// assert!(done.is_completed());
-    /// # }
-    /// ```
-    pub fn is_completed(&self) -> bool {
-        matches!(&self.detail, SqsDetail::Fence(Detail::Ran(o)) if o.is_completed()) && self.broker_error.is_none()
-    }
-
-    /// `Some` when the fence refused to run the message because the schema is older than this
-    /// build needs ([`FenceError::SchemaTooOld`], whose message says to run migrations): nothing
-    /// was claimed and the message was made visible again at once, for a worker on a migrated
-    /// schema. End your loop with it, as [`Consumer::run`](crate::Consumer::run) ends.
-    ///
-    /// ```no_run
-    /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) -> Result<(), Box<dyn std::error::Error>> {
-    /// let done = fence.process(&m, |_ctx| async move { Ok(()) }).await;
-    /// if let Some(e) = done.refused() {
-    ///     return Err(e.to_string().into());
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn refused(&self) -> Option<&FenceError> {
-        match &self.detail {
-            SqsDetail::Fence(detail) => detail.refused(),
-            _ => None,
-        }
-    }
-}
+use crate::retrofit::{Detail, Processed, Retrofit};
+use crate::source::{DeadLettered, SourceError};
 
 /// A lease's identity: (queue, key, epoch).
 type LeaseId = (String, String, i64);
@@ -155,7 +95,7 @@ impl LeaseHook for ExtendHook {
 ///             Ok(format!("handled {} at epoch {}", ctx.key(), ctx.epoch()))
 ///         }).await;
 ///         if let Some(e) = done.refused() { return Err(e.to_string().into()); } // the schema went back
-///         println!("{:?}", done.disposition); // deleted, re-hidden, dead-lettered or left
+///         println!("{}: {:?}", done.reason(), done.disposition); // deleted, re-hidden, dead-lettered or left
 ///     }
 /// }
 /// # }
@@ -197,7 +137,7 @@ impl SqsRetrofit {
     /// Checks the store's schema before your loop starts ([`Retrofit::check_schema`]): a schema
     /// older than this build needs is [`FenceError::SchemaTooOld`], whose message says to run
     /// migrations. [`process`](Self::process) checks on first use anyway and then refuses every
-    /// message ([`SqsProcessed::refused`]), making it visible again at once.
+    /// message ([`Processed::refused`]), making it visible again at once.
     ///
     /// ```no_run
     /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit) -> Result<(), Box<dyn std::error::Error>> {
@@ -224,7 +164,7 @@ impl SqsRetrofit {
     /// message, and touch nothing when the lease was lost or the commit fenced.
     ///
     /// On first use it checks the schema: on one older than this build needs it claims nothing,
-    /// makes the message visible again at once and answers [`SqsProcessed::refused`], with an
+    /// makes the message visible again at once and answers [`Processed::refused`], with an
     /// error logged (see [`check_schema`](Self::check_schema)). A handler that panics is a
     /// failed attempt, retried by policy, with the panic's message as the job's `last_error`.
     ///
@@ -235,7 +175,23 @@ impl SqsRetrofit {
     ///
     /// The handler is awaited in place: any `FnOnce` closure, borrowing locals or moving loop
     /// state in (see [`Retrofit::process`]).
-    pub async fn process<F, Fut, R>(&self, message: &Message, handler: F) -> SqsProcessed
+    ///
+    /// The answer is the [`Processed`] every retrofit gives; its
+    /// [`broker_error`](Processed::broker_error) is set when the SQS call applying the
+    /// disposition failed (its cause is the [`SqsError`]).
+    ///
+    /// (A crate of its own: a user's `async fn` around `process` and nothing else, whose layout
+    /// overflowed the compiler's query depth before `process` boxed its inner future.)
+    ///
+    /// ```no_run,standalone_crate
+    /// # async fn demo(fence: brokerfence::sqs::SqsRetrofit, m: aws_sdk_sqs::types::Message) {
+    /// use brokerfence::Reason;
+    /// let done = fence.process(&m, |_ctx| async move { Ok(()) }).await;
+    /// assert_eq!(done.reason(), Reason::Committed);
+    /// assert!(done.should_ack() && done.broker_error.is_none(), "committed and deleted");
+    /// # }
+    /// ```
+    pub async fn process<F, Fut, R>(&self, message: &Message, handler: F) -> Processed
     where
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = Result<R, JobError>>,
@@ -268,7 +224,7 @@ impl SqsRetrofit {
         }
     }
 
-    async fn process_inner<F, Fut, R>(&self, message: &Message, handler: F) -> SqsProcessed
+    async fn process_inner<F, Fut, R>(&self, message: &Message, handler: F) -> Processed
     where
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = Result<R, JobError>>,
@@ -278,11 +234,7 @@ impl SqsRetrofit {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!(error = %e, "message cannot be processed");
-                return SqsProcessed {
-                    disposition: Disposition::Leave,
-                    detail: SqsDetail::Unusable(e),
-                    broker_error: None,
-                };
+                return Processed::new(Disposition::Leave, Detail::Malformed(e.to_string()));
             }
         };
         let config = self.source.config();
@@ -295,7 +247,9 @@ impl SqsRetrofit {
                 if let Some(e) = &broker_error {
                     tracing::error!(error = %e, "malformed message not dead-lettered; it has no job key, so it comes back")
                 }
-                return SqsProcessed { disposition, detail: SqsDetail::Malformed(reason), broker_error };
+                let mut done = Processed::new(disposition, Detail::Malformed(reason));
+                done.broker_error = broker_error.map(SourceError::from);
+                return done;
             }
         };
         let payload = message.body().unwrap_or_default().as_bytes().to_vec();
@@ -311,7 +265,7 @@ impl SqsRetrofit {
             }
             handler(ctx)
         };
-        let processed = self.retrofit.process(&key, payload, wrapped).await;
+        let mut processed = self.retrofit.process(&key, payload, wrapped).await;
         if let Some(id) = running.lock().ok().and_then(|mut s| s.take()) {
             self.in_flight.remove(&id);
         }
@@ -323,6 +277,7 @@ impl SqsRetrofit {
             }
             _ => {}
         }
-        SqsProcessed { disposition: processed.disposition, detail: SqsDetail::Fence(processed.detail), broker_error }
+        processed.broker_error = broker_error.map(SourceError::from);
+        processed
     }
 }

@@ -170,9 +170,7 @@ impl SqsSource {
             let cause = match tokio::time::timeout(limit, call).await {
                 Ok(Ok(_)) => return Ok(()),
                 Ok(Err(SdkError::ServiceError(ctx))) if ctx.err().code().is_some_and(is_missing_queue_code) => {
-                    let region =
-                        self.inner.client.config().region().map_or_else(|| "not set".to_owned(), |r| r.to_string());
-                    return Err(SqsError::QueueNotFound { queue_url: queue_url.clone(), endpoint, region });
+                    return Err(self.queue_not_found());
                 }
                 Ok(Err(e)) => {
                     let cause = short_cause(&e);
@@ -192,6 +190,26 @@ impl SqsSource {
             );
             tokio::time::sleep(wait).await;
             attempt += 1;
+        }
+    }
+
+    /// [`SqsError::QueueNotFound`] for this source's queue, at its client's endpoint and region.
+    fn queue_not_found(&self) -> SqsError {
+        let client = &self.inner.client;
+        let region = client.config().region().map_or_else(|| "not set".to_owned(), |r| r.to_string());
+        SqsError::QueueNotFound {
+            queue_url: self.inner.config.queue_url.clone(),
+            endpoint: endpoint_of(client),
+            region,
+        }
+    }
+
+    /// An error of a call on this source's queue, with a refusal because the queue does not
+    /// exist made [`SqsError::QueueNotFound`] (which names the URL, the endpoint and the region).
+    pub(super) fn name_missing_queue(&self, e: SqsError) -> SqsError {
+        match &e {
+            SqsError::Service { code: Some(code), .. } if is_missing_queue_code(code) => self.queue_not_found(),
+            _ => e,
         }
     }
 

@@ -163,7 +163,7 @@ pub async fn run(o: &Opts, pg: &table::Pg) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         let Some(msg) = out.messages().first() else { continue };
         let done = retrofit.process(msg, |_ctx: JobContext| async { Ok(b"ok".to_vec()) }).await;
-        if !done.is_completed() {
+        if done.reason() != brokerfence::Reason::Committed || done.broker_error.is_some() {
             return Err(format!("retrofit: {done:?}"));
         }
         f.push(t.elapsed());

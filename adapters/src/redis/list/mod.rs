@@ -30,7 +30,7 @@ mod item_key;
 mod retrofit;
 
 pub use item_key::ItemKey;
-pub use retrofit::{ListProcessed, ListRetrofit};
+pub use retrofit::ListRetrofit;
 
 /// The handle on one list item taken by a [`ReliableList`]: the item itself (list entries have no
 /// id; it is removed from the processing list by value) and its lease key.
@@ -119,7 +119,7 @@ impl ReliableList {
     ) -> Result<Self, RedisError> {
         let list = list.into();
         if list.is_empty() {
-            return Err(RedisError::Config("list name must not be empty".into()));
+            return Err(RedisError::Config("ReliableList::new: the list name must not be empty".into()));
         }
         Ok(Self {
             leases: LeaseKeys::of_source(&conns, &list),

@@ -1,5 +1,4 @@
-//! [`ListRetrofit`]: the fence inside a `BRPOP`/`BLMOVE` loop you own, and what it did with one
-//! item ([`ListProcessed`]).
+//! [`ListRetrofit`]: the fence inside a `BRPOP`/`BLMOVE` loop you own.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -17,41 +16,10 @@ use crate::redis::error::RedisError;
 use crate::redis::handle::Topology;
 use crate::redis::keys::{check_same_slot, sibling_key, token};
 use crate::redis::lease::{LeaseKeyHook, LeaseKeys};
-use crate::retrofit::{Detail, Retrofit};
+use crate::retrofit::{Detail, Processed, Retrofit};
 
 use super::ItemKey;
 use super::holding::{CloseOnDrop, DEFAULT_HOLDING, FIRST_PAUSE, Holding, Route, Target};
-
-/// What [`ListRetrofit::process`] did with one item.
-#[derive(Debug)]
-pub struct ListProcessed {
-    /// What to do with the item. When the attempt ended without a verdict of its own (lease lost
-    /// or unconfirmed, commit fenced or unknown), it is what the database says of the job now:
-    /// [`Disposition::Ack`] (completed), [`Disposition::DeadLetter`] (dead),
-    /// [`Disposition::Leave`] (a newer epoch holds or finished it) or, in every other case,
-    /// [`Disposition::Abandon`] (put the item back now).
-    pub disposition: Disposition,
-    /// What the fence saw; `None` when the item could not be decoded (then the disposition is
-    /// [`Disposition::DeadLetter`] with the reason).
-    pub detail: Option<Detail>,
-    /// The lease key of the item's job: its identity in Redis (`None` when undecodable).
-    pub lease_key: Option<String>,
-}
-
-impl ListProcessed {
-    /// True when the item is done with (committed, or a duplicate of a completed job).
-    pub fn should_ack(&self) -> bool {
-        self.disposition == Disposition::Ack
-    }
-
-    /// `Some` when the fence refused to run the item because the schema is older than this build
-    /// needs (see [`Detail::refused`]): nothing was claimed, the disposition is
-    /// [`Disposition::Abandon`], and [`ListRetrofit::requeue_popped`] puts the item back and
-    /// answers [`RedisError::Refused`].
-    pub fn refused(&self) -> Option<&FenceError> {
-        self.detail.as_ref().and_then(Detail::refused)
-    }
-}
 
 /// The fence around a handler inside a list loop you already own (`BRPOP`, `BLMOVE`): the job key
 /// comes from the item ([`ItemKey`]), its lease key is set when the attempt starts, renewed on every
@@ -254,12 +222,35 @@ impl ListRetrofit {
         &self.dead
     }
 
+    /// The lease key of `item`'s job: its identity in Redis (`None` when the item cannot be
+    /// decoded).
+    ///
+    /// ```no_run
+    /// # fn demo(fence: brokerfence::redis::ListRetrofit) {
+    /// let key = fence.lease_key(b"order-7|{\"qty\":1}").expect("a decodable item");
+    /// assert!(key.contains("order-7"), "{key}");
+    /// # }
+    /// ```
+    pub fn lease_key(&self, item: &[u8]) -> Option<String> {
+        let (key, _) = self.item_key.decode(item).ok()?;
+        Some(self.leases.key(self.retrofit.queue(), &key))
+    }
+
     /// Claims the item's job, sets its lease key, runs `handler` under the lease, commits through
-    /// the fence, releases the lease key, and says what to do with the item.
+    /// the fence, releases the lease key, and says what to do with the item: the [`Processed`]
+    /// every retrofit gives. An item that cannot be decoded is [`Detail::Malformed`], with the
+    /// disposition [`Disposition::DeadLetter`] and the reason.
+    ///
+    /// When the attempt ended without a verdict of its own (lease lost or unconfirmed, commit
+    /// fenced or unknown), the disposition is what the database says of the job now:
+    /// [`Disposition::Ack`] (completed), [`Disposition::DeadLetter`] (dead),
+    /// [`Disposition::Leave`] (a newer epoch holds or finished it) or, in every other case,
+    /// [`Disposition::Abandon`] (put the item back now); the [`reason`](Processed::reason)
+    /// still says what happened to this attempt.
     ///
     /// The handler is awaited in place: any `FnOnce` closure, borrowing locals or moving loop
     /// state in (see [`Retrofit::process`]).
-    pub async fn process<F, Fut, R>(&self, item: &[u8], handler: F) -> ListProcessed
+    pub async fn process<F, Fut, R>(&self, item: &[u8], handler: F) -> Processed
     where
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = Result<R, JobError>>,
@@ -269,7 +260,7 @@ impl ListRetrofit {
             Ok(v) => v,
             Err(reason) => {
                 tracing::warn!(%reason, "undecodable list item");
-                return ListProcessed { disposition: Disposition::DeadLetter(reason), detail: None, lease_key: None };
+                return Processed::new(Disposition::DeadLetter(reason.clone()), Detail::Malformed(reason));
             }
         };
         let lease_key = self.leases.key(self.retrofit.queue(), &key);
@@ -310,7 +301,7 @@ impl ListRetrofit {
             Disposition::Leave => self.settle_unknown(&key, claimed.load(Ordering::SeqCst), &done.detail).await,
             other => other,
         };
-        ListProcessed { disposition, detail: Some(done.detail), lease_key: Some(lease_key) }
+        Processed::new(disposition, done.detail)
     }
 
     /// The disposition of an item whose attempt ended without a verdict of its own (lease lost,
@@ -368,9 +359,9 @@ impl ListRetrofit {
     /// item, so this answers `Ok` then.
     ///
     /// It fails only when the fence refused the item because the schema is older than this build
-    /// needs ([`ListProcessed::refused`]): the item is put back first (waiting up to the lease
+    /// needs ([`Processed::refused`]): the item is put back first (waiting up to the lease
     /// for Redis to take it), then [`RedisError::Refused`] ends your loop through its `?`.
-    pub async fn requeue_popped(&self, item: &[u8], done: &ListProcessed) -> Result<(), RedisError> {
+    pub async fn requeue_popped(&self, item: &[u8], done: &Processed) -> Result<(), RedisError> {
         let (route, delay) = match &done.disposition {
             Disposition::Ack => return Ok(()),
             // The database confirmed a newer epoch: its holder has its own copy of the item.

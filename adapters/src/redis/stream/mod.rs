@@ -131,7 +131,7 @@ impl StreamSource {
     ) -> Result<Self, RedisError> {
         let (stream, group) = (stream.into(), group.into());
         if stream.is_empty() || group.is_empty() {
-            return Err(RedisError::Config("stream and group names must not be empty".into()));
+            return Err(RedisError::Config("StreamSource::new: the stream and group names must not be empty".into()));
         }
         let leases = LeaseKeys::of_source(&conns, &stream);
         Ok(Self {
