@@ -4,13 +4,13 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`edges`] | exit codes, usage, the schema check, `EVENT` lines of the example workers |
+//! | [`edge_cases`] | exit codes, usage, the schema check, `EVENT` lines of the example workers |
 //! | [`onboarding`] | what a missing service or a wrong URL looks like |
 //! | [`tower_worker`] | `examples/tower_worker.rs` over the table queue |
 //! | [`fault_runs`] | the chaos runner, small: lost = 0, committed twice = 0 |
 //! | [`failover`] | primary and standby, promotion, the old primary, pools that follow |
 
-mod edges;
+mod edge_cases;
 mod failover;
 mod fault_runs;
 mod onboarding;

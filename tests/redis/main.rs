@@ -7,12 +7,12 @@
 //! | [`lease`] | the lease key's compare-and-set scripts |
 //! | [`restart`] | Redis restarted mid-run without persistence |
 //! | [`stalled_worker`] | a stalled worker process on Redis Streams, in both orderings at the receiver |
-//! | [`edges`] | bounded calls, servers that stall, die or lose their data |
+//! | [`edge_cases`] | nothing popped is lost, the database decides dead letters, bounded Redis calls, no stale `XCLAIM` |
 //! | [`cluster`] | Redis Cluster and Sentinel: start-up, every source, failovers |
 
 mod cluster;
 mod e2e;
-mod edges;
+mod edge_cases;
 mod lease;
 mod restart;
 mod stalled_worker;

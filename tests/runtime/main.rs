@@ -3,7 +3,7 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`edges`] | cancellation-safe receives and claims at shutdown, bounded memory while a broker hangs, dead letters counted when they moved |
+//! | [`edge_cases`] | cancellation-safe receives and claims at shutdown, bounded memory while a broker hangs, dead letters counted when they moved |
 //! | [`table_queue`] | the consumer over the table queue, PostgreSQL and SQLite |
 //! | [`bad_input`] | malformed, oversize and strange deliveries across sources |
 //! | [`runtime`] | `attempt_timeout` starts with the handler |
@@ -15,7 +15,7 @@
 
 // A module that needs more features than its line here says gates itself with `#![cfg(…)]`.
 mod bad_input;
-mod edges;
+mod edge_cases;
 mod ergonomics;
 mod observability;
 mod retrofit_loops;

@@ -4,10 +4,10 @@
 //! | module | what |
 //! |---|---|
 //! | [`e2e`] | worker processes of `examples/sqs_worker.rs`, FIFO queues, the retrofit, dead letters |
-//! | [`edges`] | bounded calls, the RedrivePolicy check, FIFO group order, stale receipt handles |
+//! | [`edge_cases`] | bounded calls, the RedrivePolicy check, FIFO group order, stale receipt handles |
 //! | [`sqs`] | a dead letter sent once, FIFO order under a paused holder |
 
 mod e2e;
-mod edges;
+mod edge_cases;
 #[cfg(feature = "sqs")]
 mod sqs;

@@ -5,12 +5,12 @@
 //! | module | what |
 //! |---|---|
 //! | [`suite`] | the shared store suite: each test written once, generic over the backend |
-//! | [`edges`] | the schema check at start, the heartbeat's reserved capacity, statement and lock timeouts, SQLite's durable default |
+//! | [`edge_cases`] | the schema check at start, the heartbeat's reserved capacity, statement and lock timeouts, SQLite's durable default |
 //! | [`migrations`] | online migrations under load; a bad key row does not poison a claim batch |
 //! | [`retention`] | pruning finished jobs and ledger rows; epochs that never repeat after a prune |
 //! | [`prune_lock`] | pruning under steady business transactions |
 
-mod edges;
+mod edge_cases;
 mod migrations;
 mod prune_lock;
 mod retention;

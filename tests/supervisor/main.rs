@@ -4,12 +4,12 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`edges`] | the heartbeat never waits on a broker hook; a lease is renewed until its commit is confirmed |
+//! | [`edge_cases`] | the heartbeat never waits on a broker hook; a lease is renewed until its commit is confirmed |
 //! | [`proof`] | the two-process zombie proof, PostgreSQL and SQLite |
 //! | [`guard_switches`] | each safety guard switched off shows the violation it prevents |
 //! | [`stalled_own_tx`] | a handler's own transaction in a stalled process |
 
-mod edges;
+mod edge_cases;
 mod guard_switches;
 mod proof;
 mod stalled_own_tx;
