@@ -17,7 +17,7 @@
 //! The payments service stands in for an HTTP receiver: it gets the same `Fence-*` headers
 //! (`fence::wire`) and makes the same ledger check as the `adapters::http` middleware, in process
 //! so that the demo needs no features and no ports. The proof that all of this also holds across
-//! real processes frozen with SIGSTOP is `tests/zombie_proof.rs`.
+//! real processes frozen with SIGSTOP is `tests/supervisor/proof.rs`.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -214,21 +214,31 @@ async fn run_case(
     })
 }
 
-/// The zombie demo: a worker stalls past its lease, a second one takes the job over, and the
-/// stalled one wakes up; its late receiver call and its commit are refused by their epoch. Runs
-/// on SQLite in a temporary file, or on PostgreSQL when DATABASE_URL=postgres://… is set
-/// (RUST_LOG for logs).
-#[derive(clap::Parser)]
-#[command(name = "zombie", help_template = "usage: {usage}\n\n{about-with-newline}\n{all-args}{after-help}")]
-struct Args {}
+/// What `--help` prints.
+const USAGE: &str = "usage: zombie
+
+The zombie demo: a worker stalls past its lease, a second one takes the job over, and the
+stalled one wakes up; its late receiver call and its commit are refused by their epoch. Runs
+on SQLite in a temporary file, or on PostgreSQL when DATABASE_URL=postgres://… is set
+(RUST_LOG for logs).
+
+options:
+  -h, --help  Print help";
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    if let Err(e) = <Args as clap::Parser>::try_parse() {
-        let _ = e.print();
-        std::process::exit(e.exit_code());
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        Some(other) => {
+            eprintln!("error: unexpected argument '{other}'\n\n{USAGE}");
+            std::process::exit(2);
+        }
     }
-    init_logging();
+    init_logging()?;
     let db = Db::from_env()?;
     println!("lease 3 s, renewed every 1 s; every claim increments the job's epoch (its fencing token)");
 

@@ -9,8 +9,8 @@
 //!
 //! [`args`] is the one argument parser their shared flags come from; [`counters`] the one set of
 //! counters (statements per job, rates, percentiles, medians of paired rounds, process and
-//! PostgreSQL readings). `tests/chaos.rs` (in the root package) includes [`chaos`] and [`args`] by
-//! `#[path]`, so the chaos runner reaches its parser as `crate::args` in both builds.
+//! PostgreSQL readings). The chaos test (`tests/processes/fault_runs.rs`) runs [`chaos`] from
+//! this library.
 
 pub mod args;
 pub mod counters;

@@ -29,7 +29,7 @@ impl Db {
     pub fn from_env() -> Result<Db, BoxError> {
         Ok(match std::env::var("DATABASE_URL") {
             Ok(url) if url.starts_with("postgres") => {
-                let schema = SchemaName::new(format!("zombie_demo_{:08x}", rand::random::<u32>()))?;
+                let schema = SchemaName::new(format!("zombie_demo_{:08x}", random_u32()))?;
                 println!("brokerfence zombie demo on PostgreSQL ({url}, schema {})", schema.as_str());
                 Db::Postgres { url, schema }
             }
@@ -190,18 +190,27 @@ pub fn describe(outcome: &Outcome) -> String {
     }
 }
 
-/// Logs on stderr only with `RUST_LOG` set; no colour codes unless stderr is a terminal, and
-/// never with `NO_COLOR` set.
-pub fn init_logging() {
-    if std::env::var_os("RUST_LOG").is_some() {
+/// A random number for the demo's schema name (std's randomly seeded hasher: no `rand` needed).
+fn random_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.finish() as u32
+}
+
+/// Logs on stderr only with `RUST_LOG` set (`debug`, or per crate: `brokerfence_fence=debug,info`);
+/// no colour codes unless stderr is a terminal, and never with `NO_COLOR` set.
+pub fn init_logging() -> Result<(), BoxError> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    if let Ok(spec) = std::env::var("RUST_LOG") {
+        let filter: tracing_subscriber::filter::Targets = spec.parse().map_err(|e| format!("RUST_LOG={spec}: {e}"))?;
         let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
             && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-        tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .with_ansi(colour)
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .init();
+        let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(colour);
+        tracing_subscriber::registry().with(logs).with(filter).init();
     }
+    Ok(())
 }
 
 /// Prints the job row, the payments service's record and both workers' counters after a case.

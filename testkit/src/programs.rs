@@ -1,25 +1,28 @@
-//! The workspace's example programs a test runs, built by the test itself.
+//! The workspace's programs a test runs, built by the test itself: the example workers (the
+//! `brokerfence-examples` member, `examples/Cargo.toml`) and the CLI binary `brokerfence` (the
+//! root package's `[[bin]]`).
 //!
-//! A test never relies on what an earlier build left in `target/`: cargo keeps the example a
+//! A test never relies on what an earlier build left in `target/`: cargo keeps the program a
 //! test needs fresh in `deps/`, but the copy at `target/<profile>/examples/<name>` belongs to
 //! whichever build put it there last, and it can be missing (seen: "example redis_worker not
-//! built" from `cargo test --workspace --all-features edges` after other builds). So [`example`]
-//! runs `cargo build --example NAME --message-format=json` once per test process and program,
-//! and takes the `executable` path cargo reports; cargo puts that copy back when it is missing.
-//! With everything fresh that is a fraction of a second (0.4 s here).
-//!
-//! The CLI binary needs none of this: a test of the root package runs it from
-//! `env!("CARGO_BIN_EXE_brokerfence")`, which `cargo test` builds with the test's own features
-//! and puts in place before every run (a deleted copy comes back). Building it here instead would
-//! cost a second build of the workspace crates: a binary has no dev-dependencies, so its build
-//! resolves the members' features without the tests' `guard-switches`.
+//! built" after other builds). So [`example`] and [`bin`] run `cargo build --example NAME` (or
+//! `--bin NAME`) `--message-format=json` once per test process and program, and take the
+//! `executable` path cargo reports; cargo puts that copy back when it is missing. With
+//! everything fresh that is a fraction of a second.
 //!
 //! The build matches the test binary's own, so that cargo finds its units fresh: the same
-//! target directory and profile (from the test binary's path), and the same features as the
-//! documented test commands — `--workspace --all-features` when this crate was built with every
-//! feature of the workspace (its `docker` feature is on only then), else the root package with
+//! target directory and profile (from the test binary's path), and the same packages and
+//! features as the documented test command — `--workspace --all-features` when this crate was
+//! built with every feature of the workspace (its `docker` feature is on only then), else the
+//! tests package, the examples package (for an example) or the root package (for the CLI) with
 //! `--all-features`. A test run with fewer features builds the programs with all of them the
 //! first time (slower once, never a program missing a feature a test asks for).
+//!
+//! Features are where a second build of the workspace crates would come from: a build of a
+//! binary alone has no dev units, so the members' dev-dependencies turn no features on in it,
+//! while they do in `cargo test`. The tests and examples packages therefore list their
+//! dependencies as normal ones, with the features the members' dev-dependencies turn on, so both
+//! resolutions agree and the CLI's build reuses the test build's crates.
 //!
 //! Builds in one process are serialized (one cargo at a time; cargo itself locks the target
 //! directory against other processes).
@@ -31,9 +34,9 @@ use std::sync::{Mutex, OnceLock};
 /// A kind of program cargo builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
-    /// `examples/<name>.rs` of the root package.
+    /// An `[[example]]` of the examples package (`examples/Cargo.toml`).
     Example,
-    /// A `[[bin]]` of the root package (see the module's note on the CLI binary).
+    /// A `[[bin]]` of the root package: the CLI `brokerfence`.
     Bin,
 }
 
@@ -42,6 +45,14 @@ impl Kind {
         match self {
             Kind::Example => "--example",
             Kind::Bin => "--bin",
+        }
+    }
+
+    /// The package that has programs of this kind.
+    fn package(self) -> &'static str {
+        match self {
+            Kind::Example => "brokerfence-examples",
+            Kind::Bin => "brokerfence",
         }
     }
 
@@ -58,6 +69,13 @@ impl Kind {
 /// call. Panics, with cargo's message, when it cannot be built.
 pub fn example(name: &str) -> PathBuf {
     cached(Kind::Example, name)
+}
+
+/// The binary `name` of the root package (the CLI, `brokerfence`, feature `cli`), built (or
+/// found fresh) for this test process; cached after the first call. Panics, with cargo's
+/// message, when it cannot be built.
+pub fn bin(name: &str) -> PathBuf {
+    cached(Kind::Bin, name)
 }
 
 fn cached(kind: Kind, name: &str) -> PathBuf {
@@ -100,6 +118,8 @@ pub fn build(kind: Kind, name: &str) -> Result<PathBuf, String> {
     }
     if cfg!(feature = "docker") {
         cmd.arg("--workspace");
+    } else {
+        cmd.args(["-p", "brokerfence-tests", "-p", kind.package()]);
     }
     cmd.args(["--all-features", kind.flag(), name, "--message-format=json-render-diagnostics"]);
     cmd.arg("--target-dir").arg(target_dir);

@@ -103,7 +103,7 @@
 //! `receiver_ledger_lock` (on by default; only the test-only feature `guard-switches` can turn it
 //! off, through the ledger's fence). Switched off, the layer accepts the epoch in an autocommit
 //! statement of its own before beginning the effect's transaction: check-then-act, the
-//! violation the guard-switch test (`tests/effects_receiver.rs`) shows.
+//! violation the guard-switch test (`tests/effects/receiver.rs`) shows.
 
 use std::future::Future;
 use std::sync::Arc;

@@ -83,9 +83,9 @@
 //! Redis is a private `redis-server` the runner starts on a free port (never the shared one).
 //! Exit code 0 when every invariant holds, 1 when one is violated, 2 on a setup error.
 //!
-//! `tests/chaos.rs` runs small instances in CI; the worker processes are that test binary
+//! `tests/processes/fault_runs.rs` runs small instances in CI; the worker processes are that test binary
 //! re-executed in worker mode (see [`Launcher`]), so no harness binary must be built.
-#![allow(dead_code)] // shared with tests/chaos.rs, which uses a subset
+#![allow(dead_code)] // the `chaos` program and tests/processes/fault_runs.rs each use a subset
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;

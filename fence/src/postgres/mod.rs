@@ -25,12 +25,13 @@ mod migrations;
 mod probe;
 mod prune;
 mod route;
+mod session;
 mod statements;
 mod store;
 mod target;
 
-pub use connect::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgTimeouts};
 pub(crate) use route::{Lane, Session};
+pub use session::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgTimeouts};
 pub(crate) use statements::Statements;
 use statements::{ABORT_FENCED_TX, sql};
 pub use target::{PgTarget, Pooler};

@@ -10,7 +10,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
-use super::connect::{PG_SESSION_SETUP, PgTimeouts, pg_ms};
+use super::session::{PG_SESSION_SETUP, PgTimeouts, pg_ms};
 use crate::error::{FenceError, Result};
 
 /// Which of a fence's pools a statement runs on.

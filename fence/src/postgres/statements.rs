@@ -105,7 +105,7 @@ fn locked_by_key(s: &str) -> String {
 /// dead sets it. That is WAL: a claimed row's new version is logged from its first changed
 /// byte to its last, and `updated_at` is the last column but one, so a claim that set it logged
 /// `run_at`, the payload and `created_at` as well (24-34 bytes per claim in
-/// `tests/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
+/// `tests/runtime/throughput_cost.rs` with a 7-byte payload; a larger payload adds its size).
 fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str, base: &str, floor: &str) -> String {
     let over = format!("t.attempts >= {cap}::bigint");
     format!(

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sqlx::postgres::PgConnectOptions;
 
-use super::connect::PgTimeouts;
+use super::session::PgTimeouts;
 use crate::error::{FenceError, Result};
 
 /// Whether a transaction-mode connection pooler (PgBouncer with `pool_mode = transaction`, a
@@ -102,7 +102,7 @@ impl std::fmt::Debug for PgTarget {
 
 /// How long one connection attempt to one host may take (libpq's `connect_timeout`), unless the
 /// URL says: [`CONNECT_PROBE_TIMEOUT`](crate::CONNECT_PROBE_TIMEOUT).
-pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = super::connect::CONNECT_PROBE_TIMEOUT;
+pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = super::session::CONNECT_PROBE_TIMEOUT;
 
 impl PgTarget {
     /// Parses a `postgres://` or `postgresql://` URL, with one host or several
@@ -113,7 +113,7 @@ impl PgTarget {
     /// assert!(err.to_string().contains("target_session_attrs"), "{err}");
     /// ```
     pub fn parse(url: &str) -> Result<Self> {
-        crate::error::require_scheme(url, &["postgres", "postgresql"], super::connect::PG_SCHEMES)?;
+        crate::error::require_scheme(url, &["postgres", "postgresql"], super::session::PG_SCHEMES)?;
         let (scheme, rest) = url.split_once("://").ok_or_else(|| FenceError::invalid("database URL", "no ://"))?;
         let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
         let (authority, tail) = rest.split_at(authority_end);

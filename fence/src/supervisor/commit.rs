@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::outcome::{LossReason, Outcome};
-use super::registry::Inner;
+use super::registry::{CommitRequest, Inner, VerifyRequest};
 use crate::error::{FenceError, Result};
 use crate::group::Grouper;
 use crate::job::JobError;
@@ -15,16 +15,9 @@ use crate::lease::{FailOutcome, Lease};
 use crate::metrics::{Counter, Distribution, Metrics};
 use crate::store::FenceStore;
 
-/// A result waiting for the group commit, and where to send the verdict.
 /// How a handler's run ended: stopped (a loss), timed out (`Err(())`), or its own answer.
 pub(super) type HandlerResult =
     std::result::Result<std::result::Result<std::result::Result<Vec<u8>, JobError>, ()>, LossReason>;
-
-pub(super) type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
-
-/// An attempt whose handler committed in its own transaction, and where to send whether its job
-/// is completed under its lease.
-pub(super) type VerifyRequest = (Lease, tokio::sync::oneshot::Sender<Result<bool>>);
 
 /// Most completions committed by one statement.
 pub(super) const MAX_COMMIT_BATCH: usize = 256;

@@ -8,14 +8,21 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::commit::{CommitRequest, VerifyRequest};
 use super::config::SupervisorConfig;
 use super::hook_runner::HookRunner;
 use super::outcome::LossReason;
 use crate::Owner;
+use crate::error::Result;
 use crate::lease::Lease;
 use crate::metrics::Metrics;
 use crate::store::FenceStore;
+
+/// A result waiting for the group commit, and where to send the verdict.
+pub(super) type CommitRequest = (Lease, Vec<u8>, tokio::sync::oneshot::Sender<Result<()>>);
+
+/// An attempt whose handler committed in its own transaction, and where to send whether its job
+/// is completed under its lease.
+pub(super) type VerifyRequest = (Lease, tokio::sync::oneshot::Sender<Result<bool>>);
 
 pub(super) struct SlotState {
     pub(super) token: CancellationToken,

@@ -1,5 +1,5 @@
-//! Shared machinery of the zombie proof tests (`tests/zombie_proof.rs`, `tests/guards.rs`,
-//! `tests/effects_zombie_tx.rs`; feature `http`): a fresh database per scenario (PostgreSQL
+//! Shared machinery of the zombie proof tests (`tests/supervisor/proof.rs`, `tests/supervisor/guard_switches.rs`,
+//! `tests/supervisor/stalled_own_tx.rs`; feature `http`): a fresh database per scenario (PostgreSQL
 //! schema or SQLite file), an HTTP receiver that uses the fence middleware and records every call,
 //! the zombie worker as a real OS process that the tests freeze with SIGSTOP and resume with
 //! SIGCONT ([`process`]), and the scenarios of the table ([`scenarios`]).

@@ -9,8 +9,8 @@ use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection};
 
 use super::super::PgFence;
-use super::super::connect::pg_ms;
 use super::super::prune::is_lock_timeout;
+use super::super::session::pg_ms;
 use super::{BACKFILL_BATCH, INDEX_BUILDS, MIGRATIONS, PgMigration, SMALL_TABLE, Step};
 use crate::error::{FenceError, Result};
 use crate::schema::render;

@@ -140,7 +140,7 @@ pub(super) const MIGRATIONS: &[PgMigration] = &[
         // come first. In the order of the columns' meaning (state, epoch, owner, lease_until,
         // attempts, run_at, payload, ..., updated_at) a claim and a commit each logged most of
         // the row: 743-762 bytes of WAL per job against 689-702 in this order
-        // (`tests/throughput_cost.rs`; `failures`, added by migration 3, comes last either way).
+        // (`tests/runtime/throughput_cost.rs`; `failures`, added by migration 3, comes last either way).
         // No statement depends on the order: every one names its columns, so a schema created in
         // the former order works the same and keeps it (a rewrite of the table is not worth its
         // lock). `finished` (migration 8) sits with the columns a commit changes; a schema created
@@ -248,7 +248,7 @@ pub(super) const MIGRATIONS: &[PgMigration] = &[
         // extra lock record for the old version and the whole new row (two pages referenced, no
         // prefix/suffix compression). With 30 % of each page kept free the new version stays on
         // its page, and the record holds only the bytes that changed: 25-35 bytes of WAL less per
-        // claim (`tests/throughput_cost.rs`, 2,000 jobs in claims of 10: 412.7 -> 387.6 bytes per
+        // claim (`tests/runtime/throughput_cost.rs`, 2,000 jobs in claims of 10: 412.7 -> 387.6 bytes per
         // job, or 389.0 -> 353.7 with claims that leave `updated_at`); commits measured the same
         // either way (the claim's dead version is pruned first). See docs/performance.md.
         //
@@ -330,7 +330,7 @@ pub(super) const MIGRATIONS: &[PgMigration] = &[
         // trigger the version it will replace), and that lock is a WAL record of its own, even
         // when the trigger's column list or WHEN rules it out and the claim had locked the row
         // already (`FOR UPDATE SKIP LOCKED`): one more lock record per claim and per commit, 54
-        // bytes each (`tests/throughput_cost.rs`: 523.5 -> 469.5 bytes per job). An AFTER
+        // bytes each (`tests/runtime/throughput_cost.rs`: 523.5 -> 469.5 bytes per job). An AFTER
         // UPDATE row trigger gets both versions from the update itself. Its WHEN (`NEW.epoch <
         // OLD.epoch`) is checked as each row is updated; a row
         // that lowers an epoch queues the call, which raises at the end of the statement, so the

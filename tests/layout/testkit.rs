@@ -14,10 +14,10 @@ use brokerfence_testkit::tree::rust_files;
 /// The support files `tests/` may keep, relative to it, and the most lines each may have.
 const THIN: &[(&str, usize)] = &[("zombie_support/mod.rs", 40)];
 
-/// Every `.rs` file in a subdirectory of `tests` (the integration tests themselves lie directly
-/// in it), relative to `tests`, in a stable order. A subdirectory with a `main.rs` is one test
-/// binary of several files (cargo's `tests/<name>/main.rs`, e.g. `tests/hardening/`): its
-/// modules are that binary's tests, compiled once, not support shared by others.
+/// Every `.rs` file in a subdirectory of `tests` that is not a test binary, relative to `tests`,
+/// in a stable order. A subdirectory with a `main.rs` is one test binary of several files (a
+/// `[[test]]` of `tests/Cargo.toml`, e.g. `tests/store/`): its modules are that binary's tests,
+/// compiled once, not support shared by others.
 fn support_files(tests: &Path) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(tests)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", tests.display()))
@@ -53,7 +53,7 @@ fn offenders(tests: &Path, thin: &[(&str, usize)]) -> Vec<String> {
 
 #[test]
 fn layout_tests_support_lives_in_testkit() {
-    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let tests = crate::workspace_root().join("tests");
     let found = offenders(&tests, THIN);
     assert!(found.is_empty(), "test support outside testkit/:\n  {}", found.join("\n  "));
     // The thin entry is there (a renamed one would leave THIN naming nothing).

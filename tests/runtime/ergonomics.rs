@@ -228,10 +228,10 @@ mod small_errors {
     use brokerfence_testkit::process::run_to_end;
     use brokerfence_testkit::store as common;
 
-    /// Runs the CLI to its end: exit code, stdout, stderr. (`cargo test` builds the binary with
-    /// this test's features and puts it in place: see `brokerfence_testkit::programs`.)
+    /// Runs the CLI to its end: exit code, stdout, stderr (the binary built for this test process
+    /// by `brokerfence_testkit::programs`).
     fn cli(args: &[&str]) -> (i32, String, String) {
-        run_to_end(std::path::Path::new(env!("CARGO_BIN_EXE_brokerfence")), args, &[])
+        run_to_end(&brokerfence_testkit::programs::bin("brokerfence"), args, &[])
     }
 
     /// Item 16: a bare path where a SQLite URL belongs. The library and the CLI say the URL has

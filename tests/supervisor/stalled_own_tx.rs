@@ -16,13 +16,11 @@
 //! Run: `cargo test --all-features --test effects_zombie_tx -- --nocapture` for the timelines.
 #![cfg(feature = "http")]
 
-mod zombie_support;
-
 use std::time::Duration;
 
+use crate::zombie_support::*;
 use brokerfence::fence::{JobState, Owner, QueueName};
 use sqlx::AssertSqlSafe;
-use zombie_support::*;
 
 const PLAN_NEW_OWNER: &str = "tx-begin,tx-write,tx-complete,tx-commit";
 const WAIT: Duration = Duration::from_secs(30);

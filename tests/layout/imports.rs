@@ -1,12 +1,13 @@
-//! The module layout of the adapters crate (issue #19): inside every module directory of
-//! `adapters/src` (sqs, redis, runtime, …), sibling modules import one another one way only, so
-//! each file can be read after the files it uses and no two files must be read together.
+//! The module layout of the library crates: inside every module directory of `fence/src` and
+//! `adapters/src` (supervisor, postgres, sqs, redis, runtime, …), sibling modules import one
+//! another one way only, so each file can be read after the files it uses and no two files must
+//! be read together.
 //!
 //! The check reads the source text: a file of module `x` in directory `D` uses its sibling `y`
 //! when it names `super::y` (from the right depth: `super::super::y` one directory further down),
 //! `crate::<D>::y`, or `y` inside a `use super::{…}` / `use crate::<D>::{…}` group. Comment lines
-//! are ignored. The crate root (`adapters/src` itself, where `source` and `runtime` use each other
-//! by design: the `Source` trait names the runtime's `ReceiveContext`) is not checked.
+//! are ignored. The crate roots (`adapters/src` itself, where `source` and `runtime` use each
+//! other by design: the `Source` trait names the runtime's `ReceiveContext`) are not checked.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -16,9 +17,9 @@ use brokerfence_testkit::tree::rust_files;
 /// Sibling module → the sibling modules it uses.
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
-/// The adapters crate's sources.
-fn adapters_src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("adapters").join("src")
+/// The sources of a library crate of the workspace (`fence`, `adapters`).
+fn crate_src(krate: &str) -> PathBuf {
+    crate::workspace_root().join(krate).join("src")
 }
 
 /// Every module directory below the crate root (relative paths such as `sqs`, `redis/list`).
@@ -158,19 +159,38 @@ fn cycles(graph: &Graph) -> Vec<BTreeSet<String>> {
     found
 }
 
-/// The graph of one directory of the adapters crate (`sqs`, `redis/list`).
-fn graph_of(dir: &str) -> Graph {
-    let root = adapters_src();
+/// The graph of one directory of a library crate (`sqs`, `redis/list` of `adapters`).
+fn graph_of(krate: &str, dir: &str) -> Graph {
+    let root = crate_src(krate);
     let files = siblings(&root, Path::new(dir));
-    assert!(!files.is_empty(), "no modules found in adapters/src/{dir}");
+    assert!(!files.is_empty(), "no modules found in {krate}/src/{dir}");
     import_graph(&files, &dir.replace('/', "::"))
+}
+
+/// The import cycles among the sibling modules of every module directory of `krate`, after
+/// checking that the directories `expected` are among them.
+fn cycles_of_crate(krate: &str, expected: &[&str]) -> Vec<String> {
+    let root = crate_src(krate);
+    let dirs = module_dirs(&root);
+    for expected in expected {
+        assert!(dirs.iter().any(|d| d == Path::new(expected)), "{krate}/src/{expected} not found: {dirs:?}");
+    }
+    let mut failures = Vec::new();
+    for dir in &dirs {
+        let dir = dir.to_string_lossy().replace('\\', "/");
+        let graph = graph_of(krate, &dir);
+        for cycle in cycles(&graph) {
+            failures.push(format!("{krate}/src/{dir}: {cycle:?}"));
+        }
+    }
+    failures
 }
 
 /// The SQS adapter's files: `receive` and `dead_letter` extend the source, and the source does not
 /// import them back (their shared state lives in `state`).
 #[test]
 fn layout_sqs_receive_and_source_import_one_way() {
-    let graph = graph_of("sqs");
+    let graph = graph_of("adapters", "sqs");
     let uses = |a: &str, b: &str| graph.get(a).is_some_and(|s| s.contains(b));
     // The check sees the imports that do exist: receive.rs and dead_letter.rs use source.rs.
     assert!(uses("receive", "source"), "receive.rs should use source.rs: {graph:?}");
@@ -184,19 +204,15 @@ fn layout_sqs_receive_and_source_import_one_way() {
 /// through others.
 #[test]
 fn layout_no_import_cycle_among_sibling_modules_of_adapters() {
-    let root = adapters_src();
-    let dirs = module_dirs(&root);
-    for expected in ["sqs", "redis", "runtime"] {
-        assert!(dirs.iter().any(|d| d == Path::new(expected)), "adapters/src/{expected} not found: {dirs:?}");
-    }
-    let mut failures = Vec::new();
-    for dir in &dirs {
-        let dir = dir.to_string_lossy().replace('\\', "/");
-        let graph = graph_of(&dir);
-        for cycle in cycles(&graph) {
-            failures.push(format!("adapters/src/{dir}: {cycle:?}"));
-        }
-    }
+    let failures = cycles_of_crate("adapters", &["sqs", "redis", "runtime"]);
+    assert!(failures.is_empty(), "import cycles between sibling modules:\n{}", failures.join("\n"));
+}
+
+/// No two sibling modules of any directory of the fence crate import each other, directly or
+/// through others.
+#[test]
+fn layout_no_import_cycle_among_sibling_modules_of_fence() {
+    let failures = cycles_of_crate("fence", &["postgres", "sqlite", "supervisor", "admin"]);
     assert!(failures.is_empty(), "import cycles between sibling modules:\n{}", failures.join("\n"));
 }
 

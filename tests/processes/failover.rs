@@ -580,9 +580,9 @@ async fn failover_pgbouncer_time_limits_hold_per_transaction() {
 async fn failover_cli_migrate_and_status_through_pgbouncer() {
     let (_bouncer, url) = bouncer("extra_float_digits").await;
     let schema = common::unique_schema();
-    let bin = env!("CARGO_BIN_EXE_brokerfence");
+    let bin = brokerfence_testkit::programs::bin("brokerfence");
     for args in [vec!["migrate"], vec!["status", "--json"]] {
-        let mut cmd = std::process::Command::new(bin);
+        let mut cmd = std::process::Command::new(&bin);
         cmd.args(&args).args(["--database-url", &url, "--schema", schema.as_str()]).env("NO_COLOR", "1");
         let out = tokio::task::spawn_blocking(move || cmd.output()).await.expect("join").expect("run the CLI");
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

@@ -33,7 +33,7 @@ use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_util::sync::CancellationToken;
 
-#[path = "../examples/outbox_relay.rs"]
+#[path = "../../examples/outbox_relay.rs"]
 #[allow(dead_code)]
 mod outbox_relay;
 
@@ -60,7 +60,7 @@ struct Proc {
 
 impl Proc {
     fn spawn(label: &str, args: &[String]) -> Proc {
-        let mut cmd = brokerfence_testkit::process::reexec("effects_process_entry", PROCESS_ENV, args);
+        let mut cmd = brokerfence_testkit::process::reexec("outbox::effects_process_entry", PROCESS_ENV, args);
         cmd.envs(sqs_support::aws().child_env()).env("REDIS_URL", redis_support::redis_url());
         cmd.env("RUST_LOG", std::env::var("WORKER_LOG").unwrap_or_else(|_| "warn".into()));
         let (mut child, pid) =

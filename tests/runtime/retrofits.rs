@@ -236,7 +236,7 @@ async fn hardening_item9_cli_dead_requeue_refuses_broker_jobs() {
     let run = |extra: &'static [&'static str]| {
         let (schema, q) = (pg.schema().as_str().to_owned(), q.as_str().to_owned());
         async move {
-            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_brokerfence"));
+            let mut cmd = tokio::process::Command::new(brokerfence_testkit::programs::bin("brokerfence"));
             cmd.args([
                 "--database-url",
                 &store::database_url(),

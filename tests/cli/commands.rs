@@ -16,7 +16,8 @@ use brokerfence::fence::{
 use common::{key, lease};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_brokerfence");
+static BIN: std::sync::LazyLock<std::path::PathBuf> =
+    std::sync::LazyLock::new(|| brokerfence_testkit::programs::bin("brokerfence"));
 
 /// A database the CLI is pointed at, and the store the test prepares it with.
 struct Target {
@@ -68,7 +69,7 @@ impl Run {
 
 /// Runs the binary with `args` only (no DATABASE_URL in its environment).
 async fn run_raw(args: &[&str], env: &[(&str, &str)]) -> Run {
-    let mut cmd = tokio::process::Command::new(BIN);
+    let mut cmd = tokio::process::Command::new(&*BIN);
     cmd.args(args).env_remove("DATABASE_URL").kill_on_drop(true);
     for (k, v) in env {
         cmd.env(k, v);

@@ -13,20 +13,18 @@
 //!
 //! Two more guards (issue 13) have their switch tests next to their scenarios:
 //! `effects_guard_switch_fenced_tx_rollback_off_lets_the_zombies_rows_commit` (a fenced
-//! `complete_in` no longer stops the caller's transaction from committing, `tests/effects_own_tx.rs`)
+//! `complete_in` no longer stops the caller's transaction from committing, `tests/effects/own_tx.rs`)
 //! and `effects_guard_receiver_ledger_lock` (the atomic receiver checks the ledger outside the
-//! handler's transaction, and a slow older effect lands last, `tests/effects_receiver.rs`).
+//! handler's transaction, and a slow older effect lands last, `tests/effects/receiver.rs`).
 //!
 //! Needs PostgreSQL (`localstack/up`); runs on SQLite too. Scenarios run concurrently.
 #![cfg(feature = "http")]
 
-mod zombie_support;
-
 use std::time::Duration;
 
+use crate::zombie_support::*;
 use brokerfence::fence::{FenceError, Guards, JobKey, JobRecord, JobState, Owner, QueueName, RetryPolicy};
 use futures::future::join_all;
-use zombie_support::*;
 
 const BACKENDS: [Backend; 2] = [Backend::Postgres, Backend::Sqlite];
 

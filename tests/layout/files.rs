@@ -51,7 +51,7 @@ fn assert_within_limit(dirs: &[&str]) {
 
 /// Fails with the list of the files in `dirs` (under the workspace root) over `max` lines.
 fn assert_files_within(dirs: &[&str], max: usize, what: &str, advice: &str) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = crate::workspace_root();
     let (over, scanned) = offenders(root, dirs, max);
     assert!(scanned > 0, "no .rs files found under {dirs:?}");
     let list: Vec<String> = over.iter().map(|(file, lines)| format!("  {file}: {lines} lines")).collect();
@@ -141,7 +141,7 @@ fn layout_examples_check_reports_a_support_file_over_300_lines() {
 /// file, and `bench` a workspace member.
 #[test]
 fn layout_harness_lives_in_bench_member() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = crate::workspace_root();
     let in_examples = harness_in_examples(&root.join("examples"));
     assert!(in_examples.is_empty(), "harness programs in examples/ (they belong in bench/): {in_examples:?}");
     let manifest = std::fs::read_to_string(root.join("bench/Cargo.toml")).expect("bench/Cargo.toml");

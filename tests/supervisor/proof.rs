@@ -10,10 +10,9 @@
 //! and the measured figures.
 #![cfg(feature = "http")]
 
-mod zombie_support;
-
 use std::time::{Duration, Instant};
 
+use crate::zombie_support::*;
 use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -22,7 +21,6 @@ use brokerfence::adapters::http::{Stamp, stale_response};
 use brokerfence::fence::wire::FenceStamp;
 use brokerfence::fence::{JobState, PgLedger, Verdict};
 use futures::future::join_all;
-use zombie_support::*;
 
 fn third_plus_one() -> Duration {
     lease().heartbeat_interval() + Duration::from_secs(1)

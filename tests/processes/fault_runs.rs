@@ -6,9 +6,8 @@
 //!
 //! The runner is `bench/src/chaos/` (the `chaos` program of the `brokerfence-bench` member; run
 //! a larger instance by hand with `cargo run --release -p brokerfence-bench --bin chaos --
-//! --source table --workers 8 --jobs 5000`). It is compiled into this test with the harness's
-//! argument parser (`bench/src/args.rs`, which it reaches as `crate::args`). The worker
-//! processes are this test binary, re-executed in worker mode by [`worker_entry`].
+//! --source table --workers 8 --jobs 5000`). This test runs it from the `brokerfence-bench`
+//! library; the worker processes are this test binary, re-executed in worker mode by [`worker_entry`].
 //!
 //! The `edges` module adds the faults of issue #12 ("Done when"): a broker that stalls for
 //! longer than the lease (a TCP proxy between the workers and LocalStack or Redis holds every
@@ -21,11 +20,7 @@
 //! `chaos_redis_cluster_failover` (issue #31) runs the Redis source on a private Redis Cluster
 //! whose stream's primary fails over (the `redis-failover` fault).
 
-#[path = "../bench/src/args.rs"]
-#[allow(dead_code)] // the chaos runner uses part of the harness's parser
-mod args;
-#[path = "../bench/src/chaos/mod.rs"]
-mod chaos;
+use brokerfence_bench::chaos;
 
 use chaos::{ChaosConfig, Launcher, SourceKind};
 
@@ -41,7 +36,9 @@ fn worker_entry() {
 fn launcher() -> Launcher {
     Launcher {
         exe: std::env::current_exe().expect("current exe"),
-        args: ["worker_entry", "--exact", "--nocapture", "--test-threads=1", "-q"].map(String::from).to_vec(),
+        args: ["fault_runs::worker_entry", "--exact", "--nocapture", "--test-threads=1", "-q"]
+            .map(String::from)
+            .to_vec(),
         via_env: true,
     }
 }

@@ -17,7 +17,7 @@
 use brokerfence_testkit::redis as redis_support;
 
 #[allow(dead_code)]
-#[path = "../examples/redis_worker.rs"]
+#[path = "../../examples/redis_worker.rs"]
 mod redis_worker;
 
 use std::collections::HashMap;
@@ -124,7 +124,7 @@ struct Worker {
 
 impl Worker {
     fn spawn(args: &[String]) -> Worker {
-        let mut cmd = brokerfence_testkit::process::reexec("worker_entry", WORKER_ENV, args);
+        let mut cmd = brokerfence_testkit::process::reexec("stalled_worker::worker_entry", WORKER_ENV, args);
         cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()));
         let (mut child, pid) = brokerfence_testkit::process::spawn(cmd.stderr(std::process::Stdio::piped()), "worker");
         let lines = Arc::new(Mutex::new(Vec::new()));

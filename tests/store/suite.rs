@@ -1595,7 +1595,7 @@ mod pg_only {
         let out = tokio::process::Command::new("faketime")
             .args(["-m", "-f", offset])
             .arg(&exe)
-            .args(["skew_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .args(["suite::skew_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
             .env("DATABASE_URL", common::database_url())
             .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
             .env("BROKERFENCE_SKEW_MODE", mode)
