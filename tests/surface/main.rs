@@ -3,5 +3,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`demo`] | `cargo run --example zombie` compiles at most 150 crates |
+//! | [`results`] | errors keep the broker's typed cause; the three retrofits answer one `Processed` |
 
 mod demo;
+mod results;

@@ -2,7 +2,7 @@
 //! source keep the broker's typed error as their `source()`, and the three retrofits (table,
 //! SQS, Redis list) answer one `Processed` that says the same words for the same outcome.
 //!
-//! Run: `cargo test --all-features --test surface_results` (services from `localstack/up`).
+//! Run: `cargo test --workspace --all-features surface` (services from `localstack/up`).
 
 use std::error::Error as _;
 use std::sync::Arc;
