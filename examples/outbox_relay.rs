@@ -206,7 +206,7 @@ async fn worker(common: Common, queue: String, opts: WorkerOpts, idle_wait: Dura
     }
     let store: Arc<dyn FenceStore> = Arc::new(pg.clone());
     let source = EventSource(TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
-    let config = ConsumerConfig::new(SupervisorConfig::new(lease).retry(common.retry_policy()))
+    let config = ConsumerConfig::new(SupervisorConfig::new(lease).retry(common.get_retry()))
         .concurrency(common.concurrency)
         .grace(common.grace);
     let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);

@@ -118,7 +118,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
         .key(args.key.clone())
         .wait_time(Duration::from_secs(args.wait))
         .dead_letter(args.dead_letter.clone())
-        .check_receive_count(c.retry_policy(), ReceiveCountCheck::Warn);
+        .check_receive_count(c.get_retry(), ReceiveCountCheck::Warn);
     let source = SqsSource::new(client_from_env().await, config);
     // Before `ready`: a queue that does not exist (exit 2) or an endpoint that does not answer
     // after a few attempts (exit 1) stops the worker with one line saying so.
@@ -130,7 +130,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let source = EventSource(source);
 
     #[allow(unused_mut)]
-    let mut supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
+    let mut supervisor = SupervisorConfig::new(lease).retry(c.get_retry());
     if args.no_cancel_on_loss {
         {
             supervisor = supervisor.without_cancel_on_loss();

@@ -182,23 +182,51 @@
 #![warn(missing_docs)]
 
 #[doc(inline)]
-pub use fence::*;
+pub use fence::{
+    Backend, BoxError, Claim, ClaimedJob, Counter, DEFAULT_SCHEMA, DbTime, Distribution, FailOutcome, FenceError,
+    FenceStore, FencedConnection, Heartbeat, IntoJobResult, JobContext, JobError, JobKey, JobRecord, JobResultExt,
+    JobState, Lease, LeaseDuration, LeaseHook, LossReason, MAX_KEY_BYTES, MAX_NAME_BYTES, MIN_LEASE, Metrics,
+    MetricsSnapshot, Outcome, Owner, QueueName, Result, RetryPolicy, SchemaName, Supervisor, SupervisorConfig,
+};
+
+#[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+#[doc(inline)]
+pub use fence::Json;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(inline)]
+pub use fence::{PgFence, PgTarget, PgTimeouts, Pooler};
+
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+#[doc(inline)]
+pub use fence::{ReclaimReport, SqliteDurability, SqliteFence};
 
 #[doc(inline)]
 pub use adapters::{
-    CancellationToken, Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, DeadLettered, Detail, Disposition, Handler,
-    HandlerFuture, Incoming, Processed, ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
+    CancellationToken, Consumer, ConsumerConfig, DeadLettered, Detail, Disposition, Handler, Incoming, Processed,
+    ReceiveContext, Retrofit, Source, SourceError, TableQueue, shutdown_signal,
 };
 
-/// The table-queue source: jobs in the fence's own table, no broker. It runs on [`PgFence`] and
-/// [`SqliteFence`] alike (also at `brokerfence::table::TableQueue`; the old path
-/// `brokerfence::adapters::postgres::TableQueue` is a deprecated alias).
 #[doc(inline)]
-pub use adapters::table::TableQueue;
+pub use fence::{admin, epoch, ledger, retention, wire};
 
-/// The table queue: jobs in the fence's own table (PostgreSQL or SQLite), no broker.
-#[doc(inline)]
-pub use adapters::table;
+/// The transactional outbox (PostgreSQL): rows written in the handler's own transaction with the
+/// fenced completion ([`PgFence::outbox_in`]), and the relay that publishes them to a broker.
+///
+/// ```no_run
+/// use brokerfence::outbox::{OutboxRelay, OutboxRow, RelayConfig};
+/// ```
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod outbox {
+    #[doc(inline)]
+    pub use adapters::outbox::*;
+    #[doc(inline)]
+    pub use fence::outbox::*;
+}
 
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
@@ -217,16 +245,6 @@ pub use adapters::redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
 #[doc(inline)]
 pub use adapters::sqs;
-
-/// The epoch authority: stores ([`PgFence`], [`SqliteFence`]), the supervisor, the receiver
-/// ledger and the wire format. Its items are also at the crate root.
-#[doc(inline)]
-pub use fence;
-
-/// The consumer runtime, the sources and the retrofit middleware. Its items are also at the crate
-/// root.
-#[doc(inline)]
-pub use adapters;
 
 /// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http,tower,serde`; the default
 /// backends on).

@@ -48,7 +48,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{FromFnLayer, Next};
 use axum::response::{IntoResponse, Response};
 use fence::wire::{self, FenceStamp, StampError};
-use fence::{Ledger, Verdict};
+use fence::ledger::{Ledger, Verdict};
 use futures::future::BoxFuture;
 
 #[cfg(feature = "postgres")]

@@ -33,7 +33,8 @@ use std::time::Duration;
 
 use crate::builder::{debug_some, setters};
 use async_trait::async_trait;
-use fence::{FenceError, OutboxRow, PgFence};
+use fence::outbox::OutboxRow;
+use fence::{FenceError, PgFence};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 

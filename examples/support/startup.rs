@@ -138,7 +138,7 @@ pub async fn table_consumer(
     let store: Arc<dyn FenceStore> = Arc::new(pg);
     let source =
         EventSource(brokerfence::table::TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
-    let supervisor = fence::SupervisorConfig::new(lease).retry(c.retry_policy());
+    let supervisor = fence::SupervisorConfig::new(lease).retry(c.get_retry());
     let config = brokerfence::adapters::ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
     let consumer =
         brokerfence::adapters::Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);

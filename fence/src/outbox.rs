@@ -13,7 +13,7 @@
 //! their [`FenceStamp`] and marks each sent only after the broker accepted it. A relay that
 //! crashes between the broker's answer and its own commit publishes those rows again: delivery is
 //! at least once, so the consumer applies each message with
-//! [`PgLedger::accept_in`](crate::PgLedger::accept_in) and an idempotent effect in one
+//! [`PgLedger::accept_in`](crate::ledger::PgLedger::accept_in) and an idempotent effect in one
 //! transaction of its own.
 //!
 //! The table is `{schema}.outbox` (migration 4):

@@ -112,7 +112,7 @@ impl QueueRetention {
 ///     .batch_size(500)
 ///     .every(Duration::from_secs(60));
 /// assert_eq!(r.queues().count(), 1);
-/// assert_eq!(r.batch(), 500);
+/// assert_eq!(r.get_batch_size(), 500);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retention {
@@ -184,17 +184,17 @@ impl Retention {
     }
 
     /// Rows per transaction.
-    pub fn batch(&self) -> u32 {
+    pub fn get_batch_size(&self) -> u32 {
         self.batch
     }
 
     /// The background interval.
-    pub fn interval(&self) -> Duration {
+    pub fn get_every(&self) -> Duration {
         self.every
     }
 
     /// The pause between batches.
-    pub fn pause(&self) -> Duration {
+    pub fn get_pause_between_batches(&self) -> Duration {
         self.pause
     }
 

@@ -88,7 +88,7 @@ impl LeaseKeys {
     /// Lease keys named after `anchor` (they share its cluster slot), on `conn` (a
     /// [`RedisConn`], or a `ConnectionManager` of your own).
     pub fn new(conn: impl Into<RedisConn>, anchor: impl Into<String>) -> Self {
-        let timeout = millis(RedisTimeouts::default().response_timeout());
+        let timeout = millis(RedisTimeouts::default().get_response());
         Self {
             conn: conn.into(),
             anchor: Arc::from(anchor.into()),
@@ -100,7 +100,7 @@ impl LeaseKeys {
     /// The lease keys of a source on `conns`, anchored on `anchor` (the key it reads) and bounded
     /// by the connections' response timeout.
     pub(crate) fn of_source(conns: &RedisConnections, anchor: &str) -> Self {
-        Self::new(conns.commands(), anchor).with_timeout(conns.timeouts().response_timeout())
+        Self::new(conns.commands(), anchor).with_timeout(conns.timeouts().get_response())
     }
 
     /// Sets the response timeout of every call (default 2 s, the default

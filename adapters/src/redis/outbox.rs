@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fence::OutboxRow;
+use fence::outbox::OutboxRow;
 
 use super::conn::RedisConnections;
 use super::handle::Topology;
@@ -59,7 +59,7 @@ impl RedisPublisher {
     }
 
     fn limit(&self) -> Duration {
-        self.conns.timeouts().response_timeout()
+        self.conns.timeouts().get_response()
     }
 }
 

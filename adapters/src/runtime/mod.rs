@@ -38,7 +38,9 @@ mod shutdown;
 mod tests;
 mod tracked;
 
-pub use config::{ConsumerConfig, DEFAULT_CLAIM_WINDOW};
+pub use config::ConsumerConfig;
+#[doc(hidden)]
+pub use config::DEFAULT_CLAIM_WINDOW;
 pub use shutdown::shutdown_signal;
 
 use claim::ClaimQueue;
@@ -107,7 +109,7 @@ impl<S: Source> Consumer<S> {
         let source_prefetch = source.default_prefetch(config.concurrency);
         let config = config.with_default_prefetch(source_prefetch);
         supervisor.add_hook(Arc::new(SourceHook { source: Arc::clone(&source), tracked: Arc::clone(&tracked) }));
-        let unsettled = Arc::new(Semaphore::new(config.unsettled_limit()));
+        let unsettled = Arc::new(Semaphore::new(config.get_max_unsettled()));
         Self { source, supervisor, config, tracked, unsettled }
     }
 
@@ -155,7 +157,7 @@ impl<S: Source> Consumer<S> {
     /// # }
     /// ```
     pub fn unsettled(&self) -> usize {
-        self.config.unsettled_limit().saturating_sub(self.unsettled.available_permits())
+        self.config.get_max_unsettled().saturating_sub(self.unsettled.available_permits())
     }
 
     /// Runs until `shutdown` fires or the source fails fatally; then stops receiving, lets
@@ -233,7 +235,7 @@ impl<S: Source> Consumer<S> {
         let places = self.config.places();
         // Every queued acknowledgement holds an unsettled place, so the channel never fills
         // before the receive loop stops; a sender waits when it does (an ack is never dropped).
-        let (ack_tx, ack_rx) = mpsc::channel(self.config.unsettled_limit().max(1));
+        let (ack_tx, ack_rx) = mpsc::channel(self.config.get_max_unsettled().max(1));
         // Every queued delivery holds a receive place: at most `places` wait for a claim.
         let (claims_tx, claims_rx) = mpsc::unbounded_channel();
         let acker = tokio::spawn(ack_loop(
@@ -250,7 +252,7 @@ impl<S: Source> Consumer<S> {
             handler,
             ack_tx,
             lease: self.config.supervisor.lease(),
-            attempt_timeout: self.config.supervisor.attempt_timeout_length(),
+            attempt_timeout: self.config.supervisor.get_attempt_timeout(),
             grace: self.config.grace,
             claim_failures: AtomicU32::new(0),
             // Fires with `shutdown`, and also when the loop ends on a fatal source error.
@@ -262,7 +264,7 @@ impl<S: Source> Consumer<S> {
         let permits = Budget { places: Arc::new(Semaphore::new(places)), unsettled: Arc::clone(&self.unsettled) };
         shared.tasks.spawn(Arc::clone(&shared).claim_loop(
             claims_rx,
-            self.config.claim_window_length(),
+            self.config.get_claim_window(),
             Arc::clone(&permits.places),
         ));
         let pruner = self.config.retention.clone().map(|retention| {

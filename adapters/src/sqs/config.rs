@@ -195,7 +195,7 @@ pub enum ReceiveCountCheck {
 ///     .unwrap()
 ///     .key(KeyStrategy::attribute("order-id"))
 ///     .wait_time(Duration::from_secs(5));
-/// assert_eq!(config.fence_queue().as_str(), "orders");
+/// assert_eq!(config.get_fence_queue_name().as_str(), "orders");
 /// assert!(!config.is_fifo());
 /// ```
 #[derive(Debug, Clone)]
@@ -324,12 +324,12 @@ impl SqsConfig {
     }
 
     /// The fence's queue name.
-    pub fn fence_queue(&self) -> &QueueName {
+    pub fn get_fence_queue_name(&self) -> &QueueName {
         &self.fence_queue
     }
 
     /// The key strategy.
-    pub fn key_strategy(&self) -> &KeyStrategy {
+    pub fn get_key(&self) -> &KeyStrategy {
         &self.key
     }
 

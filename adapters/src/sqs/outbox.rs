@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
-use fence::OutboxRow;
+use fence::outbox::OutboxRow;
 
 use super::config::is_fifo_url;
 use super::error::{SqsError, bounded, classify};

@@ -128,7 +128,7 @@ struct ExtendHook {
 #[async_trait]
 impl LeaseHook for ExtendHook {
     async fn confirmed(&self, leases: &[Lease]) {
-        let pairs = self.in_flight.pairs(self.source.config().fence_queue(), leases);
+        let pairs = self.in_flight.pairs(self.source.config().get_fence_queue_name(), leases);
         if !pairs.is_empty()
             && let Err(e) = self.source.extend_visibility(&pairs).await
         {
@@ -181,7 +181,7 @@ impl SqsRetrofit {
 
     /// Middleware with the given owner id.
     pub fn with_owner(store: Arc<dyn FenceStore>, source: SqsSource, owner: Owner, config: SupervisorConfig) -> Self {
-        let retrofit = Retrofit::with_owner(store, source.config().fence_queue().clone(), owner, config);
+        let retrofit = Retrofit::with_owner(store, source.config().get_fence_queue_name().clone(), owner, config);
         let in_flight = Arc::new(InFlight::default());
         retrofit
             .supervisor()
@@ -286,7 +286,7 @@ impl SqsRetrofit {
             }
         };
         let config = self.source.config();
-        let key = match config.key_strategy().key_of(message, config.is_fifo()) {
+        let key = match config.get_key().key_of(message, config.is_fifo()) {
             Ok(k) => k,
             Err(reason) => {
                 tracing::warn!(%reason, "malformed message: dead-lettering it");

@@ -38,7 +38,7 @@ use crate::store::default_max_claims;
 /// let fence = brokerfence::PgFence::new(pool);
 /// # let _ = fence; Ok(()) }
 /// ```
-pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
+pub(crate) const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
                                      SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
 
 /// The schemes [`PgFence::connect`] accepts, as its [`FenceError::UnsupportedScheme`](crate::FenceError::UnsupportedScheme) names them.
@@ -48,7 +48,7 @@ pub(super) const PG_SCHEMES: &str =
 /// How long the one direct connection attempt [`PgFence::connect`] and
 /// [`PgFence::connect_with`] make before building their pool may take (10 s, the pool's acquire
 /// timeout): past it the connect fails with [`FenceError::Unreachable`](crate::FenceError::Unreachable).
-pub const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Server-side time limits of a fence's connections, sent as startup options of each connection
 /// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra

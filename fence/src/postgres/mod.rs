@@ -29,7 +29,7 @@ mod statements;
 mod store;
 mod target;
 
-pub use connect::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgTimeouts};
+pub use connect::PgTimeouts;
 pub(crate) use route::{Lane, Session};
 pub(crate) use statements::Statements;
 use statements::{ABORT_FENCED_TX, sql};
