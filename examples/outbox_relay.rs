@@ -22,14 +22,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig, RelayRound};
-use brokerfence::adapters::redis::{RedisConnections, RedisPublisher};
-use brokerfence::adapters::sqs::{SqsPublisher, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig,
-};
-use brokerfence::table::TableQueue;
+use brokerfence::TableQueue;
+use brokerfence::outbox::{OutboxRelay, RelayConfig, RelayRound};
+use brokerfence::redis::{RedisConnections, RedisPublisher};
+use brokerfence::sqs::{SqsPublisher, client_from_env};
+use brokerfence::{Consumer, ConsumerConfig};
+use brokerfence::{FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig};
 use sqlx::AssertSqlSafe;
 
 #[path = "support/cli.rs"]
@@ -137,7 +135,7 @@ pub async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
 
 /// Prints `EVENT rolled_back … reason=cancelled` when the handler is dropped (its lease lost)
 /// while its transaction is open: dropping the transaction rolls it back.
-struct TxWatch<'a>(&'a brokerfence::fence::Lease, bool);
+struct TxWatch<'a>(&'a brokerfence::Lease, bool);
 
 impl Drop for TxWatch<'_> {
     fn drop(&mut self) {

@@ -14,8 +14,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{client_from_env, is_fifo_url};
+use brokerfence::sqs::aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{client_from_env, is_fifo_url};
 use futures::{StreamExt, TryStreamExt};
 
 #[path = "support/cli.rs"]
@@ -117,7 +117,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(args, queue_url)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{PROG}: {}", brokerfence::adapters::sqs::error_chain(&*e));
+            eprintln!("{PROG}: {}", brokerfence::sqs::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

@@ -26,11 +26,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::{
+use brokerfence::sqs::{
     DeadLetterTarget, KeyStrategy, ReceiveCountCheck, SqsConfig, SqsError, SqsSource, client_from_env,
 };
-use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
-use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
+use brokerfence::{Consumer, ConsumerConfig, Source};
+use brokerfence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
 
 #[path = "support/cli.rs"]
 mod common;

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use brokerfence::fence::{
+use brokerfence::{
     self, Claim, FenceStore, JobContext, JobError, JobKey, LeaseDuration, Metrics, Outcome, Owner, QueueName,
     RetryPolicy, SchemaName, SqliteFence, Supervisor, SupervisorConfig,
 };

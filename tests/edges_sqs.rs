@@ -9,19 +9,19 @@ mod edges {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use brokerfence::adapters::sqs::aws_sdk_sqs::error::SdkError;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::types::{
+    use brokerfence::sqs::aws_sdk_sqs::error::SdkError;
+    use brokerfence::sqs::aws_sdk_sqs::types::{
         MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry,
     };
-    use brokerfence::adapters::sqs::{
+    use brokerfence::sqs::{
         DeadLetterTarget, KeyStrategy, REASON_ATTRIBUTE, ReceiveCountCheck, SqsConfig, SqsDelivery, SqsError,
         SqsRetrofit, SqsSource, SqsTimeouts, client_from_env, client_from_loader,
     };
-    use brokerfence::adapters::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Source, SourceError};
-    use brokerfence::fence::{
+    use brokerfence::{
         Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LeaseDuration, Owner, PgFence, RetryPolicy,
         SupervisorConfig,
     };
+    use brokerfence::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Source, SourceError};
     use sqlx::AssertSqlSafe;
     use tokio_util::sync::CancellationToken;
 
@@ -54,7 +54,7 @@ mod edges {
     async fn claim(fence: &PgFence, queue: &str, key: &JobKey, owner: &str, lease: u64) -> Claim {
         fence
             .claim(
-                &brokerfence::fence::QueueName::new(queue).expect("queue"),
+                &brokerfence::QueueName::new(queue).expect("queue"),
                 key,
                 &Owner::new(owner).expect("owner"),
                 secs(lease),
@@ -64,7 +64,7 @@ mod edges {
     }
 
     async fn claimed(fence: &PgFence, queue: &str, key: &JobKey, owner: &str, lease: u64) -> Lease {
-        let q = brokerfence::fence::QueueName::new(queue).expect("queue");
+        let q = brokerfence::QueueName::new(queue).expect("queue");
         match fence.claim(&q, key, &Owner::new(owner).expect("owner"), secs(lease)).await.expect("claim") {
             Claim::Claimed(l) => l,
             other => panic!("expected a claim for {key}, got {other:?}"),
@@ -623,10 +623,7 @@ mod edges {
         assert_eq!(seen_first, 0, "the running message became visible: its lease's extensions went elsewhere");
         assert!(out1.is_completed(), "{out1:?}");
         assert!(
-            matches!(
-                out2.disposition,
-                brokerfence::adapters::Disposition::Hold(_) | brokerfence::adapters::Disposition::Ack
-            ),
+            matches!(out2.disposition, brokerfence::Disposition::Hold(_) | brokerfence::Disposition::Ack),
             "{out2:?}"
         );
         q.delete(&client).await;

@@ -23,11 +23,12 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
-use brokerfence::adapters::http::{
+use brokerfence::http::{
     AcceptedStamp, AtomicEpochGuard, DEFAULT_HANDLER_TIMEOUT, EffectTx, EffectTxError, EpochGuard,
 };
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{FenceStore, Ledger, PgFence, PgLedger, PgTimeouts};
+use brokerfence::ledger::{Ledger, PgLedger};
+use brokerfence::wire::FenceStamp;
+use brokerfence::{FenceStore, PgFence, PgTimeouts};
 use sqlx::AssertSqlSafe;
 use tokio::sync::Notify;
 
@@ -485,7 +486,7 @@ async fn effects_check_only_guard_lets_slow_epoch1_land_last() {
 /// violation. On, the same scenario ends with epoch 2's effect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn effects_guard_receiver_ledger_lock() {
-    use brokerfence::fence::Guards;
+    use fence::Guards;
     let on = serve(Guard::Atomic, common::pg().await, Some(1)).await;
     let off_fence = common::pg().await.with_guards(Guards::default().without_receiver_ledger_lock());
     let off = serve(Guard::Atomic, off_fence, Some(1)).await;

@@ -20,7 +20,7 @@ mod zombie_support;
 
 use std::time::Duration;
 
-use brokerfence::fence::{JobState, Owner, QueueName};
+use brokerfence::{JobState, Owner, QueueName};
 use sqlx::AssertSqlSafe;
 use zombie_support::*;
 

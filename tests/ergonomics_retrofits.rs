@@ -402,7 +402,7 @@ async fn ergonomics_consumer_runs_until_a_plain_future_sqlite() {
     let token = CancellationToken::new();
     token.cancel();
     #[allow(deprecated)]
-    let old_path = brokerfence::adapters::postgres::TableQueue::new(store.clone(), queue);
+    let old_path = brokerfence::TableQueue::new(store.clone(), queue);
     let consumer = Consumer::new(old_path, store, ConsumerConfig::new(SupervisorConfig::new(lease(10))));
     tokio::time::timeout(Duration::from_secs(30), consumer.run(|_| async { Ok(()) }, token))
         .await

@@ -24,7 +24,8 @@ mod zombie_support;
 
 use std::time::Duration;
 
-use brokerfence::fence::{FenceError, Guards, JobKey, JobRecord, JobState, Owner, QueueName, RetryPolicy};
+use brokerfence::{FenceError, JobKey, JobRecord, JobState, Owner, QueueName, RetryPolicy};
+use fence::Guards;
 use futures::future::join_all;
 use zombie_support::*;
 

@@ -18,9 +18,10 @@ use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use brokerfence::adapters::http::{Stamp, stale_response};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{JobState, PgLedger, Verdict};
+use brokerfence::JobState;
+use brokerfence::http::{Stamp, stale_response};
+use brokerfence::ledger::{PgLedger, Verdict};
+use brokerfence::wire::FenceStamp;
 use futures::future::join_all;
 use zombie_support::*;
 
@@ -281,7 +282,7 @@ async fn receiver_contract() {
 
 #[derive(Clone)]
 struct TxApp {
-    fence: brokerfence::fence::PgFence,
+    fence: brokerfence::PgFence,
     ledger: PgLedger,
 }
 
@@ -315,7 +316,7 @@ async fn charge(State(app): State<TxApp>, Stamp(stamp): Stamp, body: String) -> 
     }
 }
 
-async fn accept_in_transaction(fence: &brokerfence::fence::PgFence) {
+async fn accept_in_transaction(fence: &brokerfence::PgFence) {
     let table = format!("{}.charges", fence.schema().as_str());
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE TABLE {table} (job text, epoch bigint, body text)")))
         .execute(fence.pool())

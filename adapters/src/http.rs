@@ -20,7 +20,7 @@
 //! | otherwise (epoch newest or equal: a retry)| passed on; the handler can extract [`AcceptedStamp`] |
 //!
 //! ```no_run
-//! # async fn demo(ledger: brokerfence::Ledger) -> std::io::Result<()> {
+//! # async fn demo(ledger: brokerfence::ledger::Ledger) -> std::io::Result<()> {
 //! use axum::{Router, routing::post};
 //! use brokerfence::http::{AcceptedStamp, EpochGuard};
 //!
@@ -47,8 +47,8 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{FromFnLayer, Next};
 use axum::response::{IntoResponse, Response};
-use fence::wire::{self, FenceStamp, StampError};
 use fence::ledger::{Ledger, Verdict};
+use fence::wire::{self, FenceStamp, StampError};
 use futures::future::BoxFuture;
 
 #[cfg(feature = "postgres")]
@@ -69,7 +69,7 @@ pub type FenceLayer = FromFnLayer<EnforceFn, EpochGuard, (State<EpochGuard>, Req
 /// Enforces the epoch convention on an HTTP receiver: one [`Ledger`] check per request.
 ///
 /// ```no_run
-/// # fn demo(ledger: brokerfence::Ledger) {
+/// # fn demo(ledger: brokerfence::ledger::Ledger) {
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
 ///     .layer(brokerfence::http::EpochGuard::new(ledger).layer());
@@ -85,7 +85,7 @@ impl EpochGuard {
     ///
     /// ```no_run
     /// # fn demo(fence: brokerfence::PgFence) {
-    /// let guard = brokerfence::http::EpochGuard::new(brokerfence::Ledger::Pg(brokerfence::PgLedger::new(&fence, "payments")));
+    /// let guard = brokerfence::http::EpochGuard::new(brokerfence::ledger::Ledger::Pg(brokerfence::ledger::PgLedger::new(&fence, "payments")));
     /// # }
     /// ```
     pub fn new(ledger: Ledger) -> Self {
@@ -355,7 +355,7 @@ mod edges {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_unavailable_body_does_not_echo_the_database_error() {
         let fence = fence::SqliteFence::open("sqlite::memory:").await.expect("sqlite");
-        let ledger = Ledger::Sqlite(fence::SqliteLedger::new(&fence, "receiver"));
+        let ledger = Ledger::Sqlite(fence::ledger::SqliteLedger::new(&fence, "receiver"));
         let direct = ledger.newest("orders/o-1").await.expect_err("no ledger table");
         let detail = direct.to_string();
         assert!(detail.contains("no such table"), "{detail}");

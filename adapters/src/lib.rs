@@ -43,10 +43,10 @@ pub mod sqs;
 pub use disposition::Disposition;
 pub use handler::Handler;
 pub use retrofit::{Detail, Processed, Retrofit};
-pub use runtime::{Consumer, ConsumerConfig, ReceiveContext, shutdown_signal};
 #[doc(hidden)]
 pub use runtime::DEFAULT_CLAIM_WINDOW;
-pub use table::TableQueue;
+pub use runtime::{Consumer, ConsumerConfig, ReceiveContext, shutdown_signal};
 pub use source::{DeadLettered, Incoming, Source, SourceError};
+pub use table::TableQueue;
 /// The token [`Consumer::run`] stops on (tokio-util's), so no direct dependency is needed.
 pub use tokio_util::sync::CancellationToken;

@@ -11,16 +11,16 @@
 //!
 //! Delivery is **at least once**: a relay that dies after the broker accepted a batch but before
 //! its commit publishes that batch again. Consumers apply each message with
-//! [`PgLedger::accept_in`](fence::PgLedger::accept_in) and an idempotent effect (keyed by the
+//! [`PgLedger::accept_in`](fence::ledger::PgLedger::accept_in) and an idempotent effect (keyed by the
 //! [`OUTBOX_ID`] attribute, or by job and epoch) in one transaction of their own.
 //!
 //! Publishers: `sqs::SqsPublisher` (feature `sqs`), `redis::RedisPublisher` (feature `redis`),
 //! or your own.
 //!
 //! ```no_run
-//! # async fn demo(fence: brokerfence::PgFence, sqs: std::sync::Arc<dyn brokerfence::adapters::outbox::Publisher>)
-//! # -> Result<(), brokerfence::adapters::outbox::RelayError> {
-//! use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+//! # async fn demo(fence: brokerfence::PgFence, sqs: std::sync::Arc<dyn brokerfence::outbox::Publisher>)
+//! # -> Result<(), brokerfence::outbox::RelayError> {
+//! use brokerfence::outbox::{OutboxRelay, RelayConfig};
 //! let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(sqs);
 //! relay.run(brokerfence::shutdown_signal()).await?;
 //! # Ok(()) }
@@ -45,7 +45,7 @@ pub const OUTBOX_ID: &str = "Outbox-Id";
 /// Why a row (or a whole publish call) was not accepted.
 ///
 /// ```
-/// let e = brokerfence::adapters::outbox::PublishError::NoRoute("nowhere".into());
+/// let e = brokerfence::outbox::PublishError::NoRoute("nowhere".into());
 /// assert_eq!(e.to_string(), "no publisher serves destination \"nowhere\"");
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
@@ -67,7 +67,7 @@ pub enum PublishError {
 /// What a publisher did with a batch: the ids the broker accepted and the rows it did not.
 ///
 /// ```
-/// let p = brokerfence::adapters::outbox::Published { accepted: vec![1, 2], failed: vec![] };
+/// let p = brokerfence::outbox::Published { accepted: vec![1, 2], failed: vec![] };
 /// assert_eq!(p.accepted.len(), 2);
 /// ```
 #[derive(Debug, Default, Clone)]
@@ -81,12 +81,12 @@ pub struct Published {
 /// Sends outbox rows to one broker.
 ///
 /// ```
-/// use brokerfence::adapters::outbox::{Publisher, Published, PublishError};
+/// use brokerfence::outbox::{Publisher, Published, PublishError};
 /// struct Stdout;
 /// #[async_trait::async_trait]
 /// impl Publisher for Stdout {
 ///     fn serves(&self, destination: &str) -> bool { destination == "stdout" }
-///     async fn publish(&self, rows: &[brokerfence::OutboxRow]) -> Result<Published, PublishError> {
+///     async fn publish(&self, rows: &[brokerfence::outbox::OutboxRow]) -> Result<Published, PublishError> {
 ///         for r in rows { println!("{} {:?}", r.stamp(), r.payload); }
 ///         Ok(Published { accepted: rows.iter().map(|r| r.id).collect(), failed: vec![] })
 ///     }
@@ -106,7 +106,7 @@ pub trait Publisher: Send + Sync {
 ///
 /// ```
 /// use std::time::Duration;
-/// let c = brokerfence::adapters::outbox::RelayConfig::default().batch(50).idle_wait(Duration::from_millis(20));
+/// let c = brokerfence::outbox::RelayConfig::default().batch(50).idle_wait(Duration::from_millis(20));
 /// assert_eq!(c.batch_size(), 50);
 /// ```
 #[derive(Debug, Clone, Copy)]
@@ -163,7 +163,7 @@ impl RelayConfig {
 /// Why a round failed as a whole (nothing was marked sent).
 ///
 /// ```
-/// let e = brokerfence::adapters::outbox::RelayError::Timeout { op: "claim", after: std::time::Duration::from_secs(5) };
+/// let e = brokerfence::outbox::RelayError::Timeout { op: "claim", after: std::time::Duration::from_secs(5) };
 /// assert_eq!(e.to_string(), "outbox claim did not answer within 5s");
 /// ```
 #[derive(Debug, thiserror::Error)]
@@ -184,7 +184,7 @@ pub enum RelayError {
 /// What one round did.
 ///
 /// ```
-/// let r = brokerfence::adapters::outbox::RelayRound::default();
+/// let r = brokerfence::outbox::RelayRound::default();
 /// assert_eq!((r.claimed, r.sent.len(), r.failed.len()), (0, 0, 0));
 /// ```
 #[derive(Debug, Default, Clone)]
@@ -203,9 +203,9 @@ pub type RoundObserver = Arc<dyn Fn(&RelayRound) + Send + Sync>;
 /// The relay: a library type; see the [module docs](self).
 ///
 /// ```no_run
-/// # async fn demo(fence: brokerfence::PgFence, redis: std::sync::Arc<dyn brokerfence::adapters::outbox::Publisher>)
-/// # -> Result<(), brokerfence::adapters::outbox::RelayError> {
-/// let relay = brokerfence::adapters::outbox::OutboxRelay::new(fence, Default::default()).publisher(redis);
+/// # async fn demo(fence: brokerfence::PgFence, redis: std::sync::Arc<dyn brokerfence::outbox::Publisher>)
+/// # -> Result<(), brokerfence::outbox::RelayError> {
+/// let relay = brokerfence::outbox::OutboxRelay::new(fence, Default::default()).publisher(redis);
 /// let round = relay.relay_once().await?;
 /// println!("sent {} of {}", round.sent.len(), round.claimed);
 /// # Ok(()) }

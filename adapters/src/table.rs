@@ -14,7 +14,7 @@ use crate::source::{Incoming, Source, SourceError};
 
 /// A table-queue source over any [`FenceStore`]: [`PgFence`](fence::PgFence) or
 /// [`SqliteFence`](fence::SqliteFence) alike. Also at `brokerfence::TableQueue` and
-/// `brokerfence::table::TableQueue`.
+/// `brokerfence::TableQueue`.
 ///
 /// ```no_run
 /// # async fn demo() -> brokerfence::Result<()> {

@@ -164,14 +164,14 @@ impl FenceStore for EventStore {
         self.0.backend()
     }
 
-    fn concrete(&self) -> brokerfence::fence::Backend<'_> {
+    fn concrete(&self) -> brokerfence::Backend<'_> {
         self.0.concrete()
     }
 
     async fn prune(
         &self,
-        retention: &brokerfence::fence::Retention,
-    ) -> brokerfence::fence::Result<brokerfence::fence::PruneReport> {
+        retention: &brokerfence::retention::Retention,
+    ) -> brokerfence::Result<brokerfence::retention::PruneReport> {
         self.0.prune(retention).await
     }
 }

@@ -183,7 +183,8 @@ pub trait FenceStore: Send + Sync + 'static {
     ///
     /// ```no_run
     /// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
-    /// use brokerfence::{QueueName, QueueRetention, Retention};
+    /// use brokerfence::QueueName;
+    /// use brokerfence::retention::{QueueRetention, Retention};
     /// let r = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
     /// let report = store.prune(&r).await?;
     /// println!("deleted {} completed, {} dead", report.completed, report.dead);

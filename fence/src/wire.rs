@@ -303,8 +303,8 @@ impl FenceStamp {
     /// epoch at the ledger (see [`crate::ledger`]).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::Ledger, stamp: brokerfence::wire::FenceStamp) -> brokerfence::Result<()> {
-    /// if let brokerfence::Verdict::Stale { newest } = stamp.accept(&ledger).await? {
+    /// # async fn demo(ledger: brokerfence::ledger::Ledger, stamp: brokerfence::wire::FenceStamp) -> brokerfence::Result<()> {
+    /// if let brokerfence::ledger::Verdict::Stale { newest } = stamp.accept(&ledger).await? {
     ///     println!("refused: {}", brokerfence::wire::stale_epoch_json(&stamp, newest));
     /// }
     /// # Ok(()) }

@@ -13,15 +13,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::TableQueue;
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{ItemKey, ListProcessed, ListRetrofit, RedisError, ReliableList};
-use brokerfence::adapters::sqs::{SqsConfig, SqsDetail, SqsRetrofit, SqsSource};
-use brokerfence::adapters::{DeadLettered, Detail, Disposition, Incoming, ReceiveContext, Source};
 use brokerfence::admin::{Admin, AdminError, Requeue};
-use brokerfence::fence::{
+use brokerfence::redis::client;
+use brokerfence::redis::{ItemKey, ListProcessed, ListRetrofit, RedisError, ReliableList};
+use brokerfence::sqs::{SqsConfig, SqsDetail, SqsRetrofit, SqsSource};
+use brokerfence::{
     Claim, FenceError, FenceStore, JobContext, JobError, JobKey, JobState, Outcome, Owner, QueueName, RetryPolicy,
     SupervisorConfig,
 };
+use brokerfence::{DeadLettered, Detail, Disposition, Incoming, ReceiveContext, Source};
 use brokerfence_testkit::redis::{Env, PrivateRedis, consumer_config, spawn_consumer};
 use brokerfence_testkit::sqs::{TestQueue, dyn_store, receive_raw, send, sqs};
 use brokerfence_testkit::store::{self, key, lease, unique};
@@ -365,7 +365,7 @@ async fn hardening_item11_list_retrofit_refuses_an_unmigrated_schema() {
 // ------------------------------------------------------------------------------------------------
 
 /// The row of a job whose handler panicked: failed, retried by policy, the panic as its error.
-fn assert_panic_recorded(row: Option<brokerfence::fence::JobRecord>, message: &str) {
+fn assert_panic_recorded(row: Option<brokerfence::JobRecord>, message: &str) {
     let row = row.expect("the job's row");
     assert_eq!(row.state, JobState::Failed, "a panic is a failed attempt, retried by policy: {row:?}");
     let error = row.last_error.unwrap_or_default();

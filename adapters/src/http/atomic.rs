@@ -30,7 +30,7 @@
 //! | handler leaked its connection guard                  | `500`, rolled back (see below)          |
 //!
 //! ```no_run
-//! # async fn demo(ledger: brokerfence::PgLedger) -> std::io::Result<()> {
+//! # async fn demo(ledger: brokerfence::ledger::PgLedger) -> std::io::Result<()> {
 //! use axum::{Router, http::StatusCode, routing::post};
 //! use brokerfence::http::{AcceptedStamp, AtomicEpochGuard, EffectTx};
 //!
@@ -58,7 +58,7 @@
 //!   ledger's fence. On SQLite a transaction that writes holds the file's single write lock: one
 //!   held for a handler's whole run would stop every other writer of the file (other receivers'
 //!   requests, and the fence's own claims and heartbeats when they share the file), so there is no
-//!   SQLite variant; an SQLite receiver uses [`SqliteLedger::accept_in`](fence::SqliteLedger::accept_in)
+//!   SQLite variant; an SQLite receiver uses [`SqliteLedger::accept_in`](fence::ledger::SqliteLedger::accept_in)
 //!   in a short transaction of its own around a quick effect.
 //! - **Effects elsewhere are not covered.** An email sent or an HTTP call made by the handler
 //!   cannot be rolled back; for those use the outbox (write the message in this transaction,
@@ -115,9 +115,9 @@ use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{FromFnLayer, Next};
 use axum::response::{IntoResponse, Response};
-use fence::wire::{self, FenceStamp, StampError};
 use fence::FenceError;
 use fence::ledger::{PgLedger, Verdict};
+use fence::wire::{self, FenceStamp, StampError};
 use futures::future::BoxFuture;
 use sqlx::{PgConnection, Postgres, Transaction};
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
@@ -149,7 +149,7 @@ pub type AtomicFenceLayer = FromFnLayer<AtomicEnforceFn, AtomicEpochGuard, (Stat
 /// ```no_run
 /// # fn demo(fence: brokerfence::PgFence) {
 /// use std::time::Duration;
-/// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::PgLedger::new(&fence, "payments"))
+/// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"))
 ///     .with_handler_timeout(Duration::from_secs(5));
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
@@ -169,7 +169,7 @@ impl AtomicEpochGuard {
     ///
     /// ```no_run
     /// # fn demo(fence: brokerfence::PgFence) {
-    /// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::PgLedger::new(&fence, "payments"));
+    /// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"));
     /// # }
     /// ```
     pub fn new(ledger: PgLedger) -> Self {

@@ -168,8 +168,7 @@ impl RedisConnections {
             let commands = bounded(
                 "connect",
                 connect,
-                client
-                    .get_async_connection_with_config(config.clone().set_response_timeout(timeouts.get_response())),
+                client.get_async_connection_with_config(config.clone().set_response_timeout(timeouts.get_response())),
             )
             .await?;
             // A day: the sources bound each blocking read by its own block time plus the margin.
@@ -195,9 +194,7 @@ impl RedisConnections {
         let commands = bounded(
             "connect",
             connect,
-            client.get_connection_manager_with_config(
-                base.clone().set_response_timeout(Some(timeouts.get_response())),
-            ),
+            client.get_connection_manager_with_config(base.clone().set_response_timeout(Some(timeouts.get_response()))),
         )
         .await?;
         // The sources bound each blocking read by its own block time plus the margin.

@@ -27,7 +27,7 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// ```no_run
 /// # async fn demo(fence: brokerfence::PgFence) -> Result<(), brokerfence::redis::RedisError> {
 /// use std::sync::Arc;
-/// use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+/// use brokerfence::outbox::{OutboxRelay, RelayConfig};
 /// use brokerfence::redis::{RedisConnections, RedisPublisher};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let publisher = RedisPublisher::new(redis).route("audit", "audit-events");

@@ -68,7 +68,8 @@ impl ConsumerConfig {
     /// warning. Off by default: nothing is ever deleted unless this is set (or `prune` called).
     ///
     /// ```
-    /// use brokerfence::{LeaseDuration, QueueName, QueueRetention, Retention, SupervisorConfig};
+    /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
+    /// use brokerfence::retention::{QueueRetention, Retention};
     /// let retention = Retention::new().queue(QueueName::new("emails").unwrap(), QueueRetention::default());
     /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .retention(retention);

@@ -26,7 +26,7 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// ```no_run
 /// # async fn demo(fence: brokerfence::PgFence) {
 /// use std::sync::Arc;
-/// use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+/// use brokerfence::outbox::{OutboxRelay, RelayConfig};
 /// use brokerfence::sqs::{SqsPublisher, client_from_env};
 /// let sqs = SqsPublisher::new(client_from_env().await)
 ///     .route("billing", "http://127.0.0.1:4566/000000000000/billing");

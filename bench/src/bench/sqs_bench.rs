@@ -1,9 +1,9 @@
 //! SQS (LocalStack): fenced against a plain receive/delete consumer.
 
 use super::*;
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource, aws_config, http_client};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource, aws_config, http_client};
 use futures::StreamExt;
 
 async fn client() -> Client {
@@ -14,7 +14,7 @@ async fn client() -> Client {
     }
     loader = loader.region(aws_config::Region::new(var("AWS_REGION").unwrap_or_else(|| "us-east-1".into())));
     if let (Some(id), Some(secret)) = (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
-        let creds = brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "bench");
+        let creds = brokerfence::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "bench");
         loader = loader.credentials_provider(creds);
     }
     Client::new(&loader.load().await)

@@ -39,11 +39,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{SqsConfig, SqsSource, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{SqsConfig, SqsSource, client_from_env};
+use brokerfence::{Consumer, ConsumerConfig};
+use brokerfence::{FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig};
 use futures::StreamExt;
 use sqlx::AssertSqlSafe;
 use tokio::sync::mpsc;

@@ -1,12 +1,10 @@
 //! SQS (feature `sqs`): the queue, its dead-letter queue and the source of a worker.
 
 use super::*;
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::error::{DisplayErrorContext, SdkError};
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{
-    MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry,
-};
-use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsSource, aws_config, client_from_env, http_client};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::error::{DisplayErrorContext, SdkError};
+use brokerfence::sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsSource, aws_config, client_from_env, http_client};
 
 /// The message attribute that carries the job key.
 pub const KEY_ATTRIBUTE: &str = "job-key";
@@ -39,7 +37,7 @@ async fn client() -> Client {
         loader = loader.region(aws_config::Region::new(region.clone()));
     }
     if let (Some(id), Some(secret)) = (env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")) {
-        let creds = brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "chaos");
+        let creds = brokerfence::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "chaos");
         loader = loader.credentials_provider(creds);
     }
     Client::new(&loader.load().await)

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use async_trait::async_trait;
-use brokerfence::fence::{
+use brokerfence::{
     self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobKey, JobRecord, Lease, LeaseDuration,
     Owner, QueueName, RetryPolicy,
 };
@@ -275,7 +275,7 @@ impl FenceStore for Counting {
         self.inner.concrete()
     }
 
-    async fn prune(&self, retention: &fence::Retention) -> fence::Result<fence::PruneReport> {
+    async fn prune(&self, retention: &fence::retention::Retention) -> fence::Result<fence::retention::PruneReport> {
         self.inner.prune(retention).await
     }
 }

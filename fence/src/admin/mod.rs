@@ -403,7 +403,8 @@ impl Admin {
     ///
     /// ```no_run
     /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {
-    /// use brokerfence::{QueueName, QueueRetention, Retention};
+    /// use brokerfence::QueueName;
+    /// use brokerfence::retention::{QueueRetention, Retention};
     /// let retention = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
     /// println!("{:?}", admin.prune(&retention).await?);
     /// # Ok(()) }

@@ -162,7 +162,8 @@ impl PgFence {
             }
         }
         for (scope, age) in retention.ledger_scopes() {
-            let (rows, batches, contended) = self.prune_ledger_scope(scope, age, batch, retention.get_pause_between_batches()).await?;
+            let (rows, batches, contended) =
+                self.prune_ledger_scope(scope, age, batch, retention.get_pause_between_batches()).await?;
             report.ledger += rows;
             report.batches += batches;
             if contended {

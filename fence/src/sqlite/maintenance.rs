@@ -166,7 +166,8 @@ impl SqliteFence {
             }
         }
         for (scope, age) in retention.ledger_scopes() {
-            let (rows, batches) = self.prune_ledger_scope(scope, age, batch, retention.get_pause_between_batches()).await?;
+            let (rows, batches) =
+                self.prune_ledger_scope(scope, age, batch, retention.get_pause_between_batches()).await?;
             report.ledger += rows;
             report.batches += batches;
         }

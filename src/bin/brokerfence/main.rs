@@ -25,7 +25,8 @@
 use std::process::ExitCode;
 
 use brokerfence::admin::{Admin, Requeue};
-use brokerfence::{FenceError, FenceStore, PgFence, QueueRetention, Retention, SqliteFence};
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{FenceError, FenceStore, PgFence, SqliteFence};
 use clap::Parser;
 use serde_json::json;
 
@@ -58,8 +59,8 @@ impl From<FenceError> for Failure {
     }
 }
 
-impl From<brokerfence::AdminError> for Failure {
-    fn from(e: brokerfence::AdminError) -> Self {
+impl From<brokerfence::admin::AdminError> for Failure {
+    fn from(e: brokerfence::admin::AdminError) -> Self {
         Failure::Failed(e.to_string())
     }
 }

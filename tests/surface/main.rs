@@ -1,0 +1,3 @@
+//! The public API of `brokerfence`, checked against a listing.
+
+mod api;
