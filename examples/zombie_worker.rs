@@ -223,7 +223,7 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
     let result = o.result.clone().unwrap_or_else(|| format!("result of {owner}"));
     let plan = o.plan.0.clone();
     let receiver = o.receiver.clone();
-    let pool = match store.concrete() {
+    let pool = match store.backend() {
         fence::Backend::Postgres(f) => Some(f.pool().clone()),
         _ => None,
     };

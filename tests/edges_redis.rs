@@ -135,8 +135,8 @@ mod edges {
         async fn db_now(&self) -> brokerfence::Result<DbTime> {
             self.inner.db_now().await
         }
-        fn backend(&self) -> &'static str {
-            "faulty-postgres"
+        fn backend(&self) -> brokerfence::Backend<'_> {
+            brokerfence::Backend::Other("faulty-postgres")
         }
     }
 

@@ -113,7 +113,7 @@ mod edges {
         async fn db_now(&self) -> fence::Result<DbTime> {
             self.inner.db_now().await
         }
-        fn backend(&self) -> &'static str {
+        fn backend(&self) -> brokerfence::Backend<'_> {
             self.inner.backend()
         }
     }

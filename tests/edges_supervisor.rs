@@ -137,8 +137,8 @@ mod edges {
         async fn db_now(&self) -> Result<DbTime> {
             self.inner.db_now().await
         }
-        fn backend(&self) -> &'static str {
-            "held-postgres"
+        fn backend(&self) -> brokerfence::Backend<'_> {
+            brokerfence::Backend::Other("held-postgres")
         }
     }
 

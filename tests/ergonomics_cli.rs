@@ -635,8 +635,8 @@ async fn ergonomics_admin_refuses_a_store_without_a_concrete_backend() {
         async fn db_now(&self) -> brokerfence::Result<brokerfence::DbTime> {
             self.0.db_now().await
         }
-        fn backend(&self) -> &'static str {
-            "opaque"
+        fn backend(&self) -> brokerfence::Backend<'_> {
+            brokerfence::Backend::Other("opaque")
         }
     }
     let opaque = Opaque(common::pg().await);

@@ -1256,7 +1256,7 @@ async fn eight_claimers_table_queue<S: TestStore>() {
     let takeovers = check_history(&s, &q, &keys, &history).await;
     eprintln!(
         "{}: table queue, {JOBS} jobs, {CLAIMERS} claimers: {elapsed:?}, {takeovers} takeovers, {zombies} zombies",
-        s.backend()
+        s.backend().name()
     );
     assert!(takeovers > 0 && zombies > 0, "stalled claimers caused takeovers");
     assert!(s.claim_next(&q, &owner("late"), lease(3), 100).await.unwrap().is_empty());
@@ -1315,7 +1315,7 @@ async fn eight_claimers_broker_deliveries<S: TestStore>() {
     let takeovers = check_history(&s, &q, &keys, &history).await;
     eprintln!(
         "{}: broker deliveries, {JOBS} keys x {CLAIMERS} consumers: {elapsed:?}, {takeovers} takeovers, {zombies} zombies",
-        s.backend()
+        s.backend().name()
     );
     assert!(takeovers > 0 && zombies > 0, "stalled consumers caused takeovers");
 }

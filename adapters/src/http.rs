@@ -52,7 +52,7 @@ use fence::wire::{self, FenceStamp, StampError};
 use futures::future::BoxFuture;
 
 #[cfg(feature = "postgres")]
-pub mod atomic;
+mod atomic;
 #[cfg(feature = "postgres")]
 pub use atomic::{
     AtomicEnforceFn, AtomicEpochGuard, AtomicFenceLayer, DEFAULT_DB_TIMEOUT, DEFAULT_HANDLER_TIMEOUT, EffectConn,

@@ -36,7 +36,7 @@ pub struct TableQueue {
 
 impl std::fmt::Debug for TableQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableQueue").field("queue", &self.queue).field("backend", &self.store.backend()).finish()
+        f.debug_struct("TableQueue").field("queue", &self.queue).field("backend", &self.store.backend().name()).finish()
     }
 }
 

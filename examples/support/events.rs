@@ -160,12 +160,9 @@ impl FenceStore for EventStore {
     async fn db_now(&self) -> fence::Result<DbTime> {
         self.0.db_now().await
     }
-    fn backend(&self) -> &'static str {
-        self.0.backend()
-    }
 
-    fn concrete(&self) -> brokerfence::Backend<'_> {
-        self.0.concrete()
+    fn backend(&self) -> brokerfence::Backend<'_> {
+        self.0.backend()
     }
 
     async fn prune(

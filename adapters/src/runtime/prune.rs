@@ -19,7 +19,7 @@ pub(super) async fn prune_loop(
     stop: CancellationToken,
 ) {
     use tracing::Instrument;
-    let span = tracing::info_span!("consumer.pruner", backend = store.backend());
+    let span = tracing::info_span!("consumer.pruner", backend = store.backend().name());
     async move {
         loop {
             let run = tokio::time::timeout(PRUNE_RUN_TIMEOUT, store.prune(&retention));

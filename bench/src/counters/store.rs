@@ -267,12 +267,9 @@ impl FenceStore for Counting {
     async fn db_now(&self) -> fence::Result<DbTime> {
         self.timed("db_now", self.inner.db_now()).await
     }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
 
-    fn concrete(&self) -> fence::Backend<'_> {
-        self.inner.concrete()
+    fn backend(&self) -> fence::Backend<'_> {
+        self.inner.backend()
     }
 
     async fn prune(&self, retention: &fence::retention::Retention) -> fence::Result<fence::retention::PruneReport> {

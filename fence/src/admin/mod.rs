@@ -202,12 +202,12 @@ impl Admin {
     /// # Ok(()) }
     /// ```
     pub fn new<S: FenceStore + ?Sized>(store: &S) -> Result<Self, AdminError> {
-        let store = match store.concrete() {
+        let store = match store.backend() {
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => Store::Postgres(pg.clone()),
             #[cfg(feature = "sqlite")]
             Backend::Sqlite(lite) => Store::Sqlite(lite.clone()),
-            _ => return Err(AdminError::UnsupportedStore { backend: store.backend() }),
+            _ => return Err(AdminError::UnsupportedStore { backend: store.backend().name() }),
         };
         Ok(Self {
             store,

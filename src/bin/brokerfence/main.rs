@@ -160,8 +160,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         fence.migrate().await?;
         return print(
             cli.json,
-            json!({"migrated": true, "backend": fence.backend(), "schema": cli.schema.as_str()}),
-            || format!("migrated: {} schema {} is up to date\n", fence.backend(), cli.schema.as_str()),
+            json!({"migrated": true, "backend": fence.backend().name(), "schema": cli.schema.as_str()}),
+            || format!("migrated: {} schema {} is up to date\n", fence.backend().name(), cli.schema.as_str()),
         );
     }
     // Says "run migrations" on an old schema, and "no such schema" on one that has no migration
@@ -172,7 +172,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             return Err(Failure::Failed(format!(
                 "no such schema {schema} in this {} database (no fence tables under that name): check --schema \
                  (the default is {}); `brokerfence migrate --schema {schema}` creates it",
-                fence.backend(),
+                fence.backend().name(),
                 brokerfence::DEFAULT_SCHEMA
             )));
         }
