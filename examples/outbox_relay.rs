@@ -25,7 +25,7 @@ use std::time::Duration;
 use brokerfence::TableQueue;
 use brokerfence::outbox::{OutboxRelay, RelayConfig, RelayRound};
 use brokerfence::redis::{RedisConnections, RedisPublisher};
-use brokerfence::sqs::{SqsPublisher, client_from_env};
+use brokerfence::sqs::SqsPublisher;
 use brokerfence::{Consumer, ConsumerConfig};
 use brokerfence::{FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig};
 use sqlx::AssertSqlSafe;
@@ -254,7 +254,16 @@ async fn relay(
     let config = RelayConfig::default().batch(batch).idle_wait(idle_wait);
     let mut relay = OutboxRelay::new(pg, config).observe(Arc::new(print_round));
     if !sqs.is_empty() {
-        let publisher = sqs.iter().fold(SqsPublisher::new(client_from_env().await), |p, (d, u)| p.route(d, u));
+        let publisher = sqs.iter().fold(
+            SqsPublisher::new(
+                brokerfence::sqs::client(
+                    brokerfence::sqs::aws_config::from_env(),
+                    brokerfence::sqs::SqsTimeouts::default(),
+                )
+                .await,
+            ),
+            |p, (d, u)| p.route(d, u),
+        );
         relay = relay.publisher(Arc::new(publisher));
     }
     if !redis.is_empty() {

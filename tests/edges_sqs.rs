@@ -15,7 +15,7 @@ mod edges {
     };
     use brokerfence::sqs::{
         DeadLetterTarget, KeyStrategy, REASON_ATTRIBUTE, ReceiveCountCheck, SqsConfig, SqsDelivery, SqsError,
-        SqsRetrofit, SqsSource, SqsTimeouts, client_from_env, client_from_loader,
+        SqsRetrofit, SqsSource, SqsTimeouts,
     };
     use brokerfence::{
         Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LeaseDuration, Owner, PgFence, RetryPolicy,
@@ -135,7 +135,11 @@ mod edges {
     /// Guard: the default client never waits forever on a call.
     #[tokio::test]
     async fn edges_client_from_env_sets_operation_timeouts() {
-        let client = client_from_env().await;
+        let client = brokerfence::sqs::client(
+            brokerfence::sqs::aws_config::from_env(),
+            brokerfence::sqs::SqsTimeouts::default(),
+        )
+        .await;
         let t = client.config().timeout_config().cloned().expect("a timeout config");
         assert_eq!(t.operation_timeout(), Some(Duration::from_secs(60)), "{t:?}");
         assert_eq!(t.operation_attempt_timeout(), Some(Duration::from_secs(25)), "{t:?}");
@@ -152,7 +156,7 @@ mod edges {
         let q = TestQueue::new(&client, "stall", 30).await;
         let proxy = SqsProxy::start("stall", ProxyLog::default()).await;
         let timeouts = SqsTimeouts::default().attempt(Duration::from_millis(700)).operation(Duration::from_secs(2));
-        let through = client_from_loader(proxy.loader(), timeouts).await;
+        let through = brokerfence::sqs::client(proxy.loader(), timeouts).await;
         through.get_queue_url().queue_name(&q.name).send().await.expect("works while the proxy forwards");
 
         proxy.stall(true);

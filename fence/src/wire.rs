@@ -160,23 +160,6 @@ impl FenceStamp {
         self
     }
 
-    /// The stamp of a lease: its queue, key, epoch and owner.
-    ///
-    /// ```no_run
-    /// # fn demo(lease: brokerfence::Lease) {
-    /// let stamp = brokerfence::wire::FenceStamp::of_lease(&lease);
-    /// assert_eq!(stamp.epoch, lease.epoch);
-    /// # }
-    /// ```
-    pub fn of_lease(lease: &Lease) -> Self {
-        Self {
-            queue: lease.queue.as_str().to_owned(),
-            job: lease.key.as_str().to_owned(),
-            epoch: lease.epoch,
-            owner: Some(lease.owner.as_str().to_owned()),
-        }
-    }
-
     /// The (name, encoded value) pairs to send: queue, job, epoch, and the owner when known.
     /// Use them as HTTP headers or as message attributes.
     ///
@@ -317,9 +300,22 @@ impl FenceStamp {
     }
 }
 
+/// The stamp of a lease: its queue, key, epoch and owner.
+///
+/// ```no_run
+/// # fn demo(lease: brokerfence::Lease) {
+/// let stamp = brokerfence::wire::FenceStamp::from(&lease);
+/// assert_eq!(stamp.epoch, lease.epoch);
+/// # }
+/// ```
 impl From<&Lease> for FenceStamp {
     fn from(lease: &Lease) -> Self {
-        Self::of_lease(lease)
+        Self {
+            queue: lease.queue.as_str().to_owned(),
+            job: lease.key.as_str().to_owned(),
+            epoch: lease.epoch,
+            owner: Some(lease.owner.as_str().to_owned()),
+        }
     }
 }
 

@@ -183,7 +183,7 @@ pub fn calling_handler_after(receiver_url: String, delay: Duration) -> impl brok
                 tokio::time::sleep(delay).await;
             }
             let mut req = http.post(&url).body(ctx.payload().to_vec());
-            for (k, v) in FenceStamp::of_lease(ctx.lease()).to_headers() {
+            for (k, v) in FenceStamp::from(ctx.lease()).to_headers() {
                 req = req.header(k, v);
             }
             let resp = req.send().await.map_err(brokerfence::JobError::retry)?;

@@ -27,8 +27,8 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// # async fn demo(fence: brokerfence::PgFence) {
 /// use std::sync::Arc;
 /// use brokerfence::outbox::{OutboxRelay, RelayConfig};
-/// use brokerfence::sqs::{SqsPublisher, client_from_env};
-/// let sqs = SqsPublisher::new(client_from_env().await)
+/// use brokerfence::sqs::{SqsPublisher};
+/// let sqs = SqsPublisher::new(brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await)
 ///     .route("billing", "http://127.0.0.1:4566/000000000000/billing");
 /// let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(Arc::new(sqs));
 /// # let _ = relay; }

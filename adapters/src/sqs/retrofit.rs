@@ -141,9 +141,9 @@ impl LeaseHook for ExtendHook {
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use brokerfence::sqs::{SqsConfig, SqsRetrofit, SqsSource, client_from_env};
+/// use brokerfence::sqs::{SqsConfig, SqsRetrofit, SqsSource};
 /// use brokerfence::{LeaseDuration, SupervisorConfig};
-/// let client = client_from_env().await;
+/// let client = brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await;
 /// let url = "http://127.0.0.1:4566/000000000000/orders";
 /// let fence = SqsRetrofit::new(store, SqsSource::new(client.clone(), SqsConfig::new(url)?),
 ///     SupervisorConfig::new(LeaseDuration::from_secs(30)?));

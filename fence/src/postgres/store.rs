@@ -555,7 +555,6 @@ impl FenceStore for PgFence {
         answer.map_err(|e| self.seen(e))
     }
 
-
     fn backend(&self) -> crate::Backend<'_> {
         crate::Backend::Postgres(self)
     }

@@ -283,7 +283,6 @@ impl FenceStore for SqliteFence {
         Ok(DbTime(ms))
     }
 
-
     fn backend(&self) -> crate::Backend<'_> {
         crate::Backend::Sqlite(self)
     }

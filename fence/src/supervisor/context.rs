@@ -79,7 +79,7 @@ impl JobContext {
     /// # }
     /// ```
     pub fn stamp(&self) -> crate::wire::FenceStamp {
-        crate::wire::FenceStamp::of_lease(&self.lease)
+        crate::wire::FenceStamp::from(&self.lease)
     }
 
     /// Stores progress under the lease. A `Fenced` answer also cancels this attempt.

@@ -15,7 +15,6 @@ use brokerfence::sqs::aws_config::{self, BehaviorVersion, Region};
 use brokerfence::sqs::aws_sdk_sqs::Client;
 use brokerfence::sqs::aws_sdk_sqs::config::Credentials;
 use brokerfence::sqs::aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
-use brokerfence::sqs::http_client;
 use brokerfence::{FenceStore, PgFence, QueueName};
 
 use crate::localstack;
@@ -90,7 +89,7 @@ pub async fn sqs() -> Client {
 /// An SQS client for `endpoint` (the test endpoint, or a proxy in front of it), with the test's
 /// region and credentials and the adapter's HTTP client.
 pub async fn client_at(endpoint: &str) -> Client {
-    Client::new(&loader_at(endpoint).http_client(http_client()).load().await)
+    brokerfence::sqs::client(loader_at(endpoint), brokerfence::sqs::SqsTimeouts::default()).await
 }
 
 /// The SDK loader for `endpoint` with the test's region and credentials, nothing else set.
