@@ -238,6 +238,7 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
         Outcome::Fenced(e) => format!("outcome=fenced detail={e}"),
         Outcome::Released => "outcome=released".to_owned(),
         Outcome::StoreError(e) => format!("outcome=store_error detail={e}"),
+        other => format!("outcome=other detail={other:?}"),
     };
     event(line);
     event(format!("metrics {}", metrics.snapshot()));

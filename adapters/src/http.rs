@@ -155,6 +155,8 @@ impl EpochGuard {
                 );
                 Err(conflict_response(&stamp))
             }
+            // A verdict this version does not know accepts nothing.
+            Ok(_) => Err(conflict_response(&stamp)),
             Err(fence::FenceError::InvalidInput { what, reason }) => {
                 let e = StampError::Malformed { name: wire::JOB, reason: format!("{what}: {reason}") };
                 Err(stamp_error_response(&e))

@@ -49,6 +49,7 @@ pub const OUTBOX_ID: &str = "Outbox-Id";
 /// assert_eq!(e.to_string(), "no publisher serves destination \"nowhere\"");
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum PublishError {
     /// No publisher serves the row's destination.
     #[error("no publisher serves destination {0:?}")]
@@ -166,6 +167,7 @@ impl RelayConfig {
 /// let e = brokerfence::outbox::RelayError::Timeout { op: "claim", after: std::time::Duration::from_secs(5) };
 /// assert_eq!(e.to_string(), "outbox claim did not answer within 5s");
 /// ```
+#[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
     /// The database failed a statement.

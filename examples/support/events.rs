@@ -147,7 +147,7 @@ impl FenceStore for EventStore {
             }
             Ok(FailOutcome::Dead) => lease_event("fail_recorded", lease, &[("outcome", &"dead")]),
             Err(e) if e.is_fenced() => fenced_event(lease, "fail", e),
-            Err(_) => {}
+            Ok(_) | Err(_) => {}
         }
         r
     }

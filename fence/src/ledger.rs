@@ -23,6 +23,7 @@ use crate::error::{FenceError, Result};
 
 /// The ledger's verdict on one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verdict {
     /// The epoch is the newest (or equal to it): apply the effect.
     Accepted {
@@ -404,6 +405,7 @@ impl SqliteLedger {
 
 /// Either ledger, for code that serves both backends.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum Ledger {
     /// PostgreSQL.
     #[cfg(feature = "postgres")]

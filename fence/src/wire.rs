@@ -78,6 +78,7 @@ pub struct FenceStamp {
 /// assert_eq!(err.name(), "Fence-Epoch");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StampError {
     /// A required header or attribute is absent (or empty).
     #[error("missing {name}")]

@@ -18,6 +18,7 @@ use super::timeouts::{RedisTimeouts, bounded, bounded_op};
 
 /// What acquiring one lease key did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Acquired {
     /// Set with `SET NX PX` (or it already held this very token and was refreshed).
     Set,
@@ -35,6 +36,7 @@ impl Acquired {
 }
 
 /// What renewing one lease key did.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Renewed {
     /// It held the token; its expiry was pushed out.

@@ -126,6 +126,7 @@ pub(crate) fn queue_name_of_url(url: &str) -> Result<QueueName, SqsError> {
 
 /// Where messages that must be dead-lettered go.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeadLetterTarget {
     /// The queue's own dead-letter queue, read once from its `RedrivePolicy`.
     #[default]
@@ -139,6 +140,7 @@ pub enum DeadLetterTarget {
 
 /// What the source does when the queue's RedrivePolicy `maxReceiveCount` is lower than the retry
 /// policy needs (see [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count)).
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ReceiveCountCheck {
     /// No check.

@@ -158,6 +158,7 @@ pub struct DeadJob {
 
 /// Which dead jobs of a queue [`Admin::requeue_dead`](crate::admin::Admin::requeue_dead) gives another run.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Requeue {
     /// These keys (a key that is not dead is reported in [`RequeueReport::skipped`]).
     Keys(Vec<JobKey>),
