@@ -165,7 +165,7 @@
 )]
 #![cfg_attr(
     feature = "http",
-    doc = "[epoch-guard]: http::EpochGuard\n[atomic-guard]: http::AtomicEpochGuard\n[http-mod]: adapters::http"
+    doc = "[epoch-guard]: http::EpochGuard\n[atomic-guard]: http::atomic::AtomicEpochGuard\n[http-mod]: adapters::http"
 )]
 #![cfg_attr(
     not(feature = "http"),

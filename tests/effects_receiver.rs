@@ -23,9 +23,8 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
-use brokerfence::http::{
-    AcceptedStamp, AtomicEpochGuard, DEFAULT_HANDLER_TIMEOUT, EffectTx, EffectTxError, EpochGuard,
-};
+use brokerfence::http::atomic::{AtomicEpochGuard, DEFAULT_HANDLER_TIMEOUT, EffectTx, EffectTxError};
+use brokerfence::http::{AcceptedStamp, EpochGuard};
 use brokerfence::ledger::{Ledger, PgLedger};
 use brokerfence::wire::FenceStamp;
 use brokerfence::{FenceStore, PgFence, PgTimeouts};
@@ -328,7 +327,7 @@ async fn serve_with(guard: Guard, fence: PgFence, slow_epoch: Option<i64>, handl
             .route("/refuse", post(refusing_effect))
             .route("/sloppy", post(sloppy_effect))
             .route("/leak", post(leaking_effect))
-            .layer(AtomicEpochGuard::new(ledger).with_handler_timeout(handler_timeout).layer()),
+            .layer(AtomicEpochGuard::new(ledger).handler_timeout(handler_timeout).layer()),
         Guard::CheckOnly => {
             Router::new().route("/effect", post(checked_effect)).layer(EpochGuard::new(Ledger::Pg(ledger)).layer())
         }

@@ -5,7 +5,7 @@
 //! | guard | what it does | use it when the effect is |
 //! |---|---|---|
 //! | [`EpochGuard`] (check-only) | checks the [`Ledger`] (autocommit), then runs the handler | idempotent, or keyed so that the newer epoch's effect wins however the two land (it is check-then-act: a call accepted just before a newer epoch can still land its effect after the newer one's) |
-//! | [`AtomicEpochGuard`] (atomic) | moves the ledger row to the request's epoch inside a PostgreSQL transaction, hands that transaction to the handler ([`EffectTx`]), commits both on `2xx`, rolls both back otherwise | anything else that is rows in the ledger's PostgreSQL database: the final state is the newest epoch's effect, whatever the timing |
+//! | [`AtomicEpochGuard`](atomic::AtomicEpochGuard) (atomic) | moves the ledger row to the request's epoch inside a PostgreSQL transaction, hands that transaction to the handler ([`EffectTx`](atomic::EffectTx)), commits both on `2xx`, rolls both back otherwise | anything else that is rows in the ledger's PostgreSQL database: the final state is the newest epoch's effect, whatever the timing |
 //!
 //! Effects outside the database (an email, a call to a third party) are covered by neither: the
 //! outbox carries those. The atomic guard is PostgreSQL-only (see [its docs](atomic)).
@@ -52,12 +52,7 @@ use fence::wire::{self, FenceStamp, StampError};
 use futures::future::BoxFuture;
 
 #[cfg(feature = "postgres")]
-mod atomic;
-#[cfg(feature = "postgres")]
-pub use atomic::{
-    AtomicEnforceFn, AtomicEpochGuard, AtomicFenceLayer, DEFAULT_DB_TIMEOUT, DEFAULT_HANDLER_TIMEOUT, EffectConn,
-    EffectTx, EffectTxError, enforce_atomic,
-};
+pub mod atomic;
 
 /// The middleware function behind [`EpochGuard::layer`], as a plain function pointer.
 pub type EnforceFn = fn(State<EpochGuard>, Request, Next) -> BoxFuture<'static, Response>;
@@ -224,7 +219,7 @@ impl<S: Send + Sync> FromRequestParts<S> for AcceptedStamp {
 
 /// The stamp of a request, parsed from its headers but NOT checked against a ledger: for handlers
 /// that run `accept_in` inside a transaction they manage themselves (on a route without a guard;
-/// [`AtomicEpochGuard`] does it for them). Behind either guard it is the accepted stamp. Missing or malformed:
+/// [`AtomicEpochGuard`](atomic::AtomicEpochGuard) does it for them). Behind either guard it is the accepted stamp. Missing or malformed:
 /// `400` with the same body as the middleware.
 ///
 /// ```no_run

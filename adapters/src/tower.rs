@@ -18,7 +18,7 @@
 //! use tower::ServiceBuilder;
 //!
 //! let service = ServiceBuilder::new()
-//!     .get_concurrency(8)
+//!     .concurrency_limit(8)
 //!     .timeout(Duration::from_secs(5)) // an attempt past 5 s fails (and is retried)
 //!     .service_fn(|ctx: JobContext| async move {
 //!         Ok::<_, JobError>(format!("handled at epoch {}", ctx.epoch()))

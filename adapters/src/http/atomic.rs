@@ -32,7 +32,8 @@
 //! ```no_run
 //! # async fn demo(ledger: brokerfence::ledger::PgLedger) -> std::io::Result<()> {
 //! use axum::{Router, http::StatusCode, routing::post};
-//! use brokerfence::http::{AcceptedStamp, AtomicEpochGuard, EffectTx};
+//! use brokerfence::http::AcceptedStamp;
+//! use brokerfence::http::atomic::{AtomicEpochGuard, EffectTx};
 //!
 //! async fn charge(AcceptedStamp { stamp, .. }: AcceptedStamp, tx: EffectTx, body: String)
 //!     -> Result<&'static str, StatusCode>
@@ -149,8 +150,8 @@ pub type AtomicFenceLayer = FromFnLayer<AtomicEnforceFn, AtomicEpochGuard, (Stat
 /// ```no_run
 /// # fn demo(fence: brokerfence::PgFence) {
 /// use std::time::Duration;
-/// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"))
-///     .with_handler_timeout(Duration::from_secs(5));
+/// let guard = brokerfence::http::atomic::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"))
+///     .handler_timeout(Duration::from_secs(5));
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
 ///     .layer(guard.layer());
@@ -169,7 +170,7 @@ impl AtomicEpochGuard {
     ///
     /// ```no_run
     /// # fn demo(fence: brokerfence::PgFence) {
-    /// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"));
+    /// let guard = brokerfence::http::atomic::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"));
     /// # }
     /// ```
     pub fn new(ledger: PgLedger) -> Self {
@@ -180,27 +181,27 @@ impl AtomicEpochGuard {
         /// Another limit for each database step ([`DEFAULT_DB_TIMEOUT`]; at least 1 ms).
         ///
         /// ```no_run
-        /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
-        /// let guard = guard.with_db_timeout(std::time::Duration::from_secs(2));
+        /// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
+        /// let guard = guard.db_timeout(std::time::Duration::from_secs(2));
         /// # }
         /// ```
-        pub fn with_db_timeout(limit: Duration) { db_timeout = limit.max(Duration::from_millis(1)) }
+        pub fn db_timeout(limit: Duration) { db_timeout = limit.max(Duration::from_millis(1)) }
 
         /// Another limit for the handler ([`DEFAULT_HANDLER_TIMEOUT`]; at least 1 ms). The ledger row
         /// of the job stays locked while the handler runs: newer epochs wait.
         ///
         /// ```no_run
-        /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
-        /// let guard = guard.with_handler_timeout(std::time::Duration::from_secs(5));
+        /// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
+        /// let guard = guard.handler_timeout(std::time::Duration::from_secs(5));
         /// # }
         /// ```
-        pub fn with_handler_timeout(limit: Duration) { handler_timeout = limit.max(Duration::from_millis(1)) }
+        pub fn handler_timeout(limit: Duration) { handler_timeout = limit.max(Duration::from_millis(1)) }
     }
 
     /// The ledger.
     ///
     /// ```no_run
-    /// # async fn demo(guard: brokerfence::http::AtomicEpochGuard) -> brokerfence::Result<()> {
+    /// # async fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) -> brokerfence::Result<()> {
     /// println!("newest: {:?}", guard.ledger().newest("orders/o-1").await?);
     /// # Ok(()) }
     /// ```
@@ -211,7 +212,7 @@ impl AtomicEpochGuard {
     /// The axum layer.
     ///
     /// ```no_run
-    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
+    /// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
     /// let app: axum::Router = axum::Router::new().layer(guard.layer());
     /// # }
     /// ```
@@ -400,9 +401,9 @@ fn retry_later(error: &str, message: &str) -> Response {
 /// `axum::middleware::from_fn_with_state(guard, enforce_atomic)`, or through the layer.
 ///
 /// ```no_run
-/// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
+/// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
 /// let app: axum::Router = axum::Router::new()
-///     .layer(axum::middleware::from_fn_with_state(guard, brokerfence::http::enforce_atomic));
+///     .layer(axum::middleware::from_fn_with_state(guard, brokerfence::http::atomic::enforce_atomic));
 /// # }
 /// ```
 pub async fn enforce_atomic(State(guard): State<AtomicEpochGuard>, req: Request, next: Next) -> Response {
@@ -435,7 +436,7 @@ fn enforce_atomic_boxed(state: State<AtomicEpochGuard>, req: Request, next: Next
 /// Cloning is cheap and shares the one transaction; statements from clones run one at a time.
 ///
 /// ```no_run
-/// use brokerfence::http::{EffectTx, EffectTxError};
+/// use brokerfence::http::atomic::{EffectTx, EffectTxError};
 /// async fn handler(tx: EffectTx) -> Result<&'static str, EffectTxError> {
 ///     let mut conn = tx.conn().await?;
 ///     sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 7")
@@ -460,7 +461,7 @@ impl EffectTx {
     /// returned).
     ///
     /// ```no_run
-    /// # async fn demo(tx: brokerfence::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn demo(tx: brokerfence::http::atomic::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut conn = tx.conn().await?;
     /// let n: i64 = sqlx::query_scalar("SELECT count(*) FROM charges").fetch_one(&mut *conn).await?;
     /// # let _ = n; Ok(()) }
@@ -488,7 +489,7 @@ impl<S: Send + Sync> FromRequestParts<S> for EffectTx {
 /// [`PgConnection`], so `&mut *conn` is an executor. Drop it before the handler returns.
 ///
 /// ```no_run
-/// # async fn demo(tx: brokerfence::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn demo(tx: brokerfence::http::atomic::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
 /// let mut conn = tx.conn().await?;
 /// sqlx::query("INSERT INTO audit (what) VALUES ($1)").bind("charged").execute(&mut *conn).await?;
 /// drop(conn);
@@ -524,7 +525,7 @@ impl std::ops::DerefMut for EffectConn {
 ///
 /// ```
 /// use axum::response::IntoResponse;
-/// let response = brokerfence::http::EffectTxError::Finished.into_response();
+/// let response = brokerfence::http::atomic::EffectTxError::Finished.into_response();
 /// assert_eq!(response.status(), axum::http::StatusCode::INTERNAL_SERVER_ERROR);
 /// ```
 #[derive(Debug, thiserror::Error)]

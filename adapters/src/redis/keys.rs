@@ -20,7 +20,7 @@ pub(crate) fn slot_part(key: &[u8]) -> &[u8] {
     key
 }
 
-/// The Redis Cluster slot of `key` (CRC16/XMODEM of its [`slot_part`], modulo 16,384), as
+/// The Redis Cluster slot of `key` (CRC16/XMODEM of its hashed part, the content of the first non-empty `{…}` or the whole key, modulo 16,384), as
 /// `CLUSTER KEYSLOT` computes it.
 ///
 /// ```

@@ -106,7 +106,7 @@ impl LeaseKeys {
     }
 
     /// Sets the response timeout of every call (default 2 s, the default
-    /// [`RedisTimeouts::response_timeout`]), for this value and every clone of it (a
+    /// [`RedisTimeouts::get_response`]), for this value and every clone of it (a
     /// [`LeaseKeyHook`] built from it included).
     pub fn with_timeout(self, timeout: Duration) -> Self {
         self.set_timeout(timeout);

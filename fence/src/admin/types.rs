@@ -80,8 +80,8 @@ pub struct QueueStatus {
     pub expired_leases: u64,
     /// The running job that has been due the longest (smallest `run_at`), if any is running.
     pub oldest_running: Option<RunningJob>,
-    /// Running jobs whose lease ends within [`Admin::with_expiring_within`](crate::admin::Admin::with_expiring_within) (or has ended),
-    /// soonest first, at most [`Admin::with_list_limit`](crate::admin::Admin::with_list_limit) of them.
+    /// Running jobs whose lease ends within [`Admin::expiring_within`](crate::admin::Admin::expiring_within) (or has ended),
+    /// soonest first, at most [`Admin::list_limit`](crate::admin::Admin::list_limit) of them.
     pub expiring: Vec<RunningJob>,
 }
 

@@ -178,11 +178,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         }
         result => result?,
     }
-    let admin = Admin::new(fence)?.with_timeout(cli.timeout);
+    let admin = Admin::new(fence)?.timeout(cli.timeout);
     match &cli.command {
         Command::Migrate => Ok(()),
         Command::Status { queue, expiring_within, limit } => {
-            let admin = admin.with_expiring_within(*expiring_within).with_list_limit(*limit);
+            let admin = admin.expiring_within(*expiring_within).list_limit(*limit);
             let status = admin.status(queue.as_ref()).await?;
             print(cli.json, status_json(&status, admin.backend()), || status_text(&status, *expiring_within))
         }
@@ -209,7 +209,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Dead(Dead::Requeue { queue, keys, all, batch, broker_jobs }) => {
             let which = if *all { Requeue::AllDead } else { Requeue::Keys(keys.clone()) };
             // Jobs claimed from a broker are refused unless asked for (AdminError::BrokerJobs).
-            let admin = admin.with_batch_size(*batch).with_broker_jobs(*broker_jobs);
+            let admin = admin.batch_size(*batch).broker_jobs(*broker_jobs);
             let report = admin.requeue_dead(queue, which).await?;
             print(cli.json, requeue_json(queue, &report), || requeue_text(queue, &report))?;
             if report.skipped.is_empty() { Ok(()) } else { Err(Failure::NotFound) }
