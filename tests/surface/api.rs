@@ -50,9 +50,14 @@ fn surface_public_api_matches_the_listing() {
     }
 }
 
-/// Runs `cargo doc` with JSON output for the three crates and returns the directory of the JSON
-/// files. It uses the test binary's target directory and profile, so the dependencies' check
-/// builds are shared with `cargo clippy` / `cargo check` of the same features.
+/// Runs `cargo doc` with JSON output and returns the directory of the JSON files.
+///
+/// The build shares the dependencies' check builds of `cargo clippy --workspace --all-targets
+/// --all-features` (CI runs it first), so it compiles none of them: the same target directory
+/// and profile (from the test binary's path), the whole workspace with every feature, and one
+/// example, whose dev-dependencies make cargo resolve features as for `--all-targets` (a
+/// library-only `cargo doc` resolves them without dev-dependencies, and then about 60
+/// dependencies, aws-sdk-sqs and sqlx among them, would be checked again with other features).
 fn rustdoc_json(root: &Path) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     // <target>/<profile>/deps/<test binary>
@@ -83,9 +88,8 @@ fn rustdoc_json(root: &Path) -> PathBuf {
     cmd.current_dir(root)
         .env("RUSTDOC", &wrapper)
         .env("RUSTDOCFLAGS", "-Z unstable-options --output-format json")
-        .args(["doc", "--lib", "--no-deps", "--all-features", "--target-dir"])
-        .arg(&target_dir)
-        .args(["-p", "brokerfence", "-p", "brokerfence-fence", "-p", "brokerfence-adapters"]);
+        .args(["doc", "--workspace", "--lib", "--example", "zombie", "--no-deps", "--all-features", "--target-dir"])
+        .arg(&target_dir);
     let shown = format!("{cmd:?}");
     let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {shown}: {e}"));
     assert!(out.status.success(), "{shown} failed:\n{}", String::from_utf8_lossy(&out.stderr));
