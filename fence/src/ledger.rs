@@ -106,6 +106,7 @@ fn verdict(accepted: Option<i64>, current: Option<(i64, Option<String>)>, epoch:
 ///     Verdict::Accepted { .. } => { /* apply the effect */ }
 ///     Verdict::Stale { newest } => println!("refused: epoch 2 < {newest}"),
 ///     Verdict::Conflict { .. } => println!("refused: another owner holds epoch 2"),
+///     _ => println!("refused"),
 /// }
 /// # Ok(()) }
 /// ```

@@ -24,20 +24,8 @@ use crate::store::default_max_claims;
 /// too: on a jobs table that was never analyzed the planner guesses a row or two per queue, and
 /// for `claim_next` it then picked a bitmap scan over every due row plus a sort (62–67 ms per
 /// claim of ten with 76,000 jobs pending, the sort spilling to disk) over the index-order scan
-/// that stops after ten rows. For a pool built some other way, run it on each new connection
-/// (five `SET`s, sent as one simple query):
-///
-/// ```no_run
-/// # async fn demo() -> Result<(), sqlx::Error> {
-/// let pool = sqlx::postgres::PgPoolOptions::new()
-///     .after_connect(|conn, _| Box::pin(async move {
-///         sqlx::Executor::execute(&mut *conn, brokerfence::PG_SESSION_SETUP).await.map(drop)
-///     }))
-///     .connect("postgres://127.0.0.1/jobs")
-///     .await?;
-/// let fence = brokerfence::PgFence::new(pool);
-/// # let _ = fence; Ok(()) }
-/// ```
+/// that stops after ten rows. A pool built some other way starts from
+/// [`PgFence::pool_options`], which runs it.
 pub(crate) const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
                                      SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
 

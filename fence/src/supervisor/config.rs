@@ -12,7 +12,7 @@ use crate::lease::{LeaseDuration, RetryPolicy};
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
 ///     .attempt_timeout(Duration::from_secs(120));
 /// assert_eq!(config.lease().heartbeat_interval(), Duration::from_secs(10));
-/// assert_eq!(config.get_commit_window(), fence::DEFAULT_COMMIT_WINDOW);
+/// assert_eq!(config.get_commit_window(), Duration::from_millis(5));
 /// assert_eq!(config.get_hook_timeout(), Duration::from_secs(10)); // lease/3
 /// assert_eq!(config.get_settle_timeout(), Duration::from_secs(60)); // 2 × lease, at least 30 s
 /// ```
