@@ -25,9 +25,11 @@ use std::time::Duration;
 use brokerfence::TableQueue;
 use brokerfence::outbox::{OutboxRelay, RelayConfig, RelayRound};
 use brokerfence::redis::{RedisConnections, RedisPublisher};
-use brokerfence::sqs::SqsPublisher;
-use brokerfence::{Consumer, ConsumerConfig};
-use brokerfence::{FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig};
+use brokerfence::sqs::{SqsPublisher, SqsTimeouts, aws_config};
+use brokerfence::{
+    Consumer, ConsumerConfig, FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName,
+    SupervisorConfig,
+};
 use sqlx::AssertSqlSafe;
 
 #[path = "support/cli.rs"]
@@ -204,7 +206,7 @@ async fn worker(common: Common, queue: String, opts: WorkerOpts, idle_wait: Dura
     }
     let store: Arc<dyn FenceStore> = Arc::new(pg.clone());
     let source = EventSource(TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
-    let config = ConsumerConfig::new(SupervisorConfig::new(lease).retry(common.get_retry()))
+    let config = ConsumerConfig::new(SupervisorConfig::new(lease).retry(common.retry_policy()))
         .concurrency(common.concurrency)
         .grace(common.grace);
     let consumer = Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
@@ -254,16 +256,8 @@ async fn relay(
     let config = RelayConfig::default().batch(batch).idle_wait(idle_wait);
     let mut relay = OutboxRelay::new(pg, config).observe(Arc::new(print_round));
     if !sqs.is_empty() {
-        let publisher = sqs.iter().fold(
-            SqsPublisher::new(
-                brokerfence::sqs::client(
-                    brokerfence::sqs::aws_config::from_env(),
-                    brokerfence::sqs::SqsTimeouts::default(),
-                )
-                .await,
-            ),
-            |p, (d, u)| p.route(d, u),
-        );
+        let client = brokerfence::sqs::client(aws_config::from_env(), SqsTimeouts::default()).await;
+        let publisher = sqs.iter().fold(SqsPublisher::new(client), |p, (d, u)| p.route(d, u));
         relay = relay.publisher(Arc::new(publisher));
     }
     if !redis.is_empty() {

@@ -152,7 +152,7 @@ mod worker {
             e => StartError::Failed(e.to_string()),
         })?;
 
-        let supervisor = SupervisorConfig::new(lease).retry(c.get_retry());
+        let supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
         let config = ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
         let call = CallReceiver::new(c);
         let handler = move |ctx: JobContext| call.clone().handle(ctx);

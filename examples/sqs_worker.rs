@@ -116,7 +116,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
         .key(args.key.clone())
         .wait_time(Duration::from_secs(args.wait))
         .dead_letter(args.dead_letter.clone())
-        .check_receive_count(c.get_retry(), ReceiveCountCheck::Warn);
+        .check_receive_count(c.retry_policy(), ReceiveCountCheck::Warn);
     let source = SqsSource::new(
         brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default())
             .await,
@@ -132,7 +132,7 @@ async fn serve(args: Args) -> Result<(), StartError> {
     let source = EventSource(source);
 
     #[allow(unused_mut)]
-    let mut supervisor = SupervisorConfig::new(lease).retry(c.get_retry());
+    let mut supervisor = SupervisorConfig::new(lease).retry(c.retry_policy());
     if args.no_cancel_on_loss {
         {
             supervisor = supervisor.without_cancel_on_loss();

@@ -176,7 +176,7 @@ impl Common {
     }
 
     /// The retry policy: the default with `--max-attempts`.
-    pub fn get_retry(&self) -> RetryPolicy {
+    pub fn retry_policy(&self) -> RetryPolicy {
         let default = RetryPolicy::default();
         RetryPolicy { max_attempts: self.max_attempts.unwrap_or(default.max_attempts), ..default }
     }

@@ -136,7 +136,7 @@ pub async fn table_consumer(
     let pg = connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
     let store: Arc<dyn FenceStore> = Arc::new(pg);
     let source = EventSource(brokerfence::TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
-    let supervisor = fence::SupervisorConfig::new(lease).retry(c.get_retry());
+    let supervisor = fence::SupervisorConfig::new(lease).retry(c.retry_policy());
     let config = brokerfence::ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
     let consumer = brokerfence::Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
     consumer.supervisor().add_hook(Arc::new(LostHook));
