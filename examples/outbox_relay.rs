@@ -22,14 +22,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig, RelayRound};
-use brokerfence::adapters::redis::{RedisConnections, RedisPublisher};
-use brokerfence::adapters::sqs::{SqsPublisher, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName, SupervisorConfig,
+use brokerfence::TableQueue;
+use brokerfence::outbox::{OutboxRelay, RelayConfig, RelayRound};
+use brokerfence::redis::{RedisConnections, RedisPublisher};
+use brokerfence::sqs::{SqsPublisher, SqsTimeouts, aws_config};
+use brokerfence::{
+    Consumer, ConsumerConfig, FenceError, FenceStore, JobContext, JobError, LeaseDuration, PgFence, QueueName,
+    SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 
 #[path = "support/cli.rs"]
@@ -137,7 +137,7 @@ pub async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
 
 /// Prints `EVENT rolled_back … reason=cancelled` when the handler is dropped (its lease lost)
 /// while its transaction is open: dropping the transaction rolls it back.
-struct TxWatch<'a>(&'a brokerfence::fence::Lease, bool);
+struct TxWatch<'a>(&'a brokerfence::Lease, bool);
 
 impl Drop for TxWatch<'_> {
     fn drop(&mut self) {
@@ -256,7 +256,8 @@ async fn relay(
     let config = RelayConfig::default().batch(batch).idle_wait(idle_wait);
     let mut relay = OutboxRelay::new(pg, config).observe(Arc::new(print_round));
     if !sqs.is_empty() {
-        let publisher = sqs.iter().fold(SqsPublisher::new(client_from_env().await), |p, (d, u)| p.route(d, u));
+        let client = brokerfence::sqs::client(aws_config::from_env(), SqsTimeouts::default()).await;
+        let publisher = sqs.iter().fold(SqsPublisher::new(client), |p, (d, u)| p.route(d, u));
         relay = relay.publisher(Arc::new(publisher));
     }
     if !redis.is_empty() {

@@ -32,8 +32,8 @@ pub use producer::run;
 
 #[cfg(feature = "redis")]
 mod producer {
-    use brokerfence::adapters::redis::client;
-    use brokerfence::adapters::redis::{RedisConnections, RedisError};
+    use brokerfence::redis::client;
+    use brokerfence::redis::{RedisConnections, RedisError};
 
     /// Why the producer did not finish: exit 2 (refused) or 1 (failed).
     enum Failure {

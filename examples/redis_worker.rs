@@ -46,9 +46,9 @@ mod worker {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use brokerfence::adapters::redis::{ItemKey, KeyFrom, RedisConnections, RedisError, ReliableList, StreamSource};
-    use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
-    use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, Owner, QueueName, SupervisorConfig};
+    use brokerfence::redis::{ItemKey, KeyFrom, RedisConnections, RedisError, ReliableList, StreamSource};
+    use brokerfence::{Consumer, ConsumerConfig, Handler, Source};
+    use brokerfence::{FenceError, FenceStore, JobContext, LeaseDuration, Owner, QueueName, SupervisorConfig};
 
     use super::common::{self, CallReceiver, Common, EventSource, EventStore, StartError};
 

@@ -14,8 +14,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{client_from_env, is_fifo_url};
+use brokerfence::sqs::aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
+use brokerfence::sqs::is_fifo_url;
 use futures::{StreamExt, TryStreamExt};
 
 #[path = "support/cli.rs"]
@@ -56,7 +56,9 @@ fn parse_args() -> Result<(Args, String), clap::Error> {
 }
 
 async fn run(args: Args, queue_url: String) -> Result<(), Box<dyn std::error::Error>> {
-    let client = client_from_env().await;
+    let client =
+        brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default())
+            .await;
     let fifo = is_fifo_url(&queue_url);
     let started = Instant::now();
     let batches: Vec<Vec<usize>> = (0..args.count).collect::<Vec<_>>().chunks(10).map(<[usize]>::to_vec).collect();
@@ -117,7 +119,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(args, queue_url)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{PROG}: {}", brokerfence::adapters::sqs::error_chain(&*e));
+            eprintln!("{PROG}: {}", brokerfence::sqs::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

@@ -26,11 +26,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::{
-    DeadLetterTarget, KeyStrategy, ReceiveCountCheck, SqsConfig, SqsError, SqsSource, client_from_env,
-};
-use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
-use brokerfence::fence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
+use brokerfence::sqs::{DeadLetterTarget, KeyStrategy, ReceiveCountCheck, SqsConfig, SqsError, SqsSource};
+use brokerfence::{Consumer, ConsumerConfig, Source};
+use brokerfence::{FenceError, FenceStore, JobContext, LeaseDuration, SupervisorConfig};
 
 #[path = "support/cli.rs"]
 mod common;
@@ -119,7 +117,11 @@ async fn serve(args: Args) -> Result<(), StartError> {
         .wait_time(Duration::from_secs(args.wait))
         .dead_letter(args.dead_letter.clone())
         .check_receive_count(c.retry_policy(), ReceiveCountCheck::Warn);
-    let source = SqsSource::new(client_from_env().await, config);
+    let source = SqsSource::new(
+        brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default())
+            .await,
+        config,
+    );
     // Before `ready`: a queue that does not exist (exit 2) or an endpoint that does not answer
     // after a few attempts (exit 1) stops the worker with one line saying so.
     source.check().await.map_err(|e| match e {

@@ -11,7 +11,7 @@
 //! `--database-url`, else `DATABASE_URL`, else `localstack/.env`; `--migrate` applies the schema
 //! migrations first, otherwise it refuses (exit 2) a schema older than this build needs.
 
-use brokerfence::fence::{FenceStore, JobKey, Owner, QueueName};
+use brokerfence::{FenceStore, JobKey, Owner, QueueName};
 
 #[path = "support/cli.rs"]
 mod common;
@@ -53,7 +53,7 @@ struct Args {
 }
 
 async fn produce(args: Args) -> Result<(), StartError> {
-    let refuse = |e: brokerfence::fence::FenceError| StartError::Refused(e.to_string());
+    let refuse = |e: brokerfence::FenceError| StartError::Refused(e.to_string());
     let queue = QueueName::new(args.queue.clone().unwrap_or_default()).map_err(refuse)?;
     let url = common::database_url(args.database_url.as_deref())?;
     let owner = Owner::unique(PROG);

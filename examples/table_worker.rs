@@ -21,7 +21,7 @@
 
 use std::time::Duration;
 
-use brokerfence::fence::JobContext;
+use brokerfence::JobContext;
 
 #[path = "support/cli.rs"]
 mod common;

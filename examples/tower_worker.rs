@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use brokerfence::BoxError;
-use brokerfence::fence::{JobContext, JobError};
+use brokerfence::{JobContext, JobError};
 use tower::{Layer, Service, ServiceBuilder};
 use tracing::Instrument;
 

@@ -22,8 +22,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{
+use brokerfence::wire::FenceStamp;
+use brokerfence::{
     Claim, JobKey, LeaseDuration, MetricsSnapshot, Outcome, Owner, QueueName, Supervisor, SupervisorConfig,
 };
 

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use brokerfence::fence::{
+use brokerfence::{
     self, Claim, FenceStore, JobContext, JobError, JobKey, LeaseDuration, Metrics, Outcome, Owner, QueueName,
     RetryPolicy, SchemaName, SqliteFence, Supervisor, SupervisorConfig,
 };
@@ -223,7 +223,7 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
     let result = o.result.clone().unwrap_or_else(|| format!("result of {owner}"));
     let plan = o.plan.0.clone();
     let receiver = o.receiver.clone();
-    let pool = match store.concrete() {
+    let pool = match store.backend() {
         fence::Backend::Postgres(f) => Some(f.pool().clone()),
         _ => None,
     };
@@ -238,6 +238,7 @@ async fn worker(o: Opts) -> Result<i32, StartError> {
         Outcome::Fenced(e) => format!("outcome=fenced detail={e}"),
         Outcome::Released => "outcome=released".to_owned(),
         Outcome::StoreError(e) => format!("outcome=store_error detail={e}"),
+        other => format!("outcome=other detail={other:?}"),
     };
     event(line);
     event(format!("metrics {}", metrics.snapshot()));

@@ -60,8 +60,8 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `postgres` | yes | [`PgFence`], [`PgLedger`], the transactional outbox |
-//! | `sqlite` | yes | [`SqliteFence`], [`SqliteLedger`] (compiles the bundled SQLite from C) |
+//! | `postgres` | yes | [`PgFence`], [`PgLedger`](ledger::PgLedger), the transactional outbox |
+//! | `sqlite` | yes | [`SqliteFence`], [`SqliteLedger`](ledger::SqliteLedger) (compiles the bundled SQLite from C) |
 //! | `sqs` | | [`sqs`][sqs-mod]: source, retrofit and outbox publisher |
 //! | `redis` | | [`redis`][redis-mod]: streams, lists, lease keys, outbox publisher |
 //! | `redis-tls` | | `rediss://` URLs |
@@ -107,12 +107,12 @@
 )]
 #![cfg_attr(
     feature = "http",
-    doc = "[epoch-guard]: http::EpochGuard\n[atomic-guard]: http::AtomicEpochGuard\n[http-mod]: http"
+    doc = "[epoch-guard]: http::EpochGuard\n[atomic-guard]: http::atomic::AtomicEpochGuard\n[http-mod]: http"
 )]
 #![cfg_attr(
     not(feature = "http"),
     doc = "[epoch-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/struct.EpochGuard.html\n\
-           [atomic-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/struct.AtomicEpochGuard.html\n\
+           [atomic-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/atomic/struct.AtomicEpochGuard.html\n\
            [http-mod]: https://docs.rs/brokerfence/latest/brokerfence/http/index.html"
 )]
 #![cfg_attr(feature = "tower", doc = "[tower-handler]: tower::handler")]
@@ -126,23 +126,51 @@
 pub mod guide;
 
 #[doc(inline)]
-pub use fence::*;
+pub use fence::{
+    Backend, BoxError, Claim, ClaimedJob, Counter, DEFAULT_SCHEMA, DbTime, Distribution, FailOutcome, FenceError,
+    FenceStore, FencedConnection, Heartbeat, IntoJobResult, JobContext, JobError, JobKey, JobRecord, JobResultExt,
+    JobState, Lease, LeaseDuration, LeaseHook, LossReason, MAX_KEY_BYTES, MAX_NAME_BYTES, MIN_LEASE, Metrics,
+    MetricsSnapshot, Outcome, Owner, QueueName, Result, RetryPolicy, SchemaName, Supervisor, SupervisorConfig,
+};
+
+#[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+#[doc(inline)]
+pub use fence::Json;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(inline)]
+pub use fence::{PgFence, PgTarget, PgTimeouts, Pooler};
+
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+#[doc(inline)]
+pub use fence::{ReclaimReport, SqliteDurability, SqliteFence};
 
 #[doc(inline)]
 pub use adapters::{
-    CancellationToken, Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, DeadLettered, Detail, Disposition, Handler,
-    HandlerFuture, Incoming, Processed, Reason, ReceiveContext, Retrofit, Source, SourceError, shutdown_signal,
+    CancellationToken, Consumer, ConsumerConfig, DeadLettered, Detail, Disposition, Handler, Incoming, Processed,
+    Reason, ReceiveContext, Retrofit, Source, SourceError, TableQueue, shutdown_signal,
 };
 
-/// The table-queue source: jobs in the fence's own table, no broker. It runs on [`PgFence`] and
-/// [`SqliteFence`] alike (also at `brokerfence::table::TableQueue`; the old path
-/// `brokerfence::adapters::postgres::TableQueue` is a deprecated alias).
 #[doc(inline)]
-pub use adapters::table::TableQueue;
+pub use fence::{admin, epoch, ledger, retention, wire};
 
-/// The table queue: jobs in the fence's own table (PostgreSQL or SQLite), no broker.
-#[doc(inline)]
-pub use adapters::table;
+/// The transactional outbox (PostgreSQL): rows written in the handler's own transaction with the
+/// fenced completion ([`PgFence::outbox_in`]), and the relay that publishes them to a broker.
+///
+/// ```no_run
+/// use brokerfence::outbox::{OutboxRelay, OutboxRow, RelayConfig};
+/// ```
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod outbox {
+    #[doc(inline)]
+    pub use adapters::outbox::*;
+    #[doc(inline)]
+    pub use fence::outbox::*;
+}
 
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
@@ -161,16 +189,6 @@ pub use adapters::redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
 #[doc(inline)]
 pub use adapters::sqs;
-
-/// The epoch authority: stores ([`PgFence`], [`SqliteFence`]), the supervisor, the receiver
-/// ledger and the wire format. Its items are also at the crate root.
-#[doc(inline)]
-pub use fence;
-
-/// The consumer runtime, the sources and the retrofit middleware. Its items are also at the crate
-/// root.
-#[doc(inline)]
-pub use adapters;
 
 /// The README's code, compiled as doctests (`cargo test --doc --features sqs,redis,http,tower,serde`; the default
 /// backends on).

@@ -7,6 +7,7 @@ use fence::{Claim, Outcome};
 
 /// What to do with a delivery at the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Disposition {
     /// Acknowledge (delete) it: its result is committed, or it duplicates a completed job.
     Ack,
@@ -32,6 +33,8 @@ impl Disposition {
             Claim::Done { .. } => Some(Disposition::Ack),
             Claim::Dead { epoch } => Some(Disposition::DeadLetter(format!("job is dead (buried at epoch {epoch})"))),
             Claim::Backoff { retry_in, .. } => Some(Disposition::RetryLater(*retry_in)),
+            // A claim this version does not know handed out no lease it can use: touch nothing.
+            _ => Some(Disposition::Leave),
         }
     }
 
@@ -43,6 +46,7 @@ impl Disposition {
             Outcome::Dead { error } => Disposition::DeadLetter(error.clone()),
             Outcome::Released => Disposition::Abandon,
             Outcome::LeaseLost { .. } | Outcome::Fenced(_) | Outcome::StoreError(_) => Disposition::Leave,
+            _ => Disposition::Leave,
         }
     }
 

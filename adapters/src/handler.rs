@@ -1,12 +1,8 @@
 //! The handler a consumer runs for each job.
 
 use std::future::Future;
-use std::pin::Pin;
 
 use fence::{IntoJobResult, JobContext, JobError};
-
-/// A boxed handler future.
-pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, JobError>> + Send + 'static>>;
 
 /// A handler the [`Consumer`](crate::Consumer) runs for every job: a closure
 /// `|ctx| async move { … }` (no annotation needed) that may be called many times at once, so it

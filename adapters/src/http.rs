@@ -5,7 +5,7 @@
 //! | guard | what it does | use it when the effect is |
 //! |---|---|---|
 //! | [`EpochGuard`] (check-only) | checks the [`Ledger`] (autocommit), then runs the handler | idempotent, or keyed so that the newer epoch's effect wins however the two land (it is check-then-act: a call accepted just before a newer epoch can still land its effect after the newer one's) |
-//! | [`AtomicEpochGuard`] (atomic) | moves the ledger row to the request's epoch inside a PostgreSQL transaction, hands that transaction to the handler ([`EffectTx`]), commits both on `2xx`, rolls both back otherwise | anything else that is rows in the ledger's PostgreSQL database: the final state is the newest epoch's effect, whatever the timing |
+//! | [`AtomicEpochGuard`](atomic::AtomicEpochGuard) (atomic) | moves the ledger row to the request's epoch inside a PostgreSQL transaction, hands that transaction to the handler ([`EffectTx`](atomic::EffectTx)), commits both on `2xx`, rolls both back otherwise | anything else that is rows in the ledger's PostgreSQL database: the final state is the newest epoch's effect, whatever the timing |
 //!
 //! Effects outside the database (an email, a call to a third party) are covered by neither: the
 //! outbox carries those. The atomic guard is PostgreSQL-only (see [its docs](atomic)).
@@ -20,7 +20,7 @@
 //! | otherwise (epoch newest or equal: a retry)| passed on; the handler can extract [`AcceptedStamp`] |
 //!
 //! ```no_run
-//! # async fn demo(ledger: brokerfence::Ledger) -> std::io::Result<()> {
+//! # async fn demo(ledger: brokerfence::ledger::Ledger) -> std::io::Result<()> {
 //! use axum::{Router, routing::post};
 //! use brokerfence::http::{AcceptedStamp, EpochGuard};
 //!
@@ -47,17 +47,12 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{FromFnLayer, Next};
 use axum::response::{IntoResponse, Response};
+use fence::ledger::{Ledger, Verdict};
 use fence::wire::{self, FenceStamp, StampError};
-use fence::{Ledger, Verdict};
 use futures::future::BoxFuture;
 
 #[cfg(feature = "postgres")]
 pub mod atomic;
-#[cfg(feature = "postgres")]
-pub use atomic::{
-    AtomicEnforceFn, AtomicEpochGuard, AtomicFenceLayer, DEFAULT_DB_TIMEOUT, DEFAULT_HANDLER_TIMEOUT, EffectConn,
-    EffectTx, EffectTxError, enforce_atomic,
-};
 
 /// The middleware function behind [`EpochGuard::layer`], as a plain function pointer.
 pub type EnforceFn = fn(State<EpochGuard>, Request, Next) -> BoxFuture<'static, Response>;
@@ -69,7 +64,7 @@ pub type FenceLayer = FromFnLayer<EnforceFn, EpochGuard, (State<EpochGuard>, Req
 /// Enforces the epoch convention on an HTTP receiver: one [`Ledger`] check per request.
 ///
 /// ```no_run
-/// # fn demo(ledger: brokerfence::Ledger) {
+/// # fn demo(ledger: brokerfence::ledger::Ledger) {
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
 ///     .layer(brokerfence::http::EpochGuard::new(ledger).layer());
@@ -85,7 +80,7 @@ impl EpochGuard {
     ///
     /// ```no_run
     /// # fn demo(fence: brokerfence::PgFence) {
-    /// let guard = brokerfence::http::EpochGuard::new(brokerfence::Ledger::Pg(brokerfence::PgLedger::new(&fence, "payments")));
+    /// let guard = brokerfence::http::EpochGuard::new(brokerfence::ledger::Ledger::Pg(brokerfence::ledger::PgLedger::new(&fence, "payments")));
     /// # }
     /// ```
     pub fn new(ledger: Ledger) -> Self {
@@ -155,6 +150,8 @@ impl EpochGuard {
                 );
                 Err(conflict_response(&stamp))
             }
+            // A verdict this version does not know accepts nothing.
+            Ok(_) => Err(conflict_response(&stamp)),
             Err(fence::FenceError::InvalidInput { what, reason }) => {
                 let e = StampError::Malformed { name: wire::JOB, reason: format!("{what}: {reason}") };
                 Err(stamp_error_response(&e))
@@ -222,7 +219,7 @@ impl<S: Send + Sync> FromRequestParts<S> for AcceptedStamp {
 
 /// The stamp of a request, parsed from its headers but NOT checked against a ledger: for handlers
 /// that run `accept_in` inside a transaction they manage themselves (on a route without a guard;
-/// [`AtomicEpochGuard`] does it for them). Behind either guard it is the accepted stamp. Missing or malformed:
+/// [`AtomicEpochGuard`](atomic::AtomicEpochGuard) does it for them). Behind either guard it is the accepted stamp. Missing or malformed:
 /// `400` with the same body as the middleware.
 ///
 /// ```no_run
@@ -355,7 +352,7 @@ mod edges {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_unavailable_body_does_not_echo_the_database_error() {
         let fence = fence::SqliteFence::open("sqlite::memory:").await.expect("sqlite");
-        let ledger = Ledger::Sqlite(fence::SqliteLedger::new(&fence, "receiver"));
+        let ledger = Ledger::Sqlite(fence::ledger::SqliteLedger::new(&fence, "receiver"));
         let direct = ledger.newest("orders/o-1").await.expect_err("no ledger table");
         let detail = direct.to_string();
         assert!(detail.contains("no such table"), "{detail}");

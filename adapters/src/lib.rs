@@ -5,12 +5,11 @@
 //! inside a loop you already own. What the broker is told always follows from what the fence
 //! decided ([`Disposition`]): only a committed result is acknowledged.
 //!
-//! Sources: [`table::TableQueue`] (no broker, on PostgreSQL or SQLite), `sqs` (feature `sqs`), `redis` (feature `redis`);
+//! Sources: [`TableQueue`] (no broker, on PostgreSQL or SQLite), `sqs` (feature `sqs`), `redis` (feature `redis`);
 //! `http` (feature `http`) is the receiver side: the axum middleware that enforces the epoch.
 //!
-//! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports everything here
-//! at its root (`brokerfence::Consumer`, `brokerfence::sqs::SqsRetrofit`) and as
-//! `brokerfence::adapters`.
+//! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports the public items
+//! of this crate (`brokerfence::Consumer`, `brokerfence::sqs::SqsRetrofit`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
@@ -23,11 +22,10 @@ mod disposition;
 mod handler;
 #[cfg(feature = "postgres")]
 pub mod outbox;
-pub mod postgres;
 mod retrofit;
 mod runtime;
 mod source;
-pub mod table;
+mod table;
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub mod tower;
@@ -43,9 +41,12 @@ pub mod redis;
 pub mod sqs;
 
 pub use disposition::Disposition;
-pub use handler::{Handler, HandlerFuture};
+pub use handler::Handler;
 pub use retrofit::{Detail, Processed, Reason, Retrofit};
-pub use runtime::{Consumer, ConsumerConfig, DEFAULT_CLAIM_WINDOW, ReceiveContext, shutdown_signal};
+#[doc(hidden)]
+pub use runtime::DEFAULT_CLAIM_WINDOW;
+pub use runtime::{Consumer, ConsumerConfig, ReceiveContext, shutdown_signal};
 pub use source::{DeadLettered, Incoming, Source, SourceError};
+pub use table::TableQueue;
 /// The token [`Consumer::run`] stops on (tokio-util's), so no direct dependency is needed.
 pub use tokio_util::sync::CancellationToken;

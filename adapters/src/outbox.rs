@@ -11,16 +11,16 @@
 //!
 //! Delivery is **at least once**: a relay that dies after the broker accepted a batch but before
 //! its commit publishes that batch again. Consumers apply each message with
-//! [`PgLedger::accept_in`](fence::PgLedger::accept_in) and an idempotent effect (keyed by the
+//! [`PgLedger::accept_in`](fence::ledger::PgLedger::accept_in) and an idempotent effect (keyed by the
 //! [`OUTBOX_ID`] attribute, or by job and epoch) in one transaction of their own.
 //!
 //! Publishers: `sqs::SqsPublisher` (feature `sqs`), `redis::RedisPublisher` (feature `redis`),
 //! or your own.
 //!
 //! ```no_run
-//! # async fn demo(fence: brokerfence::PgFence, sqs: std::sync::Arc<dyn brokerfence::adapters::outbox::Publisher>)
-//! # -> Result<(), brokerfence::adapters::outbox::RelayError> {
-//! use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+//! # async fn demo(fence: brokerfence::PgFence, sqs: std::sync::Arc<dyn brokerfence::outbox::Publisher>)
+//! # -> Result<(), brokerfence::outbox::RelayError> {
+//! use brokerfence::outbox::{OutboxRelay, RelayConfig};
 //! let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(sqs);
 //! relay.run(brokerfence::shutdown_signal()).await?;
 //! # Ok(()) }
@@ -33,7 +33,8 @@ use std::time::Duration;
 
 use crate::builder::{debug_some, setters};
 use async_trait::async_trait;
-use fence::{FenceError, OutboxRow, PgFence};
+use fence::outbox::OutboxRow;
+use fence::{FenceError, PgFence};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -44,10 +45,11 @@ pub const OUTBOX_ID: &str = "Outbox-Id";
 /// Why a row (or a whole publish call) was not accepted.
 ///
 /// ```
-/// let e = brokerfence::adapters::outbox::PublishError::NoRoute("nowhere".into());
+/// let e = brokerfence::outbox::PublishError::NoRoute("nowhere".into());
 /// assert_eq!(e.to_string(), "no publisher serves destination \"nowhere\"");
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum PublishError {
     /// No publisher serves the row's destination.
     #[error("no publisher serves destination {0:?}")]
@@ -66,7 +68,7 @@ pub enum PublishError {
 /// What a publisher did with a batch: the ids the broker accepted and the rows it did not.
 ///
 /// ```
-/// let p = brokerfence::adapters::outbox::Published { accepted: vec![1, 2], failed: vec![] };
+/// let p = brokerfence::outbox::Published { accepted: vec![1, 2], failed: vec![] };
 /// assert_eq!(p.accepted.len(), 2);
 /// ```
 #[derive(Debug, Default, Clone)]
@@ -80,12 +82,12 @@ pub struct Published {
 /// Sends outbox rows to one broker.
 ///
 /// ```
-/// use brokerfence::adapters::outbox::{Publisher, Published, PublishError};
+/// use brokerfence::outbox::{Publisher, Published, PublishError};
 /// struct Stdout;
 /// #[async_trait::async_trait]
 /// impl Publisher for Stdout {
 ///     fn serves(&self, destination: &str) -> bool { destination == "stdout" }
-///     async fn publish(&self, rows: &[brokerfence::OutboxRow]) -> Result<Published, PublishError> {
+///     async fn publish(&self, rows: &[brokerfence::outbox::OutboxRow]) -> Result<Published, PublishError> {
 ///         for r in rows { println!("{} {:?}", r.stamp(), r.payload); }
 ///         Ok(Published { accepted: rows.iter().map(|r| r.id).collect(), failed: vec![] })
 ///     }
@@ -105,7 +107,7 @@ pub trait Publisher: Send + Sync {
 ///
 /// ```
 /// use std::time::Duration;
-/// let c = brokerfence::adapters::outbox::RelayConfig::default().batch(50).idle_wait(Duration::from_millis(20));
+/// let c = brokerfence::outbox::RelayConfig::default().batch(50).idle_wait(Duration::from_millis(20));
 /// assert_eq!(c.batch_size(), 50);
 /// ```
 #[derive(Debug, Clone, Copy)]
@@ -162,9 +164,10 @@ impl RelayConfig {
 /// Why a round failed as a whole (nothing was marked sent).
 ///
 /// ```
-/// let e = brokerfence::adapters::outbox::RelayError::Timeout { op: "claim", after: std::time::Duration::from_secs(5) };
+/// let e = brokerfence::outbox::RelayError::Timeout { op: "claim", after: std::time::Duration::from_secs(5) };
 /// assert_eq!(e.to_string(), "outbox claim did not answer within 5s");
 /// ```
+#[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
     /// The database failed a statement.
@@ -183,7 +186,7 @@ pub enum RelayError {
 /// What one round did.
 ///
 /// ```
-/// let r = brokerfence::adapters::outbox::RelayRound::default();
+/// let r = brokerfence::outbox::RelayRound::default();
 /// assert_eq!((r.claimed, r.sent.len(), r.failed.len()), (0, 0, 0));
 /// ```
 #[derive(Debug, Default, Clone)]
@@ -202,9 +205,9 @@ pub type RoundObserver = Arc<dyn Fn(&RelayRound) + Send + Sync>;
 /// The relay: a library type; see the [module docs](self).
 ///
 /// ```no_run
-/// # async fn demo(fence: brokerfence::PgFence, redis: std::sync::Arc<dyn brokerfence::adapters::outbox::Publisher>)
-/// # -> Result<(), brokerfence::adapters::outbox::RelayError> {
-/// let relay = brokerfence::adapters::outbox::OutboxRelay::new(fence, Default::default()).publisher(redis);
+/// # async fn demo(fence: brokerfence::PgFence, redis: std::sync::Arc<dyn brokerfence::outbox::Publisher>)
+/// # -> Result<(), brokerfence::outbox::RelayError> {
+/// let relay = brokerfence::outbox::OutboxRelay::new(fence, Default::default()).publisher(redis);
 /// let round = relay.relay_once().await?;
 /// println!("sent {} of {}", round.sent.len(), round.claimed);
 /// # Ok(()) }

@@ -42,6 +42,7 @@ pub enum Incoming<D> {
 /// assert_ne!(DeadLettered::Moved, DeadLettered::AlreadyMoved);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeadLettered {
     /// This call completed the move: the copy is at the dead-letter destination (sent now, or by
     /// an earlier call that could not remove the delivery) and the delivery is removed.

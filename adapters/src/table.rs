@@ -14,7 +14,7 @@ use crate::source::{Incoming, Source, SourceError};
 
 /// A table-queue source over any [`FenceStore`]: [`PgFence`](fence::PgFence) or
 /// [`SqliteFence`](fence::SqliteFence) alike. Also at `brokerfence::TableQueue` and
-/// `brokerfence::table::TableQueue`.
+/// `brokerfence::TableQueue`.
 ///
 /// ```no_run
 /// # async fn demo() -> brokerfence::Result<()> {
@@ -36,7 +36,7 @@ pub struct TableQueue {
 
 impl std::fmt::Debug for TableQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableQueue").field("queue", &self.queue).field("backend", &self.store.backend()).finish()
+        f.debug_struct("TableQueue").field("queue", &self.queue).field("backend", &self.store.backend().name()).finish()
     }
 }
 

@@ -99,11 +99,11 @@ pub struct Rounds {
 impl Rounds {
     /// The consumers' claim window (brokerfence's default when not given).
     pub fn claim_window(&self) -> Duration {
-        self.claim_window_ms.map_or(brokerfence::adapters::DEFAULT_CLAIM_WINDOW, Duration::from_millis)
+        self.claim_window_ms.map_or(adapters::DEFAULT_CLAIM_WINDOW, Duration::from_millis)
     }
     /// The supervisors' commit window (brokerfence's default when not given).
     pub fn commit_window(&self) -> Duration {
-        self.commit_window_ms.map_or(brokerfence::fence::DEFAULT_COMMIT_WINDOW, Duration::from_millis)
+        self.commit_window_ms.map_or(fence::DEFAULT_COMMIT_WINDOW, Duration::from_millis)
     }
 }
 

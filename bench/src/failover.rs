@@ -23,12 +23,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use brokerfence::adapters::{Consumer, ConsumerConfig};
+use brokerfence::TableQueue;
 use brokerfence::epoch::timeline_of;
-use brokerfence::fence::{
+use brokerfence::{Consumer, ConsumerConfig};
+use brokerfence::{
     FenceStore, JobContext, JobKey, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
 use brokerfence_testkit::pg_topology::{PgBouncer, PgPair, Relay, Replication};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -218,7 +218,7 @@ async fn failover_round(variant: Variant, alone: Duration) -> Result<RoundFigure
                         ran.entry(ctx.key().as_str().to_owned()).or_default().insert(ctx.epoch());
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
-                    Ok::<_, brokerfence::fence::JobError>(())
+                    Ok::<_, brokerfence::JobError>(())
                 }
             };
             let _ = consumer.run(handler, token).await;
@@ -326,7 +326,7 @@ async fn drain(url: &str, jobs: usize, concurrency: usize, work: Duration) -> Re
                 async move {
                     tokio::time::sleep(work).await;
                     done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    Ok::<_, brokerfence::fence::JobError>(())
+                    Ok::<_, brokerfence::JobError>(())
                 }
             };
             let _ = consumer.run(handler, token).await;

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use brokerfence::adapters::{Incoming, ReceiveContext, Source, SourceError};
-use brokerfence::fence::{
+use brokerfence::{
     self, Claim, ClaimedJob, DbTime, FailOutcome, FenceError, FenceStore, Heartbeat, JobContext, JobError, JobKey,
     JobRecord, Lease, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName,
 };
+use brokerfence::{Incoming, ReceiveContext, Source, SourceError};
 
 #[path = "events.rs"]
 mod events;

@@ -147,7 +147,7 @@ impl FenceStore for EventStore {
             }
             Ok(FailOutcome::Dead) => lease_event("fail_recorded", lease, &[("outcome", &"dead")]),
             Err(e) if e.is_fenced() => fenced_event(lease, "fail", e),
-            Err(_) => {}
+            Ok(_) | Err(_) => {}
         }
         r
     }
@@ -160,18 +160,15 @@ impl FenceStore for EventStore {
     async fn db_now(&self) -> fence::Result<DbTime> {
         self.0.db_now().await
     }
-    fn backend(&self) -> &'static str {
-        self.0.backend()
-    }
 
-    fn concrete(&self) -> brokerfence::fence::Backend<'_> {
-        self.0.concrete()
+    fn backend(&self) -> brokerfence::Backend<'_> {
+        self.0.backend()
     }
 
     async fn prune(
         &self,
-        retention: &brokerfence::fence::Retention,
-    ) -> brokerfence::fence::Result<brokerfence::fence::PruneReport> {
+        retention: &brokerfence::retention::Retention,
+    ) -> brokerfence::Result<brokerfence::retention::PruneReport> {
         self.0.prune(retention).await
     }
 }

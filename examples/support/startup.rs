@@ -126,8 +126,7 @@ pub async fn table_consumer(
     owner_prefix: &str,
     queue: Option<&str>,
     idle_wait: Duration,
-) -> Result<(Owner, QueueName, brokerfence::adapters::Consumer<EventSource<brokerfence::table::TableQueue>>), StartError>
-{
+) -> Result<(Owner, QueueName, brokerfence::Consumer<EventSource<brokerfence::TableQueue>>), StartError> {
     let refuse = |e: FenceError| StartError::Refused(e.to_string());
     let owner = c.owner(owner_prefix).map_err(refuse)?;
     let queue = QueueName::new(queue.unwrap_or_default()).map_err(refuse)?;
@@ -136,12 +135,10 @@ pub async fn table_consumer(
     let url = database_url(c.database_url.as_deref())?;
     let pg = connect_pg(&url, c.schema.as_deref(), &owner, c.migrate).await?;
     let store: Arc<dyn FenceStore> = Arc::new(pg);
-    let source =
-        EventSource(brokerfence::table::TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
+    let source = EventSource(brokerfence::TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait));
     let supervisor = fence::SupervisorConfig::new(lease).retry(c.retry_policy());
-    let config = brokerfence::adapters::ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
-    let consumer =
-        brokerfence::adapters::Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
+    let config = brokerfence::ConsumerConfig::new(supervisor).concurrency(c.concurrency).grace(c.grace);
+    let consumer = brokerfence::Consumer::with_owner(source, Arc::new(EventStore(store)), owner.clone(), config);
     consumer.supervisor().add_hook(Arc::new(LostHook));
     Ok((owner, queue, consumer))
 }
@@ -191,7 +188,7 @@ pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate:
     }
     // One host or several (`postgres://u@h1:5432,h2:5432/db`: the fence follows the primary), and
     // a transaction-mode pooler found out by itself (or `?pooler=transaction`).
-    let target = brokerfence::fence::PgTarget::parse(url)
+    let target = brokerfence::PgTarget::parse(url)
         .map_err(|e| StartError::Refused(format!("--database-url: {e}")))?
         .application_name(owner.as_str());
     // The library's message names the database URL; this program's comes from a flag or a variable.

@@ -9,11 +9,9 @@ use std::error::Error;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use brokerfence::fence::wire::{self, FenceStamp};
-use brokerfence::fence::{
-    FenceStore, JobKey, JobRecord, Ledger, MetricsSnapshot, Outcome, PgFence, PgLedger, SchemaName, SqliteFence,
-    SqliteLedger, Verdict,
-};
+use brokerfence::ledger::{Ledger, PgLedger, SqliteLedger, Verdict};
+use brokerfence::wire::{self, FenceStamp};
+use brokerfence::{FenceStore, JobKey, JobRecord, MetricsSnapshot, Outcome, PgFence, SchemaName, SqliteFence};
 
 pub type BoxError = Box<dyn Error + Send + Sync>;
 

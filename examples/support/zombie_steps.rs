@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use brokerfence::fence::{self, JobContext, JobError, Lease, LeaseHook};
+use brokerfence::{self, JobContext, JobError, Lease, LeaseHook};
 
 use super::common;
 

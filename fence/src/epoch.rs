@@ -24,7 +24,7 @@
 //! - two servers promoted from the same timeline (two standbys promoted at once: split brain)
 //!   both take the same next timeline and hand out the same tokens: keeping one primary is the
 //!   HA manager's job (Patroni's DCS lock, a cloud's fencing). The ledger refuses an equal
-//!   epoch from a different owner ([`Verdict::Conflict`](crate::Verdict::Conflict)), so a
+//!   epoch from a different owner ([`Verdict::Conflict`](crate::ledger::Verdict::Conflict)), so a
 //!   receiver that records owners still applies one effect per token;
 //! - a server whose timeline went back (a database copied with `pg_dump` into a new cluster)
 //!   keeps each job's epochs growing, but only promotions from then on are covered;

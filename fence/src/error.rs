@@ -11,6 +11,7 @@ use std::time::Duration;
 /// assert_eq!(err.to_string(), "job job-1: epoch 1 was superseded (current epoch 2, owner w2)");
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FenceError {
     /// The compare-and-set on (key, owner, epoch, state = running) matched no row: another owner
     /// holds a newer epoch, or the job is no longer running. Nothing was written.

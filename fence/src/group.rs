@@ -39,7 +39,7 @@ use tokio::time::Instant;
 /// let probe = Arc::clone(&more_coming);
 /// let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
 /// let mut groups =
-///     brokerfence::Grouper::new(rx, 100, Duration::from_millis(20)).busy(move || probe.load(Ordering::Relaxed));
+///     brokerfence_fence::Grouper::new(rx, 100, Duration::from_millis(20)).busy(move || probe.load(Ordering::Relaxed));
 /// for i in 0..3 {
 ///     tx.send(i).unwrap();
 /// }
@@ -113,7 +113,7 @@ impl<T> Grouper<T> {
     /// # async fn main() {
     /// use std::time::Duration;
     /// let (tx, rx) = tokio::sync::mpsc::channel(2);
-    /// let mut groups = brokerfence::Grouper::bounded(rx, 100, Duration::from_millis(20));
+    /// let mut groups = brokerfence_fence::Grouper::bounded(rx, 100, Duration::from_millis(20));
     /// tx.send(1).await.unwrap();
     /// tx.send(2).await.unwrap();
     /// assert!(tx.try_send(3).is_err()); // full: a sender waits (backpressure), nothing is dropped

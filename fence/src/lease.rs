@@ -71,6 +71,7 @@ impl fmt::Display for DbTime {
 
 /// The lifecycle of a job row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum JobState {
     /// Waiting to be claimed (new, or released).
     Pending,
@@ -139,6 +140,7 @@ pub struct Lease {
 
 /// The outcome of claiming one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Claim {
     /// The job is yours under this lease.
     Claimed(Lease),
@@ -264,6 +266,7 @@ impl RetryPolicy {
 }
 
 /// What a fenced failure did to the job.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailOutcome {
     /// Claimable again once `retry_in` has passed.

@@ -23,6 +23,7 @@ use crate::error::{FenceError, Result};
 
 /// The ledger's verdict on one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verdict {
     /// The epoch is the newest (or equal to it): apply the effect.
     Accepted {
@@ -99,12 +100,13 @@ fn verdict(accepted: Option<i64>, current: Option<(i64, Option<String>)>, epoch:
 ///
 /// ```no_run
 /// # async fn demo(fence: brokerfence::PgFence) -> brokerfence::Result<()> {
-/// use brokerfence::{PgLedger, Verdict};
+/// use brokerfence::ledger::{PgLedger, Verdict};
 /// let ledger = PgLedger::new(&fence, "payments-api");
 /// match ledger.accept_by("order-7", 2, "worker-a").await? {
 ///     Verdict::Accepted { .. } => { /* apply the effect */ }
 ///     Verdict::Stale { newest } => println!("refused: epoch 2 < {newest}"),
 ///     Verdict::Conflict { .. } => println!("refused: another owner holds epoch 2"),
+///     _ => println!("refused"),
 /// }
 /// # Ok(()) }
 /// ```
@@ -126,7 +128,7 @@ impl PgLedger {
     ///
     /// ```no_run
     /// # fn demo(fence: brokerfence::PgFence) {
-    /// assert_eq!(brokerfence::PgLedger::new(&fence, "payments-api").scope(), "payments-api");
+    /// assert_eq!(brokerfence::ledger::PgLedger::new(&fence, "payments-api").scope(), "payments-api");
     /// # }
     /// ```
     pub fn scope(&self) -> &str {
@@ -138,7 +140,7 @@ impl PgLedger {
     /// tables must be in the same database as the ledger).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::PgLedger) -> brokerfence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::ledger::PgLedger) -> brokerfence::Result<()> {
     /// let mut tx = ledger.pool().begin().await?;
     /// let verdict = ledger.accept_in(&mut tx, "orders/o-1", 2).await?;
     /// if verdict.is_accepted() { tx.commit().await?; }
@@ -153,7 +155,7 @@ impl PgLedger {
     /// the only way they reach the server).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::PgLedger) -> brokerfence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::ledger::PgLedger) -> brokerfence::Result<()> {
     /// let mut tx = ledger.begin().await?;
     /// if ledger.accept_in_by(&mut tx, "orders/o-1", 2, "worker-a").await?.is_accepted() {
     ///     tx.commit().await?;
@@ -167,7 +169,7 @@ impl PgLedger {
     /// The guards of the fence the ledger was made from (see [`crate::Guards`]).
     ///
     /// ```no_run
-    /// # fn demo(ledger: brokerfence::PgLedger) {
+    /// # fn demo(ledger: brokerfence::ledger::PgLedger) {
     /// assert!(ledger.guards().receiver_ledger_lock());
     /// # }
     /// ```
@@ -186,11 +188,11 @@ impl PgLedger {
     /// stamp): an equal epoch from another owner is refused as [`Verdict::Conflict`].
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::PgLedger) -> brokerfence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::ledger::PgLedger) -> brokerfence::Result<()> {
     /// assert!(ledger.accept_by("orders/o-1", 7, "worker-a").await?.is_accepted());
     /// assert!(ledger.accept_by("orders/o-1", 7, "worker-a").await?.is_accepted()); // a retry
     /// let other = ledger.accept_by("orders/o-1", 7, "worker-b").await?;
-    /// assert_eq!(other, brokerfence::Verdict::Conflict { newest: 7 });
+    /// assert_eq!(other, brokerfence::ledger::Verdict::Conflict { newest: 7 });
     /// # Ok(()) }
     /// ```
     pub async fn accept_by(&self, job: &str, epoch: i64, owner: &str) -> Result<Verdict> {
@@ -273,7 +275,7 @@ impl PgLedger {
     /// [`DEFAULT_LEDGER_AGE`](crate::retention::DEFAULT_LEDGER_AGE)).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::PgLedger) -> brokerfence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::ledger::PgLedger) -> brokerfence::Result<()> {
     /// let report = ledger.prune(brokerfence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
     /// println!("{} ledger rows deleted", report.ledger);
     /// # Ok(()) }
@@ -294,7 +296,7 @@ impl PgLedger {
 ///
 /// ```no_run
 /// # async fn demo(fence: brokerfence::SqliteFence) -> brokerfence::Result<()> {
-/// let ledger = brokerfence::SqliteLedger::new(&fence, "mailer");
+/// let ledger = brokerfence::ledger::SqliteLedger::new(&fence, "mailer");
 /// assert!(ledger.accept("job-1", 1).await?.is_accepted());
 /// # Ok(()) }
 /// ```
@@ -322,7 +324,7 @@ impl SqliteLedger {
     /// [`accept`](Self::accept) for a call that names its `owner` (see [`PgLedger::accept_by`]).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::SqliteLedger) -> brokerfence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::ledger::SqliteLedger) -> brokerfence::Result<()> {
     /// assert!(ledger.accept_by("mail/m-1", 3, "worker-a").await?.is_accepted());
     /// assert!(!ledger.accept_by("mail/m-1", 3, "worker-b").await?.is_accepted());
     /// # Ok(()) }
@@ -385,7 +387,7 @@ impl SqliteLedger {
     /// [`PgLedger::prune`]).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::SqliteLedger) -> brokerfence::Result<()> {
+    /// # async fn demo(ledger: brokerfence::ledger::SqliteLedger) -> brokerfence::Result<()> {
     /// let report = ledger.prune(brokerfence::retention::DEFAULT_LEDGER_AGE, 1_000).await?;
     /// println!("{} ledger rows deleted", report.ledger);
     /// # Ok(()) }
@@ -404,6 +406,7 @@ impl SqliteLedger {
 
 /// Either ledger, for code that serves both backends.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum Ledger {
     /// PostgreSQL.
     #[cfg(feature = "postgres")]

@@ -18,8 +18,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports everything here
-//! at its root (`brokerfence::PgFence`) and as `brokerfence::fence`.
+//! This is a member of `brokerfence`: depend on `brokerfence`, which re-exports the public items
+//! of this crate (`brokerfence::PgFence`, `brokerfence::ledger::Ledger`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
@@ -49,10 +49,9 @@ mod store;
 mod supervisor;
 pub mod wire;
 
-pub use admin::{Admin, AdminError};
+// What `brokerfence` re-exports at its root. Items of the public modules (`admin`, `epoch`,
+// `ledger`, `outbox`, `retention`, `wire`) stay in their module.
 pub use error::{FenceError, Result};
-pub use group::Grouper;
-pub use guards::Guards;
 #[cfg(feature = "serde")]
 pub use job::Json;
 pub use job::{BoxError, IntoJobResult, JobError, JobResultExt};
@@ -61,20 +60,23 @@ pub use lease::{
     Claim, ClaimedJob, DbTime, FailOutcome, Heartbeat, JobRecord, JobState, Lease, LeaseDuration, MIN_LEASE,
     RetryPolicy,
 };
-#[cfg(feature = "postgres")]
-pub use ledger::PgLedger;
-#[cfg(feature = "sqlite")]
-pub use ledger::SqliteLedger;
-pub use ledger::{Ledger, MAX_LEDGER_JOB_BYTES, Verdict};
 pub use metrics::{Counter, Distribution, Metrics, MetricsSnapshot};
-#[cfg(feature = "postgres")]
-pub use outbox::OutboxRow;
 pub use own_tx::FencedConnection;
 #[cfg(feature = "postgres")]
-pub use postgres::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgFence, PgTarget, PgTimeouts, Pooler};
-pub use retention::{PruneReport, QueueRetention, Retention};
+pub use postgres::{PgFence, PgTarget, PgTimeouts, Pooler};
 pub use schema::{DEFAULT_SCHEMA, SchemaName};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
-pub use supervisor::{DEFAULT_COMMIT_WINDOW, JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};
+pub use supervisor::{JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};
+
+// The modules' items under short paths, for this crate's own code.
+pub(crate) use retention::{PruneReport, Retention};
+
+// Plumbing shared with `adapters` and the repository's tests: not part of `brokerfence`'s API.
+#[doc(hidden)]
+pub use group::Grouper;
+#[doc(hidden)]
+pub use guards::Guards;
+#[doc(hidden)]
+pub use supervisor::DEFAULT_COMMIT_WINDOW;

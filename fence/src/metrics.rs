@@ -14,6 +14,7 @@ macro_rules! counters {
     ($($(#[$doc:meta])* $name:ident => $variant:ident),* $(,)?) => {
         /// One counter of [`Metrics`].
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
         pub enum Counter {
             $($(#[$doc])* $variant,)*
         }
@@ -170,6 +171,7 @@ counters!(
 /// A histogram the `metrics` feature exports (see [`Metrics`] for the names and units). Without
 /// the feature, [`Metrics::observe`] ignores it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Distribution {
     /// `brokerfence_claim_duration_seconds`: one claim statement.
     ClaimDuration,

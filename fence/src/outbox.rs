@@ -8,12 +8,12 @@
 //! the zombie's outbox row never exists. A committed outbox row therefore always carries the
 //! epoch of the attempt whose result committed.
 //!
-//! A relay (`brokerfence::adapters::outbox::OutboxRelay`, or your own loop on
+//! A relay (`brokerfence::outbox::OutboxRelay`, or your own loop on
 //! [`PgFence::outbox_claim_in`] and [`PgFence::outbox_mark_sent_in`]) publishes the rows with
 //! their [`FenceStamp`] and marks each sent only after the broker accepted it. A relay that
 //! crashes between the broker's answer and its own commit publishes those rows again: delivery is
 //! at least once, so the consumer applies each message with
-//! [`PgLedger::accept_in`](crate::PgLedger::accept_in) and an idempotent effect in one
+//! [`PgLedger::accept_in`](crate::ledger::PgLedger::accept_in) and an idempotent effect in one
 //! transaction of its own.
 //!
 //! The table is `{schema}.outbox` (migration 4):
@@ -59,7 +59,7 @@ pub(crate) const MIGRATION: &[&str] = &[
 /// One outbox row, as the relay claims it.
 ///
 /// ```
-/// let row = brokerfence::OutboxRow {
+/// let row = brokerfence::outbox::OutboxRow {
 ///     id: 7,
 ///     queue: "orders".into(),
 ///     key: "order-1".into(),
@@ -92,7 +92,7 @@ impl OutboxRow {
     /// The fence stamp to send with the message (see [`crate::wire`]).
     ///
     /// ```
-    /// # let row = brokerfence::OutboxRow { id: 1, queue: "q".into(), key: "k".into(), epoch: 3, owner: "w".into(),
+    /// # let row = brokerfence::outbox::OutboxRow { id: 1, queue: "q".into(), key: "k".into(), epoch: 3, owner: "w".into(),
     /// #     destination: "d".into(), payload: vec![] };
     /// let headers = row.stamp().to_headers();
     /// assert_eq!(headers[2], ("Fence-Epoch", "3".to_string()));

@@ -102,7 +102,7 @@ pub(crate) fn top_level<DB: sqlx::Database>(conn: &DB::Connection) -> Result<()>
 
 fn mismatch(connection: &'static str, store: Backend<'_>) -> FenceError {
     FenceError::Unsupported(match (connection, store) {
-        (_, Backend::Other) => {
+        (_, Backend::Other(_)) => {
             "complete_in: the supervisor's store does not name its backend (a wrapping store must delegate FenceStore::concrete)"
         }
         ("a PostgreSQL connection", _) => "complete_in: a PostgreSQL connection for a store that is not PostgreSQL",

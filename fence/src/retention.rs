@@ -12,7 +12,8 @@
 //! ```no_run
 //! # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
 //! use std::time::Duration;
-//! use brokerfence::{QueueName, QueueRetention, Retention};
+//! use brokerfence::QueueName;
+//! use brokerfence::retention::{QueueRetention, Retention};
 //! let retention = Retention::new()
 //!     .queue(QueueName::new("orders")?, QueueRetention::default()) // 15 days completed, 30 days dead
 //!     .queue(QueueName::new("clicks")?, QueueRetention::completed_for(Duration::from_secs(3600)))
@@ -59,7 +60,7 @@ pub const DEFAULT_PRUNE_EVERY: Duration = Duration::from_secs(300);
 ///
 /// ```
 /// use std::time::Duration;
-/// use brokerfence::QueueRetention;
+/// use brokerfence::retention::QueueRetention;
 /// let r = QueueRetention::default();
 /// assert_eq!(r.completed, Some(Duration::from_secs(15 * 86_400)));
 /// assert_eq!(r.dead, Some(Duration::from_secs(30 * 86_400)));
@@ -105,14 +106,15 @@ impl QueueRetention {
 ///
 /// ```
 /// use std::time::Duration;
-/// use brokerfence::{QueueName, QueueRetention, Retention};
+/// use brokerfence::QueueName;
+/// use brokerfence::retention::{QueueRetention, Retention};
 /// let r = Retention::new()
 ///     .queue(QueueName::new("orders").unwrap(), QueueRetention::default())
 ///     .ledger("billing", Duration::from_secs(86_400))
 ///     .batch_size(500)
 ///     .every(Duration::from_secs(60));
 /// assert_eq!(r.queues().count(), 1);
-/// assert_eq!(r.batch(), 500);
+/// assert_eq!(r.get_batch_size(), 500);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retention {
@@ -184,17 +186,17 @@ impl Retention {
     }
 
     /// Rows per transaction.
-    pub fn batch(&self) -> u32 {
+    pub fn get_batch_size(&self) -> u32 {
         self.batch
     }
 
     /// The background interval.
-    pub fn interval(&self) -> Duration {
+    pub fn get_every(&self) -> Duration {
         self.every
     }
 
     /// The pause between batches.
-    pub fn pause(&self) -> Duration {
+    pub fn get_pause_between_batches(&self) -> Duration {
         self.pause
     }
 

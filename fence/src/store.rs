@@ -171,7 +171,7 @@ pub trait FenceStore: Send + Sync + 'static {
     }
 
     /// Deletes finished jobs (and ledger rows) older than `retention` allows, in bounded batches
-    /// (each a short transaction of at most [`Retention::batch`](crate::Retention::batch) rows,
+    /// (each a short transaction of at most [`Retention::batch`](crate::retention::Retention::batch_size) rows,
     /// read by an index, ages on the database clock), and raises each queue's epoch floor to
     /// the highest epoch it deleted, so that a key sent again after its row was pruned starts
     /// above every epoch it ever had. Pending, running and failed jobs are never deleted. At
@@ -183,7 +183,8 @@ pub trait FenceStore: Send + Sync + 'static {
     ///
     /// ```no_run
     /// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
-    /// use brokerfence::{QueueName, QueueRetention, Retention};
+    /// use brokerfence::QueueName;
+    /// use brokerfence::retention::{QueueRetention, Retention};
     /// let r = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
     /// let report = store.prune(&r).await?;
     /// println!("deleted {} completed, {} dead", report.completed, report.dead);
@@ -197,27 +198,25 @@ pub trait FenceStore: Send + Sync + 'static {
     /// The database clock now, in milliseconds since the Unix epoch.
     async fn db_now(&self) -> Result<crate::DbTime>;
 
-    /// The backend's name, for logs ("postgres", "sqlite").
-    fn backend(&self) -> &'static str;
-
-    /// The concrete store behind this one, for statements that run on the caller's own
-    /// connection ([`JobContext::complete_in`](crate::JobContext::complete_in)). A store that
-    /// wraps another one must delegate this call to it; the default, [`Backend::Other`], makes
-    /// those statements answer [`FenceError::Unsupported`](crate::FenceError::Unsupported).
+    /// The concrete store behind this one ([`Backend::name`] names it in logs), for statements
+    /// that run on the caller's own connection
+    /// ([`JobContext::complete_in`](crate::JobContext::complete_in)). A store that wraps another
+    /// one delegates this call to it; a store of its own kind answers [`Backend::Other`] with its
+    /// name, and those statements then answer
+    /// [`FenceError::Unsupported`](crate::FenceError::Unsupported).
     ///
     /// ```
     /// # async fn demo() -> brokerfence::Result<()> {
     /// use brokerfence::{Backend, FenceStore, SqliteFence};
     /// let store = SqliteFence::open("sqlite::memory:").await?;
-    /// assert!(matches!(store.concrete(), Backend::Sqlite(_)));
+    /// assert!(matches!(store.backend(), Backend::Sqlite(_)));
+    /// assert_eq!(store.backend().name(), "sqlite");
     /// # Ok(()) }
     /// ```
-    fn concrete(&self) -> Backend<'_> {
-        Backend::Other
-    }
+    fn backend(&self) -> Backend<'_>;
 }
 
-/// The concrete store behind a [`FenceStore`] (see [`FenceStore::concrete`]).
+/// The concrete store behind a [`FenceStore`] (see [`FenceStore::backend`]).
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub enum Backend<'a> {
@@ -227,8 +226,26 @@ pub enum Backend<'a> {
     /// SQLite.
     #[cfg(feature = "sqlite")]
     Sqlite(&'a crate::SqliteFence),
-    /// A store of another kind: statements on the caller's own connection are unsupported.
-    Other,
+    /// A store of another kind, with its name: statements on the caller's own connection are
+    /// unsupported.
+    Other(&'static str),
+}
+
+impl Backend<'_> {
+    /// The backend's name, for logs: "postgres", "sqlite", or the name of another kind.
+    ///
+    /// ```
+    /// assert_eq!(brokerfence::Backend::Other("memory").name(), "memory");
+    /// ```
+    pub fn name(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => "postgres",
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(_) => "sqlite",
+            Backend::Other(name) => name,
+        }
+    }
 }
 
 /// Helper for backends: a heartbeat outcome from the renewed subset.

@@ -78,6 +78,7 @@ pub struct FenceStamp {
 /// assert_eq!(err.name(), "Fence-Epoch");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StampError {
     /// A required header or attribute is absent (or empty).
     #[error("missing {name}")]
@@ -158,23 +159,6 @@ impl FenceStamp {
     pub fn with_owner(mut self, owner: impl Into<String>) -> Self {
         self.owner = Some(owner.into());
         self
-    }
-
-    /// The stamp of a lease: its queue, key, epoch and owner.
-    ///
-    /// ```no_run
-    /// # fn demo(lease: brokerfence::Lease) {
-    /// let stamp = brokerfence::wire::FenceStamp::of_lease(&lease);
-    /// assert_eq!(stamp.epoch, lease.epoch);
-    /// # }
-    /// ```
-    pub fn of_lease(lease: &Lease) -> Self {
-        Self {
-            queue: lease.queue.as_str().to_owned(),
-            job: lease.key.as_str().to_owned(),
-            epoch: lease.epoch,
-            owner: Some(lease.owner.as_str().to_owned()),
-        }
     }
 
     /// The (name, encoded value) pairs to send: queue, job, epoch, and the owner when known.
@@ -303,8 +287,8 @@ impl FenceStamp {
     /// epoch at the ledger (see [`crate::ledger`]).
     ///
     /// ```no_run
-    /// # async fn demo(ledger: brokerfence::Ledger, stamp: brokerfence::wire::FenceStamp) -> brokerfence::Result<()> {
-    /// if let brokerfence::Verdict::Stale { newest } = stamp.accept(&ledger).await? {
+    /// # async fn demo(ledger: brokerfence::ledger::Ledger, stamp: brokerfence::wire::FenceStamp) -> brokerfence::Result<()> {
+    /// if let brokerfence::ledger::Verdict::Stale { newest } = stamp.accept(&ledger).await? {
     ///     println!("refused: {}", brokerfence::wire::stale_epoch_json(&stamp, newest));
     /// }
     /// # Ok(()) }
@@ -317,9 +301,22 @@ impl FenceStamp {
     }
 }
 
+/// The stamp of a lease: its queue, key, epoch and owner.
+///
+/// ```no_run
+/// # fn demo(lease: brokerfence::Lease) {
+/// let stamp = brokerfence::wire::FenceStamp::from(&lease);
+/// assert_eq!(stamp.epoch, lease.epoch);
+/// # }
+/// ```
 impl From<&Lease> for FenceStamp {
     fn from(lease: &Lease) -> Self {
-        Self::of_lease(lease)
+        Self {
+            queue: lease.queue.as_str().to_owned(),
+            job: lease.key.as_str().to_owned(),
+            epoch: lease.epoch,
+            owner: Some(lease.owner.as_str().to_owned()),
+        }
     }
 }
 

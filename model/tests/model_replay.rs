@@ -129,6 +129,7 @@ impl<'a> Replay<'a> {
                     Claim::Done { .. } => Answer::Done,
                     Claim::Dead { .. } => Answer::Dead,
                     Claim::Backoff { .. } => Answer::Backoff { retry_in: 1 },
+                    other => panic!("a claim the model does not know: {other:?}"),
                 }
             }
             Action::Heartbeat(w) => {
@@ -143,6 +144,7 @@ impl<'a> Replay<'a> {
             Action::Fail(w) => match f.fail(self.lease_of(w), "handler error", true, &policy(&self.model)).await {
                 Ok(FailOutcome::Retry { .. }) => Answer::Retry { retry_in: self.model.bounds.backoff },
                 Ok(FailOutcome::Dead) => Answer::Dead,
+                Ok(other) => panic!("a fail outcome the model does not know: {other:?}"),
                 Err(e) if e.is_fenced() => Answer::Fenced,
                 Err(e) => panic!("fail: {e}"),
             },
@@ -164,6 +166,7 @@ impl<'a> Replay<'a> {
             fence::JobState::Completed => JobState::Completed,
             fence::JobState::Failed => JobState::Failed,
             fence::JobState::Dead => JobState::Dead,
+            other => panic!("a state the model does not know: {other:?}"),
         };
         let owner = job.owner.map(|o| self.owners.iter().position(|x| x.as_str() == o).expect("a known owner") as u8);
         Some((state, job.epoch as u8, owner, job.attempts as u8, job.failures as u8))

@@ -9,8 +9,9 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{Ledger, PgFence, PgLedger, Verdict};
+use brokerfence::PgFence;
+use brokerfence::ledger::{Ledger, PgLedger, Verdict};
+use brokerfence::wire::FenceStamp;
 use tokio::sync::{Notify, watch};
 
 /// One call the receiver saw.
@@ -160,21 +161,21 @@ async fn apply(State(app): State<Arc<App>>, headers: HeaderMap, body: axum::body
     app.changed.notify_waiters();
     match verdict {
         Verdict::Accepted { .. } => (StatusCode::OK, "applied".into()),
-        Verdict::Stale { newest } => (StatusCode::CONFLICT, brokerfence::fence::wire::stale_epoch_json(&stamp, newest)),
-        _ => (StatusCode::CONFLICT, brokerfence::fence::wire::epoch_conflict_json(&stamp)),
+        Verdict::Stale { newest } => (StatusCode::CONFLICT, brokerfence::wire::stale_epoch_json(&stamp, newest)),
+        _ => (StatusCode::CONFLICT, brokerfence::wire::epoch_conflict_json(&stamp)),
     }
 }
 
 /// The handler the in-process workers of the tests run: calls the receiver with the stamp and
 /// commits "owner@epoch" (the same behaviour as `examples/sqs_worker.rs`).
-pub fn calling_handler(receiver_url: String) -> impl brokerfence::adapters::Handler {
+pub fn calling_handler(receiver_url: String) -> impl brokerfence::Handler {
     calling_handler_after(receiver_url, Duration::ZERO)
 }
 
 /// [`calling_handler`] that first works for `delay` (a sleep), so that attempts are in flight.
-pub fn calling_handler_after(receiver_url: String, delay: Duration) -> impl brokerfence::adapters::Handler {
+pub fn calling_handler_after(receiver_url: String, delay: Duration) -> impl brokerfence::Handler {
     let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap_or_default();
-    move |ctx: brokerfence::fence::JobContext| {
+    move |ctx: brokerfence::JobContext| {
         let http = http.clone();
         let url = receiver_url.clone();
         async move {
@@ -182,12 +183,12 @@ pub fn calling_handler_after(receiver_url: String, delay: Duration) -> impl brok
                 tokio::time::sleep(delay).await;
             }
             let mut req = http.post(&url).body(ctx.payload().to_vec());
-            for (k, v) in FenceStamp::of_lease(ctx.lease()).to_headers() {
+            for (k, v) in FenceStamp::from(ctx.lease()).to_headers() {
                 req = req.header(k, v);
             }
-            let resp = req.send().await.map_err(brokerfence::fence::JobError::retry)?;
+            let resp = req.send().await.map_err(brokerfence::JobError::retry)?;
             if !resp.status().is_success() {
-                return Err(brokerfence::fence::JobError::retry(format!("receiver answered {}", resp.status())));
+                return Err(brokerfence::JobError::retry(format!("receiver answered {}", resp.status())));
             }
             Ok(format!("{}@{}", ctx.owner(), ctx.epoch()).into_bytes())
         }

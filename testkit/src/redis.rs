@@ -11,13 +11,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::redis::RedisConn;
-use brokerfence::adapters::redis::RedisConnections;
-use brokerfence::adapters::redis::client::{self, Value, aio::MultiplexedConnection};
-use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source, SourceError};
-use brokerfence::fence::{
-    FenceStore, JobRecord, Metrics, MetricsSnapshot, Owner, PgFence, QueueName, SupervisorConfig,
-};
+use brokerfence::redis::RedisConn;
+use brokerfence::redis::RedisConnections;
+use brokerfence::redis::client::{self, Value, aio::MultiplexedConnection};
+use brokerfence::{Consumer, ConsumerConfig, Handler, Source, SourceError};
+use brokerfence::{FenceStore, JobRecord, Metrics, MetricsSnapshot, Owner, PgFence, QueueName, SupervisorConfig};
 use sqlx::AssertSqlSafe;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

@@ -9,9 +9,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use brokerfence::fence::{
-    self, FenceStore, JobKey, JobRecord, Lease, LeaseDuration, Ledger, PgFence, PgLedger, QueueName, SchemaName,
-    SqliteFence, SqliteLedger, Verdict,
+use brokerfence::ledger::{Ledger, PgLedger, SqliteLedger, Verdict};
+use brokerfence::{
+    self, FenceStore, JobKey, JobRecord, Lease, LeaseDuration, PgFence, QueueName, SchemaName, SqliteFence,
 };
 use sqlx::{AssertSqlSafe, Connection};
 

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use brokerfence::fence::Metrics;
+use brokerfence::Metrics;
 
 /// How often the loop checks again.
 const POLL: Duration = Duration::from_millis(25);

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::fence::{
+use brokerfence::{
     Claim, FenceStore, JobState, Lease, Owner, PgFence, QueueName, RetryPolicy, SchemaName, SqliteFence,
 };
 use common::{key, lease};
@@ -636,13 +636,13 @@ async fn ergonomics_admin_refuses_a_store_without_a_concrete_backend() {
         async fn db_now(&self) -> brokerfence::Result<brokerfence::DbTime> {
             self.0.db_now().await
         }
-        fn backend(&self) -> &'static str {
-            "opaque"
+        fn backend(&self) -> brokerfence::Backend<'_> {
+            brokerfence::Backend::Other("opaque")
         }
     }
     let opaque = Opaque(common::pg().await);
     let err = brokerfence::admin::Admin::new(&opaque).expect_err("no concrete store");
-    assert!(matches!(err, brokerfence::AdminError::UnsupportedStore { backend: "opaque" }), "{err}");
+    assert!(matches!(err, brokerfence::admin::AdminError::UnsupportedStore { backend: "opaque" }), "{err}");
     // The concrete store itself works.
     let admin = brokerfence::admin::Admin::new(&opaque.0).expect("PgFence");
     assert!(admin.status(None).await.expect("status").queues.is_empty());

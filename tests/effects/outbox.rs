@@ -23,12 +23,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use brokerfence::adapters::outbox::{OutboxRelay, PublishError, Published, Publisher, RelayConfig};
-use brokerfence::adapters::redis::RedisPublisher;
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::sqs::SqsPublisher;
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{Claim, FenceStore, JobKey, LeaseDuration, OutboxRow, Owner, PgFence, PgLedger, QueueName};
+use brokerfence::ledger::PgLedger;
+use brokerfence::outbox::OutboxRow;
+use brokerfence::outbox::{OutboxRelay, PublishError, Published, Publisher, RelayConfig};
+use brokerfence::redis::RedisPublisher;
+use brokerfence::redis::client;
+use brokerfence::sqs::SqsPublisher;
+use brokerfence::wire::FenceStamp;
+use brokerfence::{Claim, FenceStore, JobKey, LeaseDuration, Owner, PgFence, QueueName};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_util::sync::CancellationToken;
@@ -676,7 +678,7 @@ async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
 #[tokio::test]
 async fn effects_outbox_guard_off_a_careless_zombie_commits_its_outbox_row() {
     let pg = sqs_support::pg().await;
-    let pg = pg.clone().with_guards(brokerfence::fence::Guards::default().without_fenced_tx_rollback());
+    let pg = pg.clone().with_guards(fence::Guards::default().without_fenced_tx_rollback());
     let (rows, old, new) = zombie_and_successor(&pg, true).await;
     assert_eq!(rows, vec![(old, b"zombie".to_vec()), (new, b"new".to_vec())], "the violation shows");
     sqs_support::drop_schema(&pg).await;

@@ -18,12 +18,12 @@ use brokerfence_testkit::store as common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
-use brokerfence::fence::{
+use brokerfence::TableQueue;
+use brokerfence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LossReason, Outcome, Owner, PgFence, QueueName,
     SqliteFence, Supervisor, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig, Retrofit};
 use common::{key, lease, unique};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -105,7 +105,7 @@ fn jobs() -> Vec<(JobKey, Vec<u8>)> {
 }
 
 /// Runs `consumer` with `handler` until every job is completed (or fails the test).
-async fn drain<H: brokerfence::adapters::Handler>(consumer: Consumer<TableQueue>, handler: H) -> Consumer<TableQueue> {
+async fn drain<H: brokerfence::Handler>(consumer: Consumer<TableQueue>, handler: H) -> Consumer<TableQueue> {
     let stop = CancellationToken::new();
     let consumer = Arc::new(consumer);
     let running = {
@@ -126,7 +126,7 @@ async fn drain<H: brokerfence::adapters::Handler>(consumer: Consumer<TableQueue>
 /// handler's result, exactly one business row per job at that epoch, and counters that say
 /// "completed in the handler's transaction" with no second commit and nothing fenced.
 fn assert_own_commits(
-    metrics: brokerfence::fence::MetricsSnapshot,
+    metrics: brokerfence::MetricsSnapshot,
     rows: &[(String, i64, String)],
     jobs: &[(String, JobState, i64, Option<Vec<u8>>)],
 ) {
@@ -159,10 +159,10 @@ fn consumer_config() -> ConsumerConfig {
 
 /// Enqueues the jobs on `store`'s table queue and drains them through a `Consumer` running
 /// `handler`; the queue and the consumer's counters.
-async fn through_the_consumer<H: brokerfence::adapters::Handler>(
+async fn through_the_consumer<H: brokerfence::Handler>(
     store: Arc<dyn FenceStore>,
     handler: H,
-) -> (QueueName, brokerfence::fence::MetricsSnapshot) {
+) -> (QueueName, brokerfence::MetricsSnapshot) {
     let queue = QueueName::new(unique("own")).expect("queue");
     store.enqueue_many(&queue, &jobs()).await.expect("enqueue");
     let consumer = Consumer::new(TableQueue::new(Arc::clone(&store), queue.clone()), store, consumer_config());
@@ -213,8 +213,8 @@ async fn effects_own_commit_through_the_retrofit_pg() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effects_own_commit_through_the_list_retrofit_pg() {
-    use brokerfence::adapters::Disposition;
-    use brokerfence::adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
+    use brokerfence::Disposition;
+    use brokerfence::redis::{ItemKey, ListRetrofit, RedisConnections};
     let fence = common::pg().await;
     let table = pg_business_table(&fence).await;
     let url = brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
@@ -245,8 +245,8 @@ async fn effects_own_commit_through_the_list_retrofit_pg() {
 #[cfg(feature = "sqs")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effects_own_commit_through_the_sqs_retrofit_pg() {
-    use brokerfence::adapters::Disposition;
-    use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource};
+    use brokerfence::Disposition;
+    use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource};
     let client = sqs_support::sqs().await;
     let fence = common::pg().await;
     let table = pg_business_table(&fence).await;
@@ -312,7 +312,7 @@ async fn effects_own_commit_that_never_commits_is_a_failure_not_a_completion() {
         })
         .await;
     assert!(!done.should_ack(), "{done:?}");
-    assert!(matches!(done.detail, brokerfence::adapters::Detail::Ran(Outcome::Failed { .. })), "{done:?}");
+    assert!(matches!(done.detail, brokerfence::Detail::Ran(Outcome::Failed { .. })), "{done:?}");
     let job = fence.job(&queue, &key("forgot")).await.expect("read").expect("job");
     assert_eq!(job.state, JobState::Failed);
     assert!(job.last_error.as_deref().unwrap_or_default().contains("did not commit"), "{job:?}");
@@ -392,7 +392,7 @@ async fn effects_fenced_complete_in_aborts_the_transaction_sqlite() {
 /// The negative controls: with the guard switched off the zombie's row commits, on both backends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effects_guard_switch_fenced_tx_rollback_off_lets_the_zombies_rows_commit() {
-    let off = brokerfence::fence::Guards::default().without_fenced_tx_rollback();
+    let off = fence::Guards::default().without_fenced_tx_rollback();
     assert_eq!(fenced_complete_in_pg(common::pg().await.with_guards(off)).await, 1, "PostgreSQL without the guard");
     assert_eq!(fenced_complete_in_sqlite(common::sqlite().await.with_guards(off)).await, 1, "SQLite without the guard");
 }

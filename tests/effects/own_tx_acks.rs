@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use brokerfence::fence::{
-    Claim, FenceError, FenceStore, Guards, JobError, JobState, Lease, Outcome, Owner, PgFence, QueueName, Supervisor,
+use brokerfence::{
+    Claim, FenceError, FenceStore, JobError, JobState, Lease, Outcome, Owner, PgFence, QueueName, Supervisor,
     SupervisorConfig,
 };
 use brokerfence_testkit::store::{self as common, key, lease, unique};
+use fence::Guards;
 use futures::future::BoxFuture;
 use sqlx::{AssertSqlSafe, Connection};
 
@@ -49,7 +50,7 @@ async fn commit_then_run_on<S: FenceStore + Clone + 'static>(
     store: S,
     checkpoint_after: bool,
     begin: impl Fn() -> BoxFuture<'static, sqlx::Result<Box<dyn OwnTx>>> + Send + Sync + 'static,
-) -> (Outcome, bool, brokerfence::fence::MetricsSnapshot) {
+) -> (Outcome, bool, brokerfence::MetricsSnapshot) {
     let queue = QueueName::new(unique("run-on")).expect("queue");
     let owner = Owner::unique("w");
     let lease_len = lease(3);
@@ -86,13 +87,13 @@ async fn commit_then_run_on<S: FenceStore + Clone + 'static>(
 /// A handler transaction of either backend, boxed so one test body serves both.
 #[async_trait::async_trait]
 trait OwnTx: Send {
-    async fn complete(&mut self, ctx: &brokerfence::fence::JobContext, result: &[u8]) -> Result<(), JobError>;
+    async fn complete(&mut self, ctx: &brokerfence::JobContext, result: &[u8]) -> Result<(), JobError>;
     async fn commit(self: Box<Self>) -> sqlx::Result<()>;
 }
 
 #[async_trait::async_trait]
 impl OwnTx for sqlx::Transaction<'static, sqlx::Postgres> {
-    async fn complete(&mut self, ctx: &brokerfence::fence::JobContext, result: &[u8]) -> Result<(), JobError> {
+    async fn complete(&mut self, ctx: &brokerfence::JobContext, result: &[u8]) -> Result<(), JobError> {
         ctx.complete_in(&mut **self, result).await.map_err(JobError::retry)
     }
     async fn commit(self: Box<Self>) -> sqlx::Result<()> {
@@ -102,7 +103,7 @@ impl OwnTx for sqlx::Transaction<'static, sqlx::Postgres> {
 
 #[async_trait::async_trait]
 impl OwnTx for sqlx::Transaction<'static, sqlx::Sqlite> {
-    async fn complete(&mut self, ctx: &brokerfence::fence::JobContext, result: &[u8]) -> Result<(), JobError> {
+    async fn complete(&mut self, ctx: &brokerfence::JobContext, result: &[u8]) -> Result<(), JobError> {
         ctx.complete_in(&mut **self, result).await.map_err(JobError::retry)
     }
     async fn commit(self: Box<Self>) -> sqlx::Result<()> {
@@ -110,13 +111,13 @@ impl OwnTx for sqlx::Transaction<'static, sqlx::Sqlite> {
     }
 }
 
-fn assert_one_ack(outcome: Outcome, reached_end: bool, m: brokerfence::fence::MetricsSnapshot) {
+fn assert_one_ack(outcome: Outcome, reached_end: bool, m: brokerfence::MetricsSnapshot) {
     assert!(matches!(outcome, Outcome::Completed), "one commit must be one ack, got {outcome:?} ({m})");
     assert!(reached_end, "the handler was cancelled after its own commit");
     assert_one_completion(m);
 }
 
-fn assert_one_completion(m: brokerfence::fence::MetricsSnapshot) {
+fn assert_one_completion(m: brokerfence::MetricsSnapshot) {
     assert_eq!((m.completions, m.own_commits, m.lease_losses), (1, 1, 0), "{m}");
 }
 

@@ -23,11 +23,11 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
-use brokerfence::adapters::http::{
-    AcceptedStamp, AtomicEpochGuard, DEFAULT_HANDLER_TIMEOUT, EffectTx, EffectTxError, EpochGuard,
-};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{FenceStore, Ledger, PgFence, PgLedger, PgTimeouts};
+use brokerfence::http::atomic::{AtomicEpochGuard, DEFAULT_HANDLER_TIMEOUT, EffectTx, EffectTxError};
+use brokerfence::http::{AcceptedStamp, EpochGuard};
+use brokerfence::ledger::{Ledger, PgLedger};
+use brokerfence::wire::FenceStamp;
+use brokerfence::{FenceStore, PgFence, PgTimeouts};
 use sqlx::AssertSqlSafe;
 use tokio::sync::Notify;
 
@@ -327,7 +327,7 @@ async fn serve_with(guard: Guard, fence: PgFence, slow_epoch: Option<i64>, handl
             .route("/refuse", post(refusing_effect))
             .route("/sloppy", post(sloppy_effect))
             .route("/leak", post(leaking_effect))
-            .layer(AtomicEpochGuard::new(ledger).with_handler_timeout(handler_timeout).layer()),
+            .layer(AtomicEpochGuard::new(ledger).handler_timeout(handler_timeout).layer()),
         Guard::CheckOnly => {
             Router::new().route("/effect", post(checked_effect)).layer(EpochGuard::new(Ledger::Pg(ledger)).layer())
         }
@@ -485,7 +485,7 @@ async fn effects_check_only_guard_lets_slow_epoch1_land_last() {
 /// violation. On, the same scenario ends with epoch 2's effect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn effects_guard_receiver_ledger_lock() {
-    use brokerfence::fence::Guards;
+    use fence::Guards;
     let on = serve(Guard::Atomic, common::pg().await, Some(1)).await;
     let off_fence = common::pg().await.with_guards(Guards::default().without_receiver_ledger_lock());
     let off = serve(Guard::Atomic, off_fence, Some(1)).await;

@@ -14,7 +14,7 @@ mod edges {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use brokerfence::fence::{FenceStore, JobState, PgFence, QueueName};
+    use brokerfence::{FenceStore, JobState, PgFence, QueueName};
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
     use tokio::sync::Notify;
 
@@ -256,7 +256,7 @@ mod edges {
         assert!(schema_exists(&admin, &s).await);
         let (code, _, _) = worker.stop().await;
         assert_eq!(code, 0);
-        let fence = admin.clone().with_schema(brokerfence::fence::SchemaName::new(s).expect("schema"));
+        let fence = admin.clone().with_schema(brokerfence::SchemaName::new(s).expect("schema"));
         fence.check_schema().await.expect("migrated by --migrate");
     }
 
@@ -402,7 +402,7 @@ mod edges {
         );
         worker.wait(Duration::from_secs(30), "claimed", |p| !p.events("claimed").is_empty()).await;
         worker.signal(libc::SIGSTOP);
-        let thief = brokerfence::fence::Owner::new("h6-thief").expect("owner");
+        let thief = brokerfence::Owner::new("h6-thief").expect("owner");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         let taken = loop {
             let got = fence.claim_next(&q, &thief, common::lease(30), 1).await.expect("claim_next");
@@ -512,7 +512,7 @@ mod edges {
     /// Removes the test's stream from the shared Redis.
     #[cfg(feature = "redis")]
     async fn delete_key(url: &str, key: &str) {
-        use brokerfence::adapters::redis::client;
+        use brokerfence::redis::client;
         if let Ok(c) = client::Client::open(url)
             && let Ok(mut conn) = c.get_multiplexed_async_connection().await
         {

@@ -11,17 +11,18 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Handler};
+use brokerfence::TableQueue;
 use brokerfence::epoch::{EPOCHS_PER_TIMELINE, timeline_of};
-use brokerfence::fence::{
-    Claim, FenceError, FenceStore, Guards, JobKey, JobState, Owner, PgFence, PgTarget, PgTimeouts, Pooler, QueueName,
+use brokerfence::{
+    Claim, FenceError, FenceStore, JobKey, JobState, Owner, PgFence, PgTarget, PgTimeouts, Pooler, QueueName,
     SchemaName, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig, Handler};
 use brokerfence_testkit::pg_topology::{PgBouncer, PgPair, Relay, Replication};
 use brokerfence_testkit::receiver::{Call, Receiver, calling_handler_after};
 use brokerfence_testkit::store as common;
 use common::{key, lease};
+use fence::Guards;
 use tokio_util::sync::CancellationToken;
 
 // ------------------------------------------------------------------------------------- helpers

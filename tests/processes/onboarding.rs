@@ -12,7 +12,7 @@ use brokerfence_testkit::store as common;
 
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::{FenceError, PgFence, SqliteFence};
+use brokerfence::{FenceError, PgFence, SqliteFence};
 
 /// A TCP port on 127.0.0.1 where nothing listens: bound, then closed.
 fn closed_port() -> u16 {
@@ -128,7 +128,7 @@ fn onboarding_worker_on_a_closed_postgres_port_says_where_and_why() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn onboarding_redis_on_a_closed_port_names_the_address() {
-    use brokerfence::adapters::redis::{RedisConnections, RedisError};
+    use brokerfence::redis::{RedisConnections, RedisError};
     let port = closed_port();
     let err = RedisConnections::connect(&format!("redis://127.0.0.1:{port}")).await.expect_err("nothing listens");
     let text = err.to_string();
@@ -143,7 +143,7 @@ async fn onboarding_redis_on_a_closed_port_names_the_address() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn onboarding_a_non_redis_url_is_refused_naming_scheme_and_form() {
-    use brokerfence::adapters::redis::{RedisConnections, RedisError};
+    use brokerfence::redis::{RedisConnections, RedisError};
     let err = RedisConnections::connect("http://127.0.0.1:6379").await.expect_err("not Redis");
     let text = err.to_string();
     println!("{text}");
@@ -214,7 +214,7 @@ fn onboarding_sqs_worker_on_a_closed_endpoint_retries_briefly_then_exits() {
     println!("exit {code} after {took:?}\nstdout:\n{out}\nstderr:\n{err}");
     assert_eq!(code, 1, "{err}");
     assert!(!out.contains("EVENT ready"), "{out}");
-    let attempts = brokerfence::adapters::sqs::CHECK_ATTEMPTS;
+    let attempts = brokerfence::sqs::CHECK_ATTEMPTS;
     for n in 1..attempts {
         let line = line_with(&err, &format!("attempt {n} of {attempts}"));
         assert!(line.contains(&endpoint) && line.contains("refused"), "{line}");

@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::fence::{FenceStore, JobState, QueueName};
+use brokerfence::{FenceStore, JobState, QueueName};
 use brokerfence_testkit::process::built_example;
 use tokio::io::{AsyncBufReadExt, BufReader};
 

@@ -10,10 +10,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{ItemKey, KeyFrom, ListRetrofit, ReliableList, StreamSource, token};
-use brokerfence::adapters::{Detail, Disposition, Handler};
-use brokerfence::fence::{Claim, JobContext, JobError, JobState, Owner, QueueName, RetryPolicy, SupervisorConfig};
+use brokerfence::redis::client;
+use brokerfence::redis::{ItemKey, KeyFrom, ListRetrofit, ReliableList, StreamSource, token};
+use brokerfence::{Claim, JobContext, JobError, JobState, Owner, QueueName, RetryPolicy, SupervisorConfig};
+use brokerfence::{Detail, Disposition, Handler};
 use redis_support::*;
 
 type Log = Arc<Mutex<Vec<(String, i64, String)>>>;
@@ -129,10 +129,10 @@ async fn heartbeat_keeps_a_live_entry_from_being_auto_claimed() {
         consumer_config(3, 4),
         logging_handler(Arc::clone(&log), Duration::ZERO),
     );
-    let lease_key = brokerfence::adapters::redis::lease_key(
+    let lease_key = brokerfence::redis::lease_key(
         &stream,
         &QueueName::new(stream.as_str()).expect("queue"),
-        &brokerfence::fence::JobKey::new("slow-1").expect("key"),
+        &brokerfence::JobKey::new("slow-1").expect("key"),
     );
     tokio::time::sleep(Duration::from_millis(1600).saturating_sub(started.elapsed())).await;
     let holder: Option<String> = client::cmd("GET").arg(&lease_key).query_async(&mut conn).await.expect("GET");
@@ -302,8 +302,7 @@ async fn failed_attempts_come_back_after_the_backoff() {
     };
     let retry =
         RetryPolicy { max_attempts: 5, base_backoff: Duration::from_millis(400), max_backoff: Duration::from_secs(1) };
-    let config =
-        brokerfence::adapters::ConsumerConfig::new(SupervisorConfig::new(lease(3)).retry(retry)).concurrency(2);
+    let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(lease(3)).retry(retry)).concurrency(2);
     let c = spawn_consumer(stream_source(&env, &stream, "g"), env.store(), "w", config, handler);
     wait_for("the retry to commit", Duration::from_secs(10), || {
         let s = c.snapshot();
@@ -446,7 +445,7 @@ async fn reliable_list_puts_back_items_whose_lease_lapsed() {
         .query_async(&mut conn)
         .await
         .expect("LPUSH");
-    let held_key = source.leases().key(&q, &brokerfence::fence::JobKey::new("held").expect("key"));
+    let held_key = source.leases().key(&q, &brokerfence::JobKey::new("held").expect("key"));
     let _: () = client::cmd("SET")
         .arg(&held_key)
         .arg("dead-worker:1")

@@ -21,19 +21,17 @@ mod edges {
     use std::time::{Duration, Instant};
 
     use async_trait::async_trait;
-    use brokerfence::adapters::redis::client;
-    use brokerfence::adapters::redis::{
+    use brokerfence::redis::client;
+    use brokerfence::redis::{
         ItemKey, KeyFrom, LeaseKeys, ListRetrofit, RedisConnections, RedisError, RedisTimeouts, StreamDelivery,
         StreamSource,
     };
-    use brokerfence::adapters::{
-        ConsumerConfig, Detail, Disposition, Incoming, Processed, ReceiveContext, Source, SourceError,
-    };
-    use brokerfence::fence::{
+    use brokerfence::{
         Claim, ClaimedJob, DbTime, FailOutcome, FenceError, FenceStore, Heartbeat, JobContext, JobError, JobKey,
         JobRecord, JobState, Lease, LeaseDuration, LossReason, Outcome, Owner, PgFence, QueueName, RetryPolicy,
         SupervisorConfig,
     };
+    use brokerfence::{ConsumerConfig, Detail, Disposition, Incoming, Processed, ReceiveContext, Source, SourceError};
 
     use super::redis_support::*;
 
@@ -62,7 +60,7 @@ mod edges {
 
     #[async_trait]
     impl FenceStore for FaultyStore {
-        async fn migrate(&self) -> brokerfence::fence::Result<()> {
+        async fn migrate(&self) -> brokerfence::Result<()> {
             self.inner.migrate().await
         }
         async fn claim(
@@ -71,7 +69,7 @@ mod edges {
             key: &JobKey,
             owner: &Owner,
             lease: LeaseDuration,
-        ) -> brokerfence::fence::Result<Claim> {
+        ) -> brokerfence::Result<Claim> {
             self.inner.claim(queue, key, owner, lease).await
         }
         async fn claim_batch(
@@ -80,10 +78,10 @@ mod edges {
             keys: &[JobKey],
             owner: &Owner,
             lease: LeaseDuration,
-        ) -> brokerfence::fence::Result<Vec<Claim>> {
+        ) -> brokerfence::Result<Vec<Claim>> {
             self.inner.claim_batch(queue, keys, owner, lease).await
         }
-        async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> brokerfence::fence::Result<u64> {
+        async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> brokerfence::Result<u64> {
             self.inner.enqueue_many(queue, jobs).await
         }
         async fn claim_next(
@@ -92,19 +90,19 @@ mod edges {
             owner: &Owner,
             lease: LeaseDuration,
             n: u32,
-        ) -> brokerfence::fence::Result<Vec<ClaimedJob>> {
+        ) -> brokerfence::Result<Vec<ClaimedJob>> {
             self.inner.claim_next(queue, owner, lease, n).await
         }
-        async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> brokerfence::fence::Result<Heartbeat> {
+        async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> brokerfence::Result<Heartbeat> {
             if self.heartbeats_fail.load(Ordering::SeqCst) {
                 return Err(unreachable());
             }
             self.inner.heartbeat(leases, lease).await
         }
-        async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> brokerfence::fence::Result<()> {
+        async fn checkpoint(&self, lease: &Lease, progress: &[u8]) -> brokerfence::Result<()> {
             self.inner.checkpoint(lease, progress).await
         }
-        async fn complete(&self, lease: &Lease, result: &[u8]) -> brokerfence::fence::Result<()> {
+        async fn complete(&self, lease: &Lease, result: &[u8]) -> brokerfence::Result<()> {
             if self.commits_fail.load(Ordering::SeqCst) {
                 return Err(unreachable());
             }
@@ -113,7 +111,7 @@ mod edges {
         async fn complete_batch(
             &self,
             items: &[(Lease, Vec<u8>)],
-        ) -> brokerfence::fence::Result<Vec<brokerfence::fence::Result<()>>> {
+        ) -> brokerfence::Result<Vec<brokerfence::Result<()>>> {
             if self.commits_fail.load(Ordering::SeqCst) {
                 return Err(unreachable());
             }
@@ -125,20 +123,20 @@ mod edges {
             error: &str,
             retry: bool,
             policy: &RetryPolicy,
-        ) -> brokerfence::fence::Result<FailOutcome> {
+        ) -> brokerfence::Result<FailOutcome> {
             self.inner.fail(lease, error, retry, policy).await
         }
-        async fn release(&self, lease: &Lease) -> brokerfence::fence::Result<()> {
+        async fn release(&self, lease: &Lease) -> brokerfence::Result<()> {
             self.inner.release(lease).await
         }
-        async fn job(&self, queue: &QueueName, key: &JobKey) -> brokerfence::fence::Result<Option<JobRecord>> {
+        async fn job(&self, queue: &QueueName, key: &JobKey) -> brokerfence::Result<Option<JobRecord>> {
             self.inner.job(queue, key).await
         }
-        async fn db_now(&self) -> brokerfence::fence::Result<DbTime> {
+        async fn db_now(&self) -> brokerfence::Result<DbTime> {
             self.inner.db_now().await
         }
-        fn backend(&self) -> &'static str {
-            "faulty-postgres"
+        fn backend(&self) -> brokerfence::Backend<'_> {
+            brokerfence::Backend::Other("faulty-postgres")
         }
     }
 

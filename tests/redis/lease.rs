@@ -9,9 +9,9 @@ use brokerfence_testkit::redis as redis_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{Acquired, KeyFrom, LeaseKeys, Renewed, StreamSource, lease_key, token};
-use brokerfence::fence::{JobContext, JobKey, Owner, QueueName};
+use brokerfence::redis::client;
+use brokerfence::redis::{Acquired, KeyFrom, LeaseKeys, Renewed, StreamSource, lease_key, token};
+use brokerfence::{JobContext, JobKey, Owner, QueueName};
 use redis_support::*;
 use tokio::sync::Semaphore;
 
@@ -166,7 +166,7 @@ async fn one_script_call_per_tick_for_all_in_flight_jobs_and_noscript_fallback()
         let (g, s) = (Arc::clone(&g), Arc::clone(&s));
         async move {
             s.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let _permit = g.acquire().await.map_err(brokerfence::fence::JobError::retry)?;
+            let _permit = g.acquire().await.map_err(brokerfence::JobError::retry)?;
             Ok(format!("{}", ctx.epoch()).into_bytes())
         }
     };

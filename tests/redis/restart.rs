@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::redis::{KeyFrom, StreamSource};
-use brokerfence::fence::{JobContext, JobError, QueueName};
+use brokerfence::redis::{KeyFrom, StreamSource};
+use brokerfence::{JobContext, JobError, QueueName};
 use redis_support::*;
 use tokio::sync::Semaphore;
 

@@ -28,10 +28,11 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{KeyFrom, StreamSource, lease_key};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{JobContext, JobError, JobKey, JobState, Ledger, PgLedger, QueueName, Verdict};
+use brokerfence::ledger::{Ledger, PgLedger, Verdict};
+use brokerfence::redis::client;
+use brokerfence::redis::{KeyFrom, StreamSource, lease_key};
+use brokerfence::wire::FenceStamp;
+use brokerfence::{JobContext, JobError, JobKey, JobState, QueueName};
 use brokerfence_testkit::process::signal;
 use redis_support::*;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -96,10 +97,8 @@ async fn apply(State(rx): State<Arc<Rx>>, headers: HeaderMap, body: String) -> (
             rx.effects.lock().expect("effects").push((stamp.epoch, body));
             (StatusCode::OK, "applied".to_owned())
         }
-        Ok(Verdict::Stale { newest }) => {
-            (StatusCode::CONFLICT, brokerfence::fence::wire::stale_epoch_json(&stamp, newest))
-        }
-        Ok(_) => (StatusCode::CONFLICT, brokerfence::fence::wire::epoch_conflict_json(&stamp)),
+        Ok(Verdict::Stale { newest }) => (StatusCode::CONFLICT, brokerfence::wire::stale_epoch_json(&stamp, newest)),
+        Ok(_) => (StatusCode::CONFLICT, brokerfence::wire::epoch_conflict_json(&stamp)),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
     rx.calls.lock().expect("calls").push((owner, stamp.epoch, status.as_u16()));

@@ -14,13 +14,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Handler, Source};
-use brokerfence::fence::wire::{FenceStamp, StampError};
-use brokerfence::fence::{
+use brokerfence::TableQueue;
+use brokerfence::wire::{FenceStamp, StampError};
+use brokerfence::{Consumer, ConsumerConfig, Handler, Source};
+use brokerfence::{
     FenceError, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, MAX_KEY_BYTES, MetricsSnapshot,
     Owner, QueueName, SchemaName, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
 use tokio_util::sync::CancellationToken;
 
 // ------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ fn hostile_stamps_are_typed_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_with_hostile_names() {
     let fence = common::pg().await;
-    let ledger = brokerfence::fence::PgLedger::new(&fence, "sweep'; --");
+    let ledger = brokerfence::ledger::PgLedger::new(&fence, "sweep'; --");
     for key in strange_keys() {
         assert!(ledger.accept(&key, 2).await.expect("accept").is_accepted(), "{key:?}");
         assert!(!ledger.accept(&key, 1).await.expect("accept").is_accepted(), "{key:?}");
@@ -244,9 +244,9 @@ async fn ledger_with_hostile_names() {
     for (job, epoch) in [("", 1), ("a\0b", 1), ("ok", 0), ("ok", -5)] {
         assert!(matches!(ledger.accept(job, epoch).await, Err(FenceError::InvalidInput { .. })), "{job:?} {epoch}");
     }
-    let huge = "j".repeat(brokerfence::fence::ledger::MAX_LEDGER_JOB_BYTES + 1);
+    let huge = "j".repeat(brokerfence::ledger::MAX_LEDGER_JOB_BYTES + 1);
     assert!(matches!(ledger.accept(&huge, 1).await, Err(FenceError::InvalidInput { what: "ledger job", .. })));
-    let long_scope = brokerfence::fence::PgLedger::new(&fence, &"s".repeat(brokerfence::fence::MAX_NAME_BYTES + 1));
+    let long_scope = brokerfence::ledger::PgLedger::new(&fence, &"s".repeat(brokerfence::MAX_NAME_BYTES + 1));
     assert!(matches!(long_scope.accept("ok", 1).await, Err(FenceError::InvalidInput { what: "ledger scope", .. })));
 }
 
@@ -257,7 +257,7 @@ async fn ledger_with_hostile_names() {
 struct Running {
     stop: CancellationToken,
     handle: tokio::task::JoinHandle<MetricsSnapshot>,
-    metrics: Arc<brokerfence::fence::Metrics>,
+    metrics: Arc<brokerfence::Metrics>,
 }
 
 fn start<S: Source>(source: S, store: Arc<dyn FenceStore>, seen: Seen) -> Running {
@@ -383,10 +383,10 @@ async fn hostile_failure_messages(store: Arc<dyn FenceStore>) {
     let jobs = store.claim_next(&queue, &owner, LeaseDuration::from_secs(5).expect("lease"), 1).await.expect("claim");
     let message = format!("nul\0inside; DROP TABLE x; -- {}", "e".repeat(1 << 20));
     let outcome = store
-        .fail(&jobs[0].lease, &message, false, &brokerfence::fence::RetryPolicy::default())
+        .fail(&jobs[0].lease, &message, false, &brokerfence::RetryPolicy::default())
         .await
         .expect("fail with a hostile message");
-    assert_eq!(outcome, brokerfence::fence::FailOutcome::Dead);
+    assert_eq!(outcome, brokerfence::FailOutcome::Dead);
     let row = store.job(&queue, &key).await.expect("job").expect("row");
     let stored = row.last_error.expect("stored");
     assert!(stored.starts_with("nul\u{FFFD}inside; DROP TABLE x; --"), "{}", &stored[..40]);
@@ -428,10 +428,10 @@ mod table_on_sqlite {
 #[cfg(feature = "sqs")]
 mod sqs_sweep {
     use super::*;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::primitives::Blob;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::types::MessageAttributeValue;
-    use brokerfence::adapters::sqs::{KeyStrategy, REASON_ATTRIBUTE, SqsConfig, SqsSource};
+    use brokerfence::sqs::aws_sdk_sqs::Client;
+    use brokerfence::sqs::aws_sdk_sqs::primitives::Blob;
+    use brokerfence::sqs::aws_sdk_sqs::types::MessageAttributeValue;
+    use brokerfence::sqs::{KeyStrategy, REASON_ATTRIBUTE, SqsConfig, SqsSource};
     use brokerfence_testkit::sqs::{TestQueue, sqs};
 
     const KEY: &str = "job-key";
@@ -528,7 +528,7 @@ mod sqs_sweep {
                 let get = |n: &str| {
                     attrs.and_then(|a| a.get(n)).and_then(|v| v.string_value()).unwrap_or_default().to_owned()
                 };
-                let source_id = get(brokerfence::adapters::sqs::SOURCE_MESSAGE_ID_ATTRIBUTE);
+                let source_id = get(brokerfence::sqs::SOURCE_MESSAGE_ID_ATTRIBUTE);
                 let key = get(KEY);
                 reasons.insert(
                     if key.is_empty() || key.len() > MAX_KEY_BYTES { source_id } else { key },
@@ -557,8 +557,8 @@ mod sqs_sweep {
 #[cfg(feature = "redis")]
 mod redis_sweep {
     use super::*;
-    use brokerfence::adapters::redis::client as redis;
-    use brokerfence::adapters::redis::{KeyFrom, RedisConnections, StreamSource};
+    use brokerfence::redis::client as redis;
+    use brokerfence::redis::{KeyFrom, RedisConnections, StreamSource};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_sweep() {

@@ -13,12 +13,12 @@ mod edges {
     use std::time::Duration;
 
     use async_trait::async_trait;
-    use brokerfence::adapters::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Retrofit, Source, SourceError};
-    use brokerfence::fence::{
+    use brokerfence::TableQueue;
+    use brokerfence::{
         self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobContext, JobKey, JobRecord, JobState,
         Lease, LeaseDuration, Owner, QueueName, RetryPolicy, SupervisorConfig,
     };
-    use brokerfence::table::TableQueue;
+    use brokerfence::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Retrofit, Source, SourceError};
     use tokio::sync::Notify;
     use tokio_util::sync::CancellationToken;
 
@@ -113,7 +113,7 @@ mod edges {
         async fn db_now(&self) -> fence::Result<DbTime> {
             self.inner.db_now().await
         }
-        fn backend(&self) -> &'static str {
+        fn backend(&self) -> brokerfence::Backend<'_> {
             self.inner.backend()
         }
     }
@@ -723,10 +723,10 @@ mod edges {
         use std::time::Duration;
 
         use async_trait::async_trait;
-        use brokerfence::adapters::sqs::aws_sdk_sqs::types::SendMessageBatchRequestEntry;
-        use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsDelivery, SqsSource};
-        use brokerfence::adapters::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Source, SourceError};
-        use brokerfence::fence::{JobContext, JobState, Lease, LeaseDuration, QueueName, SupervisorConfig};
+        use brokerfence::sqs::aws_sdk_sqs::types::SendMessageBatchRequestEntry;
+        use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsDelivery, SqsSource};
+        use brokerfence::{Consumer, ConsumerConfig, Incoming, ReceiveContext, Source, SourceError};
+        use brokerfence::{JobContext, JobState, Lease, LeaseDuration, QueueName, SupervisorConfig};
         use tokio_util::sync::CancellationToken;
 
         use super::super::sqs_support::{TestQueue, depth, drop_schema, dyn_store, jobs, pg, sqs};

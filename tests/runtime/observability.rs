@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use brokerfence::Retrofit;
-use brokerfence::fence::{
+use brokerfence::{
     Claim, FenceStore, JobContext, JobKey, LeaseDuration, LossReason, Metrics, Outcome, Owner, QueueName, Supervisor,
     SupervisorConfig,
 };
@@ -349,7 +349,7 @@ async fn ergonomics_metrics_scrape_of_a_redis_worker_matches_its_run() {
         s.value("brokerfence_claim_duration_seconds_count", &[("queue", &stream)])
     );
     assert_eq!(worker.stop().await, 0);
-    use brokerfence::adapters::redis::client;
+    use brokerfence::redis::client;
     if let Ok(c) = client::Client::open(redis_url.as_str())
         && let Ok(mut conn) = c.get_multiplexed_async_connection().await
     {

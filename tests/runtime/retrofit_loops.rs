@@ -371,8 +371,9 @@ async fn ergonomics_tower_stack_as_the_handler_sqlite() {
     assert!(matches!(&done.detail, brokerfence::Detail::Ran(Outcome::Dead { error }) if error == "poison"), "{done:?}");
 }
 
-/// `Consumer::run_until` stops on a plain future (a oneshot); the handler is an unannotated
-/// `|ctx| async move` returning a `String`; `brokerfence::CancellationToken` works with `run`.
+/// `Consumer::run` stops on a plain future (a oneshot) through a token it cancels; the handler is
+/// an unannotated `|ctx| async move` returning a `String`; `brokerfence::CancellationToken` works
+/// with `run`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ergonomics_consumer_runs_until_a_plain_future_sqlite() {
     use brokerfence::{CancellationToken, Consumer, ConsumerConfig, TableQueue};
@@ -390,19 +391,22 @@ async fn ergonomics_consumer_runs_until_a_plain_future_sqlite() {
         brokerfence_testkit::wait::wait_for_completions(&metrics, 3, Duration::from_secs(20)).await;
         let _ = stop.send(());
     });
-    let run = consumer.run_until(|ctx| async move { Ok(format!("{} done", ctx.key())) }, async {
+    let until = CancellationToken::new();
+    let fire = until.clone();
+    tokio::spawn(async move {
         let _ = stopped.await;
+        fire.cancel();
     });
+    let run = consumer.run(|ctx| async move { Ok(format!("{} done", ctx.key())) }, until);
     tokio::time::timeout(Duration::from_secs(30), run).await.expect("stops on the future").expect("run");
     watcher.await.expect("watcher");
     for i in 0..3 {
         assert_eq!(committed(&*store, &queue, &format!("j{i}")).await, Some(format!("j{i} done")));
     }
-    // The re-exported token, as before; the table queue's old path still compiles (deprecated).
+    // The re-exported token, cancelled before the run.
     let token = CancellationToken::new();
     token.cancel();
-    #[allow(deprecated)]
-    let old_path = brokerfence::adapters::postgres::TableQueue::new(store.clone(), queue);
+    let old_path = brokerfence::TableQueue::new(store.clone(), queue);
     let consumer = Consumer::new(old_path, store, ConsumerConfig::new(SupervisorConfig::new(lease(10))));
     tokio::time::timeout(Duration::from_secs(30), consumer.run(|_| async { Ok(()) }, token))
         .await

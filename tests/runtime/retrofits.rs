@@ -13,15 +13,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brokerfence::TableQueue;
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{ItemKey, ListRetrofit, RedisError, ReliableList};
-use brokerfence::adapters::sqs::{SqsConfig, SqsRetrofit, SqsSource};
-use brokerfence::adapters::{DeadLettered, Detail, Disposition, Incoming, Processed, ReceiveContext, Source};
 use brokerfence::admin::{Admin, AdminError, Requeue};
-use brokerfence::fence::{
+use brokerfence::redis::client;
+use brokerfence::redis::{ItemKey, ListRetrofit, RedisError, ReliableList};
+use brokerfence::sqs::{SqsConfig, SqsRetrofit, SqsSource};
+use brokerfence::{
     Claim, FenceError, FenceStore, JobContext, JobError, JobKey, JobState, Outcome, Owner, QueueName, RetryPolicy,
     SupervisorConfig,
 };
+use brokerfence::{DeadLettered, Detail, Disposition, Incoming, Processed, ReceiveContext, Source};
 use brokerfence_testkit::redis::{Env, PrivateRedis, consumer_config, spawn_consumer};
 use brokerfence_testkit::sqs::{TestQueue, dyn_store, receive_raw, send, sqs};
 use brokerfence_testkit::store::{self, key, lease, unique};
@@ -199,7 +199,7 @@ async fn requeue_refusal_case(store: &dyn FenceStore) {
     // The table job alone is requeued; the broker job when the operator says they re-send it.
     let report = admin.requeue_dead(&q, Requeue::Keys(vec![key("table-1")])).await.expect("table job");
     assert_eq!(report.requeued.len(), 1, "{report:?}");
-    let report = admin.with_broker_jobs(true).requeue_dead(&q, Requeue::AllDead).await.expect("asked for");
+    let report = admin.broker_jobs(true).requeue_dead(&q, Requeue::AllDead).await.expect("asked for");
     assert_eq!(report.requeued.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["broker-1"]);
     let row = state("broker-1").await;
     assert_eq!((row.state, row.epoch), (JobState::Pending, 2));
@@ -209,7 +209,7 @@ async fn requeue_refusal_case(store: &dyn FenceStore) {
 /// job claimed from a broker made its row pending with no broker message, so it never ran. Guard:
 /// `Admin::requeue_dead` checks for rows without a payload and refuses with
 /// `AdminError::BrokerJobs` (what happened and what to do), changing nothing, unless
-/// `with_broker_jobs(true)`. Without it: "a requeue of a broker job must be refused, got
+/// `broker_jobs(true)`. Without it: "a requeue of a broker job must be refused, got
 /// Ok(RequeueReport { requeued: [… table-1 …, … broker-1 …] … })".
 #[tokio::test]
 async fn hardening_item9_dead_requeue_refuses_broker_jobs_pg() {
@@ -365,7 +365,7 @@ async fn hardening_item11_list_retrofit_refuses_an_unmigrated_schema() {
 // ------------------------------------------------------------------------------------------------
 
 /// The row of a job whose handler panicked: failed, retried by policy, the panic as its error.
-fn assert_panic_recorded(row: Option<brokerfence::fence::JobRecord>, message: &str) {
+fn assert_panic_recorded(row: Option<brokerfence::JobRecord>, message: &str) {
     let row = row.expect("the job's row");
     assert_eq!(row.state, JobState::Failed, "a panic is a failed attempt, retried by policy: {row:?}");
     let error = row.last_error.unwrap_or_default();

@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{FenceStore, JobContext, JobKey, JobState, QueueName, RetryPolicy, SupervisorConfig};
-use brokerfence::table::TableQueue;
+use brokerfence::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig};
+use brokerfence::{FenceStore, JobContext, JobKey, JobState, QueueName, RetryPolicy, SupervisorConfig};
 use brokerfence_testkit::store as common;
 use tokio_util::sync::CancellationToken;
 

@@ -4,12 +4,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Disposition, Retrofit};
-use brokerfence::fence::{
+use brokerfence::TableQueue;
+use brokerfence::{
     Claim, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, Owner, PgFence, QueueName, SchemaName,
     SqliteFence, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig, Disposition, Retrofit};
 use tokio_util::sync::CancellationToken;
 
 fn unique(prefix: &str) -> String {
@@ -124,7 +124,7 @@ async fn failures_retry_then_die(store: Arc<dyn FenceStore>) {
     store.enqueue(&queue, &JobKey::new("flaky").expect("key"), b"x").await.expect("enqueue");
     store.enqueue(&queue, &JobKey::new("poison").expect("key"), b"not json").await.expect("enqueue");
     store.enqueue(&queue, &JobKey::new("fine").expect("key"), b"ok").await.expect("enqueue");
-    let retry = brokerfence::fence::RetryPolicy {
+    let retry = brokerfence::RetryPolicy {
         max_attempts: 3,
         base_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(200),

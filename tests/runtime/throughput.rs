@@ -14,7 +14,7 @@ use brokerfence_testkit::store as common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName};
+use brokerfence::{FenceStore, JobKey, Owner, PgFence, QueueName};
 use sqlx::AssertSqlSafe;
 
 /// Pending jobs in the table: large enough that reading them all is unmistakable.
@@ -28,7 +28,7 @@ const PER_CLAIM: u32 = 10;
 /// that never finished would each read past every running row before them (`claim_next`).
 async fn measure(s: &PgFence, queue: &QueueName, owner: &Owner, claims: usize) -> (i64, Duration) {
     // Past the server's first five custom plans: the kept generic plan is the one measured.
-    let complete = |jobs: Vec<brokerfence::fence::ClaimedJob>| async move {
+    let complete = |jobs: Vec<brokerfence::ClaimedJob>| async move {
         let items: Vec<_> = jobs.into_iter().map(|c| (c.lease, Vec::new())).collect();
         assert!(s.complete_batch(&items).await.unwrap().iter().all(|r| r.is_ok()));
     };
@@ -126,8 +126,8 @@ impl brokerfence::Source for Recording {
     async fn receive(
         &self,
         max: usize,
-        ctx: &brokerfence::adapters::ReceiveContext,
-    ) -> Result<Vec<brokerfence::adapters::Incoming<()>>, brokerfence::adapters::SourceError> {
+        ctx: &brokerfence::ReceiveContext,
+    ) -> Result<Vec<brokerfence::Incoming<()>>, brokerfence::SourceError> {
         use std::sync::atomic::Ordering;
         let now = self.running.0.fetch_add(1, Ordering::SeqCst) + 1;
         self.running.1.fetch_max(now, Ordering::SeqCst);

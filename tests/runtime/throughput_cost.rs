@@ -19,7 +19,7 @@
 
 use brokerfence_testkit::store as common;
 
-use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName, RetryPolicy};
+use brokerfence::{FenceStore, JobKey, Owner, PgFence, QueueName, RetryPolicy};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 /// Jobs per drain.
@@ -395,7 +395,7 @@ async fn throughput_group_commit_waiting_on_a_takeover_is_refused_and_names_the_
     sqlx::query("COMMIT").execute(&mut takeover).await.unwrap();
     let verdicts = commit.await.unwrap().unwrap();
     match &verdicts[..] {
-        [Err(brokerfence::fence::FenceError::Fenced { epoch, current_epoch, current_owner, .. })] => {
+        [Err(brokerfence::FenceError::Fenced { epoch, current_epoch, current_owner, .. })] => {
             assert_eq!(*epoch, lease.epoch);
             assert_eq!(*current_epoch, lease.epoch + 1, "the refusal names the takeover's epoch");
             assert_eq!(current_owner.as_deref(), Some("new-holder"));
@@ -449,7 +449,7 @@ async fn throughput_group_commit_reads_only_the_rows_it_refuses() {
     for ((lease, _), verdict) in items.iter().zip(&verdicts) {
         match verdict {
             Ok(()) => assert_eq!(lease.epoch, 1, "{} committed", lease.key.as_str()),
-            Err(brokerfence::fence::FenceError::Fenced { epoch: 2, current_epoch: 1, current_owner, .. }) => {
+            Err(brokerfence::FenceError::Fenced { epoch: 2, current_epoch: 1, current_owner, .. }) => {
                 assert_eq!(current_owner.as_deref(), Some("reader"));
             }
             Err(e) => panic!("{}: {e}", lease.key.as_str()),

@@ -9,7 +9,7 @@ use brokerfence_testkit::store as common;
 
 use std::time::Duration;
 
-use brokerfence::fence::{ClaimedJob, FenceStore, JobKey, Owner, PgFence, QueueName};
+use brokerfence::{ClaimedJob, FenceStore, JobKey, Owner, PgFence, QueueName};
 use sqlx::{AssertSqlSafe, Connection};
 
 /// A migrated store on a fresh schema with one connection (its statistics are the claims'),

@@ -7,7 +7,8 @@ use brokerfence_testkit::store as common;
 
 use std::time::Duration;
 
-use brokerfence::fence::{FenceStore, JobKey, Owner, PgFence, QueueName, QueueRetention, Retention};
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{FenceStore, JobKey, Owner, PgFence, QueueName};
 use sqlx::AssertSqlSafe;
 
 async fn exec(s: &PgFence, sql: String) {

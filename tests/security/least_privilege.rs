@@ -15,12 +15,14 @@ use brokerfence_testkit::store as common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    Claim, FenceError, FenceStore, JobContext, JobKey, JobState, LeaseDuration, Owner, PgFence, PgLedger, QueueName,
-    QueueRetention, Retention, RetryPolicy, SchemaName, SupervisorConfig,
+use brokerfence::TableQueue;
+use brokerfence::ledger::PgLedger;
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{
+    Claim, FenceError, FenceStore, JobContext, JobKey, JobState, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy,
+    SchemaName, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig};
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgConnectOptions;
 use tokio_util::sync::CancellationToken;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::redis::RedisConnections;
+use brokerfence::redis::RedisConnections;
 
 fn plain_redis_as_tls_url() -> String {
     let url = brokerfence_testkit::services::var("REDIS_URL")

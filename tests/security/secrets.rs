@@ -13,12 +13,13 @@ use brokerfence_testkit::store as common;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Retrofit};
-use brokerfence::fence::{
-    Claim, FenceError, FenceStore, JobContext, JobError, JobKey, LeaseDuration, Owner, PgFence, PgLedger, QueueName,
-    RetryPolicy, SchemaName, SupervisorConfig,
+use brokerfence::TableQueue;
+use brokerfence::ledger::PgLedger;
+use brokerfence::{
+    Claim, FenceError, FenceStore, JobContext, JobError, JobKey, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy,
+    SchemaName, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig, Retrofit};
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, ConnectOptions};
 use tokio_util::sync::CancellationToken;
@@ -395,14 +396,10 @@ async fn tls_modes_against_the_local_server() {
 
 /// A consumer (3 s lease) whose handler returns its payload, running until the token fires.
 #[cfg(any(feature = "sqs", feature = "redis"))]
-fn echo_consumer<S: brokerfence::adapters::Source>(
+fn echo_consumer<S: brokerfence::Source>(
     source: S,
     store: Arc<dyn FenceStore>,
-) -> (
-    Arc<brokerfence::fence::Metrics>,
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), brokerfence::adapters::SourceError>>,
-) {
+) -> (Arc<brokerfence::Metrics>, CancellationToken, tokio::task::JoinHandle<Result<(), brokerfence::SourceError>>) {
     let consumer = Consumer::new(
         source,
         store,
@@ -420,9 +417,9 @@ fn echo_consumer<S: brokerfence::adapters::Source>(
 #[cfg(feature = "sqs")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aws_secret_key_never_appears_in_logs_or_debug() {
-    use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials;
-    use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource, aws_config, http_client};
+    use brokerfence::sqs::aws_sdk_sqs::Client;
+    use brokerfence::sqs::aws_sdk_sqs::config::Credentials;
+    use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource, aws_config, http_client};
     capture();
     let secret = secret();
     // LocalStack accepts any secret key; the access key id is LocalStack's account.
@@ -484,8 +481,8 @@ async fn aws_secret_key_never_appears_in_logs_or_debug() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_password_never_appears_in_logs_debug_or_errors() {
-    use brokerfence::adapters::redis::client as redis;
-    use brokerfence::adapters::redis::{KeyFrom, LeaseKeys, RedisConnections, StreamSource};
+    use brokerfence::redis::client as redis;
+    use brokerfence::redis::{KeyFrom, LeaseKeys, RedisConnections, StreamSource};
     capture();
     let secret = secret();
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();

@@ -9,16 +9,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{
-    KeyStrategy, REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, SqsConfig, SqsRetrofit, SqsSource,
-};
-use brokerfence::adapters::{Consumer, ConsumerConfig, Detail, Disposition, Handler, SourceError};
-use brokerfence::fence::{
-    Claim, JobContext, JobError, JobState, LeaseDuration, MetricsSnapshot, Owner, PgFence, PgLedger, RetryPolicy,
+use brokerfence::ledger::PgLedger;
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{KeyStrategy, REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, SqsConfig, SqsRetrofit, SqsSource};
+use brokerfence::{
+    Claim, JobContext, JobError, JobState, LeaseDuration, MetricsSnapshot, Owner, PgFence, RetryPolicy,
     SupervisorConfig,
 };
+use brokerfence::{Consumer, ConsumerConfig, Detail, Disposition, Handler, SourceError};
 use sqs_support::*;
 use tokio_util::sync::CancellationToken;
 
@@ -312,7 +311,7 @@ async fn undecodable_messages_are_dead_lettered_with_their_reason() {
         KeyStrategy::body_field("id"),
         |ctx: JobContext| async move { Ok::<_, JobError>(ctx.payload().to_vec()) },
     );
-    let long = format!(r#"{{"id":"{}"}}"#, "k".repeat(brokerfence::fence::MAX_KEY_BYTES + 1));
+    let long = format!(r#"{{"id":"{}"}}"#, "k".repeat(brokerfence::MAX_KEY_BYTES + 1));
     let bad = [
         ("not json {".to_owned(), "not JSON"),
         (r#"{"other":1}"#.to_owned(), "no field"),

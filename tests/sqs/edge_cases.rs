@@ -9,19 +9,19 @@ mod edges {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use brokerfence::adapters::sqs::aws_sdk_sqs::error::SdkError;
-    use brokerfence::adapters::sqs::aws_sdk_sqs::types::{
+    use brokerfence::sqs::aws_sdk_sqs::error::SdkError;
+    use brokerfence::sqs::aws_sdk_sqs::types::{
         MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry,
     };
-    use brokerfence::adapters::sqs::{
+    use brokerfence::sqs::{
         DeadLetterTarget, KeyStrategy, REASON_ATTRIBUTE, ReceiveCountCheck, SqsConfig, SqsDelivery, SqsError,
-        SqsRetrofit, SqsSource, SqsTimeouts, client_from_env, client_from_loader,
+        SqsRetrofit, SqsSource, SqsTimeouts,
     };
-    use brokerfence::adapters::{Consumer, ConsumerConfig, Incoming, Reason, ReceiveContext, Source, SourceError};
-    use brokerfence::fence::{
+    use brokerfence::{
         Claim, FenceStore, JobContext, JobError, JobKey, JobState, Lease, LeaseDuration, Owner, PgFence, RetryPolicy,
         SupervisorConfig,
     };
+    use brokerfence::{Consumer, ConsumerConfig, Incoming, Reason, ReceiveContext, Source, SourceError};
     use sqlx::AssertSqlSafe;
     use tokio_util::sync::CancellationToken;
 
@@ -54,7 +54,7 @@ mod edges {
     async fn claim(fence: &PgFence, queue: &str, key: &JobKey, owner: &str, lease: u64) -> Claim {
         fence
             .claim(
-                &brokerfence::fence::QueueName::new(queue).expect("queue"),
+                &brokerfence::QueueName::new(queue).expect("queue"),
                 key,
                 &Owner::new(owner).expect("owner"),
                 secs(lease),
@@ -64,7 +64,7 @@ mod edges {
     }
 
     async fn claimed(fence: &PgFence, queue: &str, key: &JobKey, owner: &str, lease: u64) -> Lease {
-        let q = brokerfence::fence::QueueName::new(queue).expect("queue");
+        let q = brokerfence::QueueName::new(queue).expect("queue");
         match fence.claim(&q, key, &Owner::new(owner).expect("owner"), secs(lease)).await.expect("claim") {
             Claim::Claimed(l) => l,
             other => panic!("expected a claim for {key}, got {other:?}"),
@@ -135,7 +135,11 @@ mod edges {
     /// Guard: the default client never waits forever on a call.
     #[tokio::test]
     async fn edges_client_from_env_sets_operation_timeouts() {
-        let client = client_from_env().await;
+        let client = brokerfence::sqs::client(
+            brokerfence::sqs::aws_config::from_env(),
+            brokerfence::sqs::SqsTimeouts::default(),
+        )
+        .await;
         let t = client.config().timeout_config().cloned().expect("a timeout config");
         assert_eq!(t.operation_timeout(), Some(Duration::from_secs(60)), "{t:?}");
         assert_eq!(t.operation_attempt_timeout(), Some(Duration::from_secs(25)), "{t:?}");
@@ -152,7 +156,7 @@ mod edges {
         let q = TestQueue::new(&client, "stall", 30).await;
         let proxy = SqsProxy::start("stall", ProxyLog::default()).await;
         let timeouts = SqsTimeouts::default().attempt(Duration::from_millis(700)).operation(Duration::from_secs(2));
-        let through = client_from_loader(proxy.loader(), timeouts).await;
+        let through = brokerfence::sqs::client(proxy.loader(), timeouts).await;
         through.get_queue_url().queue_name(&q.name).send().await.expect("works while the proxy forwards");
 
         proxy.stall(true);
@@ -624,10 +628,7 @@ mod edges {
         assert_eq!(seen_first, 0, "the running message became visible: its lease's extensions went elsewhere");
         assert!(out1.reason() == Reason::Committed && out1.broker_error.is_none(), "{out1:?}");
         assert!(
-            matches!(
-                out2.disposition,
-                brokerfence::adapters::Disposition::Hold(_) | brokerfence::adapters::Disposition::Ack
-            ),
+            matches!(out2.disposition, brokerfence::Disposition::Hold(_) | brokerfence::Disposition::Ack),
             "{out2:?}"
         );
         q.delete(&client).await;

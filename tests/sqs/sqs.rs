@@ -5,12 +5,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::SendMessageBatchRequestEntry;
-use brokerfence::adapters::sqs::{DeadLetterTarget, SOURCE_MESSAGE_ID_ATTRIBUTE, SqsConfig, SqsSource};
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    JobContext, JobError, JobState, LeaseDuration, Owner, PgFence, RetryPolicy, SupervisorConfig,
-};
+use brokerfence::sqs::aws_sdk_sqs::types::SendMessageBatchRequestEntry;
+use brokerfence::sqs::{DeadLetterTarget, SOURCE_MESSAGE_ID_ATTRIBUTE, SqsConfig, SqsSource};
+use brokerfence::{Consumer, ConsumerConfig};
+use brokerfence::{JobContext, JobError, JobState, LeaseDuration, Owner, PgFence, RetryPolicy, SupervisorConfig};
 use brokerfence_testkit::sqs::*;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -169,14 +167,14 @@ struct Paused {
     started: std::sync::mpsc::Receiver<String>,
     wake: std::sync::mpsc::Sender<()>,
     stop: CancellationToken,
-    thread: std::thread::JoinHandle<brokerfence::fence::MetricsSnapshot>,
+    thread: std::thread::JoinHandle<brokerfence::MetricsSnapshot>,
 }
 
 /// A worker on a runtime of its own whose handler blocks that runtime's only thread: its
 /// heartbeats, visibility extensions and commits all stop, as in a process stopped with SIGSTOP.
 /// It receives one message at a time, with a 1 s visibility and a 5 s lease, so another worker
 /// sees the message again while the database lease is still the paused one's.
-fn paused_worker(url: &str, schema: brokerfence::fence::SchemaName) -> Paused {
+fn paused_worker(url: &str, schema: brokerfence::SchemaName) -> Paused {
     let (started_tx, started) = std::sync::mpsc::channel::<String>();
     let (wake, wake_rx) = std::sync::mpsc::channel::<()>();
     let wake_rx = Arc::new(Mutex::new(wake_rx));

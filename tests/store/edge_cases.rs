@@ -11,7 +11,7 @@ mod edges {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use brokerfence::fence::{
+    use brokerfence::{
         Claim, FailOutcome, FenceError, FenceStore, JobState, Lease, LeaseDuration, Owner, PgFence, QueueName,
         RetryPolicy, SqliteDurability, SqliteFence,
     };
@@ -272,7 +272,7 @@ mod edges {
     }
 
     #[track_caller]
-    fn claimed(c: brokerfence::fence::Result<Claim>) -> Lease {
+    fn claimed(c: brokerfence::Result<Claim>) -> Lease {
         match c {
             Ok(Claim::Claimed(l)) => l,
             other => panic!("expected Claimed, got {other:?}"),
@@ -388,7 +388,7 @@ mod edges {
     }
 
     #[track_caller]
-    fn too_old(r: brokerfence::fence::Result<()>, found: i64, required: i64) {
+    fn too_old(r: brokerfence::Result<()>, found: i64, required: i64) {
         match r {
             Err(e @ FenceError::SchemaTooOld { .. }) => {
                 let FenceError::SchemaTooOld { found: f, required: q } = e else { unreachable!() };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::{DbTime, FenceStore, JobState, Lease, Owner, PgFence, QueueName};
+use brokerfence::{DbTime, FenceStore, JobState, Lease, Owner, PgFence, QueueName};
 use brokerfence_testkit::store as common;
 use sqlx::AssertSqlSafe;
 
@@ -294,7 +294,7 @@ async fn hardening_item7_pg_bad_key_row_does_not_poison_the_claim_batch() {
     assert!(fence.claim_next(&q, &me, lease(30), 10).await.expect("the next claim").is_empty());
     // The operator sees both dead rows, their keys escaped and marked (the listing failed on the
     // first key `JobKey` refused, "stored job key: …").
-    let admin = brokerfence::fence::Admin::new(&fence).expect("admin");
+    let admin = brokerfence::admin::Admin::new(&fence).expect("admin");
     let dead = admin.dead(Some(&q), 10).await.expect("dead list with bad keys");
     let mut shown: Vec<String> = dead.iter().map(|d| d.key.as_str().chars().take(18).collect()).collect();
     shown.sort();

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::fence::{Claim, FenceStore, Owner, PgFence, QueueName, QueueRetention, Retention};
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{Claim, FenceStore, Owner, PgFence, QueueName};
 use brokerfence_testkit::store::{self as common, key, lease, unique};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;

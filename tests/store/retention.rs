@@ -11,12 +11,14 @@ use brokerfence_testkit::store as common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{
-    Claim, FenceStore, JobContext, JobState, Lease, LeaseDuration, Ledger, Owner, PgFence, PgLedger, QueueName,
-    QueueRetention, Retention, SqliteFence, SqliteLedger, SupervisorConfig, Verdict,
+use brokerfence::TableQueue;
+use brokerfence::ledger::{Ledger, PgLedger, SqliteLedger, Verdict};
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{
+    Claim, FenceStore, JobContext, JobState, Lease, LeaseDuration, Owner, PgFence, QueueName, SqliteFence,
+    SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig};
 use common::{TestStore, key, lease};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -666,9 +668,9 @@ async fn retention_prune_rate_pg() {
 /// the same item is a new job that runs, under an epoch above the old one.
 #[cfg(feature = "redis")]
 async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S) {
-    use brokerfence::adapters::redis::{ItemKey, ListRetrofit, RedisConnections};
-    use brokerfence::adapters::{Detail, Disposition};
-    use brokerfence::fence::Outcome;
+    use brokerfence::Outcome;
+    use brokerfence::redis::{ItemKey, ListRetrofit, RedisConnections};
+    use brokerfence::{Detail, Disposition};
     use std::sync::atomic::{AtomicI64, Ordering};
 
     let url = brokerfence_testkit::services::var("REDIS_URL")
@@ -701,7 +703,7 @@ async fn identical_list_items_run_again_after_the_window<S: Aged + 'static>(s: S
             }
         }
     };
-    let ran_under = |p: &brokerfence::adapters::Processed| {
+    let ran_under = |p: &brokerfence::Processed| {
         assert!(matches!(&p.detail, Detail::Ran(Outcome::Completed)), "expected a completed run: {p:?}");
         last.load(Ordering::SeqCst)
     };

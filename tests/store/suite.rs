@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::{
+use brokerfence::ledger::Verdict;
+use brokerfence::{
     Claim, DbTime, FailOutcome, FenceError, FenceStore, JobKey, JobRecord, JobState, Lease, LeaseDuration,
-    MAX_KEY_BYTES, MAX_NAME_BYTES, MIN_LEASE, Owner, PgFence, QueueName, RetryPolicy, SchemaName, Verdict,
+    MAX_KEY_BYTES, MAX_NAME_BYTES, MIN_LEASE, Owner, PgFence, QueueName, RetryPolicy, SchemaName,
 };
 use common::{TestStore, key, lease};
 use rand::seq::{IndexedRandom, SliceRandom};
@@ -62,8 +63,8 @@ macro_rules! all_tests {
     };
 }
 
-all_tests!(pg: brokerfence::fence::PgFence);
-all_tests!(sqlite: brokerfence::fence::SqliteFence);
+all_tests!(pg: brokerfence::PgFence);
+all_tests!(sqlite: brokerfence::SqliteFence);
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -92,7 +93,7 @@ fn claimed(c: Claim) -> Lease {
 
 #[track_caller]
 fn assert_fenced<T: std::fmt::Debug>(
-    r: brokerfence::fence::Result<T>,
+    r: brokerfence::Result<T>,
     lease: &Lease,
     current_epoch: i64,
     current_owner: Option<&Owner>,
@@ -154,7 +155,7 @@ fn schema_names_are_validated() {
 #[test]
 fn bad_keys_and_names_are_typed_errors() {
     #[track_caller]
-    fn invalid<T: std::fmt::Debug>(r: brokerfence::fence::Result<T>, expected_what: &str) {
+    fn invalid<T: std::fmt::Debug>(r: brokerfence::Result<T>, expected_what: &str) {
         match r {
             Err(FenceError::InvalidInput { what, .. }) => assert_eq!(what, expected_what),
             other => panic!("expected InvalidInput({expected_what}), got {other:?}"),
@@ -1000,9 +1001,9 @@ async fn ledger_newest_wins<S: TestStore>() {
         );
     }
     // The ledger's job id has room for a wire ledger id (escaped queue + '/' + key), no more.
-    let longest = "x".repeat(brokerfence::fence::MAX_LEDGER_JOB_BYTES);
+    let longest = "x".repeat(brokerfence::ledger::MAX_LEDGER_JOB_BYTES);
     assert_eq!(l.accept(&longest, 1).await.unwrap(), Verdict::Accepted { newest: 1 });
-    let long = "x".repeat(brokerfence::fence::MAX_LEDGER_JOB_BYTES + 1);
+    let long = "x".repeat(brokerfence::ledger::MAX_LEDGER_JOB_BYTES + 1);
     assert!(matches!(l.accept(&long, 1).await, Err(FenceError::InvalidInput { .. })));
 
     // accept_in: the verdict and the receiver's own rows commit or roll back together.
@@ -1255,7 +1256,7 @@ async fn eight_claimers_table_queue<S: TestStore>() {
     let takeovers = check_history(&s, &q, &keys, &history).await;
     eprintln!(
         "{}: table queue, {JOBS} jobs, {CLAIMERS} claimers: {elapsed:?}, {takeovers} takeovers, {zombies} zombies",
-        s.backend()
+        s.backend().name()
     );
     assert!(takeovers > 0 && zombies > 0, "stalled claimers caused takeovers");
     assert!(s.claim_next(&q, &owner("late"), lease(3), 100).await.unwrap().is_empty());
@@ -1314,7 +1315,7 @@ async fn eight_claimers_broker_deliveries<S: TestStore>() {
     let takeovers = check_history(&s, &q, &keys, &history).await;
     eprintln!(
         "{}: broker deliveries, {JOBS} keys x {CLAIMERS} consumers: {elapsed:?}, {takeovers} takeovers, {zombies} zombies",
-        s.backend()
+        s.backend().name()
     );
     assert!(takeovers > 0 && zombies > 0, "stalled consumers caused takeovers");
 }
@@ -1352,7 +1353,7 @@ mod pg_only {
             .await
             .unwrap();
         }
-        let ledger = brokerfence::fence::PgLedger::new(&s, "planned");
+        let ledger = brokerfence::ledger::PgLedger::new(&s, "planned");
         let (q, w) = (queue(), owner("w"));
         let retry = policy(5, Duration::from_secs(60));
         let round = |tag: String| {

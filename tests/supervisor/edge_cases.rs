@@ -12,7 +12,7 @@ mod edges {
     use std::time::Duration;
 
     use async_trait::async_trait;
-    use brokerfence::fence::{
+    use brokerfence::{
         Claim, ClaimedJob, Counter, DbTime, FailOutcome, FenceStore, Heartbeat, JobKey, JobRecord, JobState, Lease,
         LeaseDuration, LeaseHook, Owner, QueueName, Result, RetryPolicy, Supervisor, SupervisorConfig,
     };
@@ -137,8 +137,8 @@ mod edges {
         async fn db_now(&self) -> Result<DbTime> {
             self.inner.db_now().await
         }
-        fn backend(&self) -> &'static str {
-            "held-postgres"
+        fn backend(&self) -> brokerfence::Backend<'_> {
+            brokerfence::Backend::Other("held-postgres")
         }
     }
 
@@ -247,7 +247,7 @@ mod edges {
         );
         // A's own fate is the database's: committed once the lock went, or unknown (not acked).
         assert!(
-            matches!(outcome_a, brokerfence::fence::Outcome::Completed | brokerfence::fence::Outcome::StoreError(_)),
+            matches!(outcome_a, brokerfence::Outcome::Completed | brokerfence::Outcome::StoreError(_)),
             "{outcome_a:?}"
         );
         let b = store.job(&q, &key_b).await.expect("job").expect("row");

@@ -23,7 +23,8 @@
 use std::time::Duration;
 
 use crate::zombie_support::*;
-use brokerfence::fence::{FenceError, Guards, JobKey, JobRecord, JobState, Owner, QueueName, RetryPolicy};
+use brokerfence::{FenceError, JobKey, JobRecord, JobState, Owner, QueueName, RetryPolicy};
+use fence::Guards;
 use futures::future::join_all;
 
 const BACKENDS: [Backend; 2] = [Backend::Postgres, Backend::Sqlite];

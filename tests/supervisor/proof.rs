@@ -17,9 +17,10 @@ use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use brokerfence::adapters::http::{Stamp, stale_response};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{JobState, PgLedger, Verdict};
+use brokerfence::JobState;
+use brokerfence::http::{Stamp, stale_response};
+use brokerfence::ledger::{PgLedger, Verdict};
+use brokerfence::wire::FenceStamp;
 use futures::future::join_all;
 
 fn third_plus_one() -> Duration {
@@ -279,7 +280,7 @@ async fn receiver_contract() {
 
 #[derive(Clone)]
 struct TxApp {
-    fence: brokerfence::fence::PgFence,
+    fence: brokerfence::PgFence,
     ledger: PgLedger,
 }
 
@@ -313,7 +314,7 @@ async fn charge(State(app): State<TxApp>, Stamp(stamp): Stamp, body: String) -> 
     }
 }
 
-async fn accept_in_transaction(fence: &brokerfence::fence::PgFence) {
+async fn accept_in_transaction(fence: &brokerfence::PgFence) {
     let table = format!("{}.charges", fence.schema().as_str());
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE TABLE {table} (job text, epoch bigint, body text)")))
         .execute(fence.pool())

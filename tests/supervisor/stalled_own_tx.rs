@@ -19,7 +19,7 @@
 use std::time::Duration;
 
 use crate::zombie_support::*;
-use brokerfence::fence::{JobState, Owner, QueueName};
+use brokerfence::{JobState, Owner, QueueName};
 use sqlx::AssertSqlSafe;
 
 const PLAN_NEW_OWNER: &str = "tx-begin,tx-write,tx-complete,tx-commit";

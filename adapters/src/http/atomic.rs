@@ -30,9 +30,10 @@
 //! | handler leaked its connection guard                  | `500`, rolled back (see below)          |
 //!
 //! ```no_run
-//! # async fn demo(ledger: brokerfence::PgLedger) -> std::io::Result<()> {
+//! # async fn demo(ledger: brokerfence::ledger::PgLedger) -> std::io::Result<()> {
 //! use axum::{Router, http::StatusCode, routing::post};
-//! use brokerfence::http::{AcceptedStamp, AtomicEpochGuard, EffectTx};
+//! use brokerfence::http::AcceptedStamp;
+//! use brokerfence::http::atomic::{AtomicEpochGuard, EffectTx};
 //!
 //! async fn charge(AcceptedStamp { stamp, .. }: AcceptedStamp, tx: EffectTx, body: String)
 //!     -> Result<&'static str, StatusCode>
@@ -58,7 +59,7 @@
 //!   ledger's fence. On SQLite a transaction that writes holds the file's single write lock: one
 //!   held for a handler's whole run would stop every other writer of the file (other receivers'
 //!   requests, and the fence's own claims and heartbeats when they share the file), so there is no
-//!   SQLite variant; an SQLite receiver uses [`SqliteLedger::accept_in`](fence::SqliteLedger::accept_in)
+//!   SQLite variant; an SQLite receiver uses [`SqliteLedger::accept_in`](fence::ledger::SqliteLedger::accept_in)
 //!   in a short transaction of its own around a quick effect.
 //! - **Effects elsewhere are not covered.** An email sent or an HTTP call made by the handler
 //!   cannot be rolled back; for those use the outbox (write the message in this transaction,
@@ -115,8 +116,9 @@ use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{FromFnLayer, Next};
 use axum::response::{IntoResponse, Response};
+use fence::FenceError;
+use fence::ledger::{PgLedger, Verdict};
 use fence::wire::{self, FenceStamp, StampError};
-use fence::{FenceError, PgLedger, Verdict};
 use futures::future::BoxFuture;
 use sqlx::{PgConnection, Postgres, Transaction};
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
@@ -148,8 +150,8 @@ pub type AtomicFenceLayer = FromFnLayer<AtomicEnforceFn, AtomicEpochGuard, (Stat
 /// ```no_run
 /// # fn demo(fence: brokerfence::PgFence) {
 /// use std::time::Duration;
-/// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::PgLedger::new(&fence, "payments"))
-///     .with_handler_timeout(Duration::from_secs(5));
+/// let guard = brokerfence::http::atomic::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"))
+///     .handler_timeout(Duration::from_secs(5));
 /// let app: axum::Router = axum::Router::new()
 ///     .route("/effect", axum::routing::post(|| async { "applied" }))
 ///     .layer(guard.layer());
@@ -168,7 +170,7 @@ impl AtomicEpochGuard {
     ///
     /// ```no_run
     /// # fn demo(fence: brokerfence::PgFence) {
-    /// let guard = brokerfence::http::AtomicEpochGuard::new(brokerfence::PgLedger::new(&fence, "payments"));
+    /// let guard = brokerfence::http::atomic::AtomicEpochGuard::new(brokerfence::ledger::PgLedger::new(&fence, "payments"));
     /// # }
     /// ```
     pub fn new(ledger: PgLedger) -> Self {
@@ -179,27 +181,27 @@ impl AtomicEpochGuard {
         /// Another limit for each database step ([`DEFAULT_DB_TIMEOUT`]; at least 1 ms).
         ///
         /// ```no_run
-        /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
-        /// let guard = guard.with_db_timeout(std::time::Duration::from_secs(2));
+        /// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
+        /// let guard = guard.db_timeout(std::time::Duration::from_secs(2));
         /// # }
         /// ```
-        pub fn with_db_timeout(limit: Duration) { db_timeout = limit.max(Duration::from_millis(1)) }
+        pub fn db_timeout(limit: Duration) { db_timeout = limit.max(Duration::from_millis(1)) }
 
         /// Another limit for the handler ([`DEFAULT_HANDLER_TIMEOUT`]; at least 1 ms). The ledger row
         /// of the job stays locked while the handler runs: newer epochs wait.
         ///
         /// ```no_run
-        /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
-        /// let guard = guard.with_handler_timeout(std::time::Duration::from_secs(5));
+        /// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
+        /// let guard = guard.handler_timeout(std::time::Duration::from_secs(5));
         /// # }
         /// ```
-        pub fn with_handler_timeout(limit: Duration) { handler_timeout = limit.max(Duration::from_millis(1)) }
+        pub fn handler_timeout(limit: Duration) { handler_timeout = limit.max(Duration::from_millis(1)) }
     }
 
     /// The ledger.
     ///
     /// ```no_run
-    /// # async fn demo(guard: brokerfence::http::AtomicEpochGuard) -> brokerfence::Result<()> {
+    /// # async fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) -> brokerfence::Result<()> {
     /// println!("newest: {:?}", guard.ledger().newest("orders/o-1").await?);
     /// # Ok(()) }
     /// ```
@@ -210,7 +212,7 @@ impl AtomicEpochGuard {
     /// The axum layer.
     ///
     /// ```no_run
-    /// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
+    /// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
     /// let app: axum::Router = axum::Router::new().layer(guard.layer());
     /// # }
     /// ```
@@ -399,9 +401,9 @@ fn retry_later(error: &str, message: &str) -> Response {
 /// `axum::middleware::from_fn_with_state(guard, enforce_atomic)`, or through the layer.
 ///
 /// ```no_run
-/// # fn demo(guard: brokerfence::http::AtomicEpochGuard) {
+/// # fn demo(guard: brokerfence::http::atomic::AtomicEpochGuard) {
 /// let app: axum::Router = axum::Router::new()
-///     .layer(axum::middleware::from_fn_with_state(guard, brokerfence::http::enforce_atomic));
+///     .layer(axum::middleware::from_fn_with_state(guard, brokerfence::http::atomic::enforce_atomic));
 /// # }
 /// ```
 pub async fn enforce_atomic(State(guard): State<AtomicEpochGuard>, req: Request, next: Next) -> Response {
@@ -434,7 +436,7 @@ fn enforce_atomic_boxed(state: State<AtomicEpochGuard>, req: Request, next: Next
 /// Cloning is cheap and shares the one transaction; statements from clones run one at a time.
 ///
 /// ```no_run
-/// use brokerfence::http::{EffectTx, EffectTxError};
+/// use brokerfence::http::atomic::{EffectTx, EffectTxError};
 /// async fn handler(tx: EffectTx) -> Result<&'static str, EffectTxError> {
 ///     let mut conn = tx.conn().await?;
 ///     sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 7")
@@ -459,7 +461,7 @@ impl EffectTx {
     /// returned).
     ///
     /// ```no_run
-    /// # async fn demo(tx: brokerfence::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn demo(tx: brokerfence::http::atomic::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut conn = tx.conn().await?;
     /// let n: i64 = sqlx::query_scalar("SELECT count(*) FROM charges").fetch_one(&mut *conn).await?;
     /// # let _ = n; Ok(()) }
@@ -487,7 +489,7 @@ impl<S: Send + Sync> FromRequestParts<S> for EffectTx {
 /// [`PgConnection`], so `&mut *conn` is an executor. Drop it before the handler returns.
 ///
 /// ```no_run
-/// # async fn demo(tx: brokerfence::http::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn demo(tx: brokerfence::http::atomic::EffectTx) -> Result<(), Box<dyn std::error::Error>> {
 /// let mut conn = tx.conn().await?;
 /// sqlx::query("INSERT INTO audit (what) VALUES ($1)").bind("charged").execute(&mut *conn).await?;
 /// drop(conn);
@@ -523,7 +525,7 @@ impl std::ops::DerefMut for EffectConn {
 ///
 /// ```
 /// use axum::response::IntoResponse;
-/// let response = brokerfence::http::EffectTxError::Finished.into_response();
+/// let response = brokerfence::http::atomic::EffectTxError::Finished.into_response();
 /// assert_eq!(response.status(), axum::http::StatusCode::INTERNAL_SERVER_ERROR);
 /// ```
 #[derive(Debug, thiserror::Error)]

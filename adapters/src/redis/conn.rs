@@ -64,7 +64,7 @@ impl RedisConnections {
     /// use brokerfence::redis::{RedisConnections, RedisTimeouts};
     /// let timeouts = RedisTimeouts::default().response(Duration::from_millis(500));
     /// let redis = RedisConnections::connect_with("redis://127.0.0.1:6379", timeouts).await?;
-    /// assert_eq!(redis.timeouts().response_timeout(), Duration::from_millis(500));
+    /// assert_eq!(redis.timeouts().get_response(), Duration::from_millis(500));
     /// # Ok(()) }
     /// ```
     ///
@@ -162,14 +162,13 @@ impl RedisConnections {
     }
 
     async fn open_cluster(client: ClusterClient, timeouts: RedisTimeouts, seeds: String) -> Result<Self, RedisError> {
-        let connect = timeouts.connect_timeout().saturating_mul(2).saturating_add(timeouts.response_timeout());
-        let config = ClusterConfig::new().set_connection_timeout(timeouts.connect_timeout());
+        let connect = timeouts.get_connect().saturating_mul(2).saturating_add(timeouts.get_response());
+        let config = ClusterConfig::new().set_connection_timeout(timeouts.get_connect());
         let open = async {
             let commands = bounded(
                 "connect",
                 connect,
-                client
-                    .get_async_connection_with_config(config.clone().set_response_timeout(timeouts.response_timeout())),
+                client.get_async_connection_with_config(config.clone().set_response_timeout(timeouts.get_response())),
             )
             .await?;
             // A day: the sources bound each blocking read by its own block time plus the margin.
@@ -188,16 +187,14 @@ impl RedisConnections {
 
     async fn open_with(client: ::redis::Client, timeouts: RedisTimeouts) -> Result<Self, RedisError> {
         let base = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeouts.connect_timeout()))
+            .set_connection_timeout(Some(timeouts.get_connect()))
             .set_max_delay(Duration::from_secs(2))
             .set_number_of_retries(4);
-        let connect = timeouts.connect_timeout().saturating_mul(2).saturating_add(timeouts.response_timeout());
+        let connect = timeouts.get_connect().saturating_mul(2).saturating_add(timeouts.get_response());
         let commands = bounded(
             "connect",
             connect,
-            client.get_connection_manager_with_config(
-                base.clone().set_response_timeout(Some(timeouts.response_timeout())),
-            ),
+            client.get_connection_manager_with_config(base.clone().set_response_timeout(Some(timeouts.get_response()))),
         )
         .await?;
         // The sources bound each blocking read by its own block time plus the margin.

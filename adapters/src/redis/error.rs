@@ -13,6 +13,7 @@ use crate::source::SourceError;
 /// assert!(matches!(brokerfence::SourceError::from(e), brokerfence::SourceError::Fatal(_)));
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RedisError {
     /// A command failed (connection, timeout, or an error reply).
     #[error("redis {command} failed: {source}")]

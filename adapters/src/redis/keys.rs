@@ -8,14 +8,7 @@ use super::error::RedisError;
 
 /// The part of `key` that Redis Cluster hashes: the content of the first non-empty `{…}`, or the
 /// whole key.
-///
-/// ```
-/// use brokerfence::redis::slot_part;
-/// assert_eq!(slot_part(b"orders"), b"orders");
-/// assert_eq!(slot_part(b"{app}:orders"), b"app");
-/// assert_eq!(slot_part(b"a{}b"), b"a{}b");
-/// ```
-pub fn slot_part(key: &[u8]) -> &[u8] {
+pub(crate) fn slot_part(key: &[u8]) -> &[u8] {
     if let Some(open) = key.iter().position(|&b| b == b'{') {
         let rest = &key[open + 1..];
         if let Some(len) = rest.iter().position(|&b| b == b'}')
@@ -27,7 +20,7 @@ pub fn slot_part(key: &[u8]) -> &[u8] {
     key
 }
 
-/// The Redis Cluster slot of `key` (CRC16/XMODEM of its [`slot_part`], modulo 16,384), as
+/// The Redis Cluster slot of `key` (CRC16/XMODEM of its hashed part, the content of the first non-empty `{…}` or the whole key, modulo 16,384), as
 /// `CLUSTER KEYSLOT` computes it.
 ///
 /// ```
@@ -95,11 +88,6 @@ pub fn lease_key(anchor: &str, queue: &QueueName, key: &JobKey) -> String {
 
 /// The value a holder stores in its lease key: `<owner>:<epoch>`. Epoch 0 is a reservation made
 /// before the database claim (the reliable list); a claimed epoch is at least 1.
-///
-/// ```
-/// let me = brokerfence::Owner::new("w1").unwrap();
-/// assert_eq!(brokerfence::redis::token(&me, 3), "w1:3");
-/// ```
 pub fn token(owner: &Owner, epoch: i64) -> String {
     format!("{}:{epoch}", owner.as_str())
 }
@@ -107,6 +95,15 @@ pub fn token(owner: &Owner, epoch: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slot_part_and_token() {
+        assert_eq!(slot_part(b"orders"), b"orders");
+        assert_eq!(slot_part(b"{app}:orders"), b"app");
+        assert_eq!(slot_part(b"a{}b"), b"a{}b");
+        let me = Owner::new("w1").unwrap();
+        assert_eq!(token(&me, 3), "w1:3");
+    }
 
     fn slot(key: &str) -> u16 {
         key_slot(key.as_bytes())

@@ -18,6 +18,7 @@ use super::timeouts::{RedisTimeouts, bounded, bounded_op};
 
 /// What acquiring one lease key did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Acquired {
     /// Set with `SET NX PX` (or it already held this very token and was refreshed).
     Set,
@@ -35,6 +36,7 @@ impl Acquired {
 }
 
 /// What renewing one lease key did.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Renewed {
     /// It held the token; its expiry was pushed out.
@@ -88,7 +90,7 @@ impl LeaseKeys {
     /// Lease keys named after `anchor` (they share its cluster slot), on `conn` (a
     /// [`RedisConn`], or a `ConnectionManager` of your own).
     pub fn new(conn: impl Into<RedisConn>, anchor: impl Into<String>) -> Self {
-        let timeout = millis(RedisTimeouts::default().response_timeout());
+        let timeout = millis(RedisTimeouts::default().get_response());
         Self {
             conn: conn.into(),
             anchor: Arc::from(anchor.into()),
@@ -100,11 +102,11 @@ impl LeaseKeys {
     /// The lease keys of a source on `conns`, anchored on `anchor` (the key it reads) and bounded
     /// by the connections' response timeout.
     pub(crate) fn of_source(conns: &RedisConnections, anchor: &str) -> Self {
-        Self::new(conns.commands(), anchor).with_timeout(conns.timeouts().response_timeout())
+        Self::new(conns.commands(), anchor).with_timeout(conns.timeouts().get_response())
     }
 
     /// Sets the response timeout of every call (default 2 s, the default
-    /// [`RedisTimeouts::response_timeout`]), for this value and every clone of it (a
+    /// [`RedisTimeouts::get_response`]), for this value and every clone of it (a
     /// [`LeaseKeyHook`] built from it included).
     pub fn with_timeout(self, timeout: Duration) -> Self {
         self.set_timeout(timeout);

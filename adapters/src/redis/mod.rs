@@ -53,7 +53,10 @@ pub use ::redis as client;
 pub use conn::RedisConnections;
 pub use error::RedisError;
 pub use handle::{RedisConn, Topology};
-pub use keys::{key_slot, lease_key, sibling_key, slot_part, token};
+pub use keys::{key_slot, lease_key, sibling_key};
+// The value of a lease key, for the repository's own tests.
+#[doc(hidden)]
+pub use keys::token;
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
 pub use list::{ItemKey, ListDelivery, ListRetrofit, ReliableList};
 #[cfg(feature = "postgres")]

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fence::OutboxRow;
+use fence::outbox::OutboxRow;
 
 use super::conn::RedisConnections;
 use super::handle::Topology;
@@ -27,7 +27,7 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// ```no_run
 /// # async fn demo(fence: brokerfence::PgFence) -> Result<(), brokerfence::redis::RedisError> {
 /// use std::sync::Arc;
-/// use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
+/// use brokerfence::outbox::{OutboxRelay, RelayConfig};
 /// use brokerfence::redis::{RedisConnections, RedisPublisher};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let publisher = RedisPublisher::new(redis).route("audit", "audit-events");
@@ -59,7 +59,7 @@ impl RedisPublisher {
     }
 
     fn limit(&self) -> Duration {
-        self.conns.timeouts().response_timeout()
+        self.conns.timeouts().get_response()
     }
 }
 

@@ -56,20 +56,20 @@ impl SentinelConn {
         let addr = asker.find().await.map_err(unreachable)?;
         let (tx, rx) = watch::channel(Master { generation: 1, addr });
         let poke = Arc::new(Notify::new());
-        tokio::spawn(follow(asker, tx, Arc::clone(&poke), timeouts.sentinel_poll_interval()));
+        tokio::spawn(follow(asker, tx, Arc::clone(&poke), timeouts.get_sentinel_poll()));
         let shared = Arc::new(Shared { target: target.clone(), master: rx, poke });
         let base = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeouts.connect_timeout()))
+            .set_connection_timeout(Some(timeouts.get_connect()))
             .set_max_delay(Duration::from_secs(1))
             .set_number_of_retries(2);
-        let connect = timeouts.connect_timeout().saturating_mul(2).saturating_add(timeouts.response_timeout());
+        let connect = timeouts.get_connect().saturating_mul(2).saturating_add(timeouts.get_response());
         let make = |config: ConnectionManagerConfig| SentinelConn {
             shared: Arc::clone(&shared),
             config,
             connect,
             cached: Arc::new(Mutex::new(None)),
         };
-        let commands = make(base.clone().set_response_timeout(Some(timeouts.response_timeout())));
+        let commands = make(base.clone().set_response_timeout(Some(timeouts.get_response())));
         let blocking = make(base.set_response_timeout(None));
         commands.current().await.map_err(|e| unreachable(RedisError::Command { command: "connect", source: e }))?;
         Ok((commands, blocking))
@@ -164,8 +164,8 @@ impl Asker {
 
     fn config(&self) -> AsyncConnectionConfig {
         AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.timeouts.connect_timeout()))
-            .set_response_timeout(Some(self.timeouts.response_timeout()))
+            .set_connection_timeout(Some(self.timeouts.get_connect()))
+            .set_response_timeout(Some(self.timeouts.get_response()))
     }
 
     /// The address most answering sentinels give for the master, checked to be a master.
@@ -177,7 +177,7 @@ impl Asker {
 
     /// The address most answering sentinels give (no role check).
     async fn agreed(&mut self) -> Result<String, RedisError> {
-        let limit = self.timeouts.connect_timeout().saturating_add(self.timeouts.response_timeout());
+        let limit = self.timeouts.get_connect().saturating_add(self.timeouts.get_response());
         let config = self.config();
         let asks = self.target.sentinels.iter().zip(self.sentinels.iter_mut()).map(|(addr, slot)| {
             let (url, config, master) = (self.target.sentinel_url(addr), config.clone(), self.target.master.clone());
@@ -232,7 +232,7 @@ impl Asker {
 
     /// Fails unless the server at `addr` says it is a master.
     async fn check_role(&self, addr: &str) -> Result<(), RedisError> {
-        let limit = self.timeouts.connect_timeout().saturating_add(self.timeouts.response_timeout());
+        let limit = self.timeouts.get_connect().saturating_add(self.timeouts.get_response());
         let client = Client::open(self.target.master_url(addr)).map_err(RedisError::command("connect"))?;
         let mut conn =
             bounded("connect", limit, client.get_multiplexed_async_connection_with_config(&self.config())).await?;

@@ -37,7 +37,7 @@ use crate::builder::setters;
 /// use std::time::Duration;
 /// use brokerfence::redis::RedisTimeouts;
 /// let t = RedisTimeouts::default().response(Duration::from_millis(500));
-/// assert_eq!(t.response_timeout(), Duration::from_millis(500));
+/// assert_eq!(t.get_response(), Duration::from_millis(500));
 /// // With a 30 s lease hint calls get the whole response timeout; with a 1.2 s one, a quarter of it.
 /// assert_eq!(t.hint(Duration::from_secs(30)), Duration::from_millis(500));
 /// assert_eq!(t.hint(Duration::from_millis(1200)), Duration::from_millis(300));
@@ -81,22 +81,22 @@ impl RedisTimeouts {
     }
 
     /// How often the sentinels are asked where the master is.
-    pub fn sentinel_poll_interval(&self) -> Duration {
+    pub fn get_sentinel_poll(&self) -> Duration {
         self.sentinel_poll
     }
 
     /// The connection timeout.
-    pub fn connect_timeout(&self) -> Duration {
+    pub fn get_connect(&self) -> Duration {
         self.connect
     }
 
     /// The response timeout of short commands.
-    pub fn response_timeout(&self) -> Duration {
+    pub fn get_response(&self) -> Duration {
         self.response
     }
 
     /// The margin of blocking reads.
-    pub fn block_margin_length(&self) -> Duration {
+    pub fn get_block_margin(&self) -> Duration {
         self.block_margin
     }
 

@@ -8,12 +8,17 @@ use tokio::sync::Semaphore;
 
 /// How a consumer runs.
 ///
+/// Every configuration and builder type of the crate follows one naming convention: a setting is
+/// set by a method named after it that takes `self` and returns `Self` (`concurrency(32)`), and
+/// read back by `get_` and the same name (`get_concurrency()`); what `new` takes is read back
+/// under its own name (`supervisor()`).
+///
 /// ```
 /// use brokerfence::{LeaseDuration, SupervisorConfig};
 /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
 ///     .concurrency(32)
 ///     .batch(10);
-/// assert_eq!(config.concurrency_limit(), 32);
+/// assert_eq!(config.get_concurrency(), 32);
 /// ```
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
@@ -26,7 +31,7 @@ pub struct ConsumerConfig {
     pub(super) ack_batch: usize,
     pub(super) ack_linger: Duration,
     pub(super) max_unsettled: Option<usize>,
-    pub(super) retention: Option<fence::Retention>,
+    pub(super) retention: Option<fence::retention::Retention>,
 }
 
 /// The default [`ConsumerConfig::claim_window`] of a consumer that prefetches: 5 ms. A consumer
@@ -55,7 +60,7 @@ impl ConsumerConfig {
     }
     /// Prunes finished jobs (and ledger rows) by `retention` in the background while the
     /// consumer runs: one run at start, then one every
-    /// [`Retention::interval`](fence::Retention::interval), each through
+    /// [`Retention::every`](fence::retention::Retention::every), each through
     /// [`FenceStore::prune`](fence::FenceStore::prune) (bounded batches; at most one pruner at a
     /// time across processes on PostgreSQL, so every worker may have this on). A run that fails
     /// is logged and tried again at the next interval; a store without pruning
@@ -63,18 +68,19 @@ impl ConsumerConfig {
     /// warning. Off by default: nothing is ever deleted unless this is set (or `prune` called).
     ///
     /// ```
-    /// use brokerfence::{LeaseDuration, QueueName, QueueRetention, Retention, SupervisorConfig};
+    /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
+    /// use brokerfence::retention::{QueueRetention, Retention};
     /// let retention = Retention::new().queue(QueueName::new("emails").unwrap(), QueueRetention::default());
     /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .retention(retention);
-    /// assert!(config.retention_policy().is_some());
+    /// assert!(config.get_retention().is_some());
     /// ```
-    pub fn retention(mut self, retention: fence::Retention) -> Self {
+    pub fn retention(mut self, retention: fence::retention::Retention) -> Self {
         self.retention = Some(retention);
         self
     }
     /// The background retention policy, if any (see [`retention`](Self::retention)).
-    pub fn retention_policy(&self) -> Option<&fence::Retention> {
+    pub fn get_retention(&self) -> Option<&fence::retention::Retention> {
         self.retention.as_ref()
     }
     /// Jobs running at once.
@@ -93,16 +99,16 @@ impl ConsumerConfig {
     /// ```
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
-    /// assert_eq!(config.prefetch_limit(), None); // the source's default
-    /// assert_eq!(config.clone().prefetch(0).prefetch_limit(), Some(0)); // off
-    /// assert_eq!(config.prefetch(64).prefetch_limit(), Some(64));
+    /// assert_eq!(config.get_prefetch(), None); // the source's default
+    /// assert_eq!(config.clone().prefetch(0).get_prefetch(), Some(0)); // off
+    /// assert_eq!(config.prefetch(64).get_prefetch(), Some(64));
     /// ```
     pub fn prefetch(mut self, n: usize) -> Self {
         self.prefetch = Some(n);
         self
     }
     /// The prefetch set with [`prefetch`](Self::prefetch) (`Some(0)`: off), if any.
-    pub fn prefetch_limit(&self) -> Option<usize> {
+    pub fn get_prefetch(&self) -> Option<usize> {
         self.prefetch
     }
     /// This configuration with the source's default prefetch where none was set: what a
@@ -128,15 +134,15 @@ impl ConsumerConfig {
     /// ```
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
-    /// assert_eq!(config.batch_limit(), None); // the source's default
-    /// assert_eq!(config.batch(32).batch_limit(), Some(32));
+    /// assert_eq!(config.get_batch(), None); // the source's default
+    /// assert_eq!(config.batch(32).get_batch(), Some(32));
     /// ```
     pub fn batch(mut self, n: usize) -> Self {
         self.batch = Some(n.max(1));
         self
     }
     /// The batch set with [`batch`](Self::batch), if any.
-    pub fn batch_limit(&self) -> Option<usize> {
+    pub fn get_batch(&self) -> Option<usize> {
         self.batch
     }
     /// How long received deliveries may gather into one claim statement while claims are busy:
@@ -160,7 +166,7 @@ impl ConsumerConfig {
     /// default is zero (with a 5 ms window, 1 ms handlers over a Redis stream reached 0.35–0.38
     /// of a plain `XREADGROUP`/`XACK` consumer, 0.51–0.62 without; `bench_redis --work-ms 1`,
     /// 32 jobs at once). A prefetching consumer claims ahead of its handlers, so the window costs
-    /// them nothing and saves statements: its default is [`DEFAULT_CLAIM_WINDOW`] (5 ms). Sources
+    /// them nothing and saves statements: its default is 5 ms. Sources
     /// that claim in their own receive (the table queue) are not affected.
     ///
     /// ```
@@ -168,23 +174,23 @@ impl ConsumerConfig {
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .claim_window(Duration::from_millis(10));
-    /// assert_eq!(config.claim_window_length(), Duration::from_millis(10));
+    /// assert_eq!(config.get_claim_window(), Duration::from_millis(10));
     /// ```
     pub fn claim_window(mut self, window: Duration) -> Self {
         self.claim_window = Some(window);
         self
     }
     /// The [`claim_window`](Self::claim_window): the one set, else zero, or
-    /// [`DEFAULT_CLAIM_WINDOW`] when prefetching.
+    /// 5 ms when prefetching.
     ///
     /// ```
     /// use std::time::Duration;
-    /// use brokerfence::{ConsumerConfig, DEFAULT_CLAIM_WINDOW, LeaseDuration, SupervisorConfig};
+    /// use brokerfence::{ConsumerConfig, LeaseDuration, SupervisorConfig};
     /// let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()));
-    /// assert_eq!(config.clone().claim_window_length(), Duration::ZERO);
-    /// assert_eq!(config.prefetch(64).claim_window_length(), DEFAULT_CLAIM_WINDOW);
+    /// assert_eq!(config.clone().get_claim_window(), Duration::ZERO);
+    /// assert_eq!(config.prefetch(64).get_claim_window(), Duration::from_millis(5));
     /// ```
-    pub fn claim_window_length(&self) -> Duration {
+    pub fn get_claim_window(&self) -> Duration {
         self.claim_window.unwrap_or(if self.prefetching().is_some() { DEFAULT_CLAIM_WINDOW } else { Duration::ZERO })
     }
     /// How long shutdown waits for running jobs before releasing their leases.
@@ -212,15 +218,15 @@ impl ConsumerConfig {
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()))
     ///     .concurrency(8);
-    /// assert_eq!(config.unsettled_limit(), 4 * 8 + 4 * 10);
-    /// assert_eq!(config.max_unsettled(100).unsettled_limit(), 100);
+    /// assert_eq!(config.get_max_unsettled(), 4 * 8 + 4 * 10);
+    /// assert_eq!(config.max_unsettled(100).get_max_unsettled(), 100);
     /// ```
     pub fn max_unsettled(mut self, n: usize) -> Self {
         self.max_unsettled = Some(n.max(1));
         self
     }
     /// The bound on unsettled deliveries (see [`max_unsettled`](Self::max_unsettled)).
-    pub fn unsettled_limit(&self) -> usize {
+    pub fn get_max_unsettled(&self) -> usize {
         self.max_unsettled
             .unwrap_or_else(|| {
                 4usize
@@ -234,11 +240,11 @@ impl ConsumerConfig {
         self.prefetching().unwrap_or(self.concurrency)
     }
     /// The concurrency limit.
-    pub fn concurrency_limit(&self) -> usize {
+    pub fn get_concurrency(&self) -> usize {
         self.concurrency
     }
     /// The supervisor configuration.
-    pub fn supervisor_config(&self) -> &SupervisorConfig {
+    pub fn supervisor(&self) -> &SupervisorConfig {
         &self.supervisor
     }
 }

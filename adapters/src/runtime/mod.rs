@@ -38,7 +38,9 @@ mod shutdown;
 mod tests;
 mod tracked;
 
-pub use config::{ConsumerConfig, DEFAULT_CLAIM_WINDOW};
+pub use config::ConsumerConfig;
+#[doc(hidden)]
+pub use config::DEFAULT_CLAIM_WINDOW;
 pub use shutdown::shutdown_signal;
 
 use claim::ClaimQueue;
@@ -107,7 +109,7 @@ impl<S: Source> Consumer<S> {
         let source_prefetch = source.default_prefetch(config.concurrency);
         let config = config.with_default_prefetch(source_prefetch);
         supervisor.add_hook(Arc::new(SourceHook { source: Arc::clone(&source), tracked: Arc::clone(&tracked) }));
-        let unsettled = Arc::new(Semaphore::new(config.unsettled_limit()));
+        let unsettled = Arc::new(Semaphore::new(config.get_max_unsettled()));
         Self { source, supervisor, config, tracked, unsettled }
     }
 
@@ -147,7 +149,7 @@ impl<S: Source> Consumer<S> {
 
     /// Unsettled places taken now: deliveries received and not yet settled at the broker, plus
     /// the places a receive in progress reserved. A gauge that never exceeds
-    /// [`ConsumerConfig::unsettled_limit`].
+    /// [`ConsumerConfig::max_unsettled`].
     ///
     /// ```no_run
     /// # fn demo(consumer: &brokerfence::Consumer<brokerfence::TableQueue>) {
@@ -155,7 +157,7 @@ impl<S: Source> Consumer<S> {
     /// # }
     /// ```
     pub fn unsettled(&self) -> usize {
-        self.config.unsettled_limit().saturating_sub(self.unsettled.available_permits())
+        self.config.get_max_unsettled().saturating_sub(self.unsettled.available_permits())
     }
 
     /// Runs until `shutdown` fires or the source fails fatally; then stops receiving, lets
@@ -166,7 +168,7 @@ impl<S: Source> Consumer<S> {
     /// most `concurrency` deliveries are held from receive until their handler returns (plus
     /// `prefetch` more ahead of the handlers, if set); a slot frees the moment its handler
     /// returns, so commits and acks overlap the next jobs. At most
-    /// [`unsettled_limit`](ConsumerConfig::unsettled_limit) deliveries are held from receive until
+    /// [`max_unsettled`](ConsumerConfig::max_unsettled) deliveries are held from receive until
     /// the broker call that settles them returned: a broker that hangs stops the receiving.
     /// The supervisor's [`attempt_timeout`](fence::SupervisorConfig::attempt_timeout) counts from
     /// when a handler starts, so a prefetched job waiting for a slot does not spend it.
@@ -184,44 +186,24 @@ impl<S: Source> Consumer<S> {
     /// yet (database down) is not a reason to refuse: the loop starts and retries as usual.
     ///
     /// `shutdown` is a [`CancellationToken`] (re-exported as `brokerfence::CancellationToken`;
-    /// [`shutdown_signal`] makes one that fires on SIGTERM or Ctrl-C); to stop on any other
-    /// future, use [`run_until`](Self::run_until).
-    pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
-        self.run_until(handler, shutdown.cancelled_owned()).await
-    }
-
-    /// [`run`](Self::run) until the future `shutdown` completes: a channel, a timer, your own
-    /// signal handling, `token.cancelled_owned()`. It is polled beside the receive loop (it need
-    /// not be `'static`); once it completes, the consumer stops as [`run`](Self::run) describes.
+    /// [`shutdown_signal`] makes one that fires on SIGTERM or Ctrl-C). To stop on any other
+    /// event, cancel the token when it happens:
     ///
     /// ```no_run
     /// # async fn demo(consumer: brokerfence::Consumer<brokerfence::TableQueue>) -> Result<(), brokerfence::SourceError> {
     /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     /// # drop(stop);
-    /// consumer
-    ///     .run_until(|ctx| async move { Ok(format!("done at epoch {}", ctx.epoch())) }, async {
-    ///         let _ = stopped.await; // fires when `stop` is sent (or dropped)
-    ///     })
-    ///     .await?;
+    /// let shutdown = brokerfence::CancellationToken::new();
+    /// let fire = shutdown.clone();
+    /// tokio::spawn(async move {
+    ///     let _ = stopped.await; // fires when `stop` is sent (or dropped)
+    ///     fire.cancel();
+    /// });
+    /// consumer.run(|ctx| async move { Ok(format!("done at epoch {}", ctx.epoch())) }, shutdown).await?;
     /// # Ok(()) }
     /// ```
-    pub async fn run_until<H: Handler>(
-        &self,
-        handler: H,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) -> Result<(), SourceError> {
-        // The loop and its tasks watch a token; the caller's future fires it.
-        let shutdown_token = CancellationToken::new();
-        let watch = async {
-            shutdown.await;
-            shutdown_token.cancel();
-            std::future::pending::<std::convert::Infallible>().await
-        };
-        let run = self.run_with_token(handler, &shutdown_token);
-        tokio::select! {
-            result = run => result,
-            never = watch => match never {},
-        }
+    pub async fn run<H: Handler>(&self, handler: H, shutdown: CancellationToken) -> Result<(), SourceError> {
+        self.run_with_token(handler, &shutdown).await
     }
 
     async fn run_with_token<H: Handler>(&self, handler: H, shutdown: &CancellationToken) -> Result<(), SourceError> {
@@ -233,7 +215,7 @@ impl<S: Source> Consumer<S> {
         let places = self.config.places();
         // Every queued acknowledgement holds an unsettled place, so the channel never fills
         // before the receive loop stops; a sender waits when it does (an ack is never dropped).
-        let (ack_tx, ack_rx) = mpsc::channel(self.config.unsettled_limit().max(1));
+        let (ack_tx, ack_rx) = mpsc::channel(self.config.get_max_unsettled().max(1));
         // Every queued delivery holds a receive place: at most `places` wait for a claim.
         let (claims_tx, claims_rx) = mpsc::unbounded_channel();
         let acker = tokio::spawn(ack_loop(
@@ -250,7 +232,7 @@ impl<S: Source> Consumer<S> {
             handler,
             ack_tx,
             lease: self.config.supervisor.lease(),
-            attempt_timeout: self.config.supervisor.attempt_timeout_length(),
+            attempt_timeout: self.config.supervisor.get_attempt_timeout(),
             grace: self.config.grace,
             claim_failures: AtomicU32::new(0),
             // Fires with `shutdown`, and also when the loop ends on a fatal source error.
@@ -262,7 +244,7 @@ impl<S: Source> Consumer<S> {
         let permits = Budget { places: Arc::new(Semaphore::new(places)), unsettled: Arc::clone(&self.unsettled) };
         shared.tasks.spawn(Arc::clone(&shared).claim_loop(
             claims_rx,
-            self.config.claim_window_length(),
+            self.config.get_claim_window(),
             Arc::clone(&permits.places),
         ));
         let pruner = self.config.retention.clone().map(|retention| {

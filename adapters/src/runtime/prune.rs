@@ -13,9 +13,13 @@ const PRUNE_RUN_TIMEOUT: Duration = Duration::from_secs(600);
 /// The consumer's background pruner (see [`ConsumerConfig::retention`]): a run now, then one
 /// every interval, until `stop` fires (a run in progress then is dropped: its open batch rolls
 /// back).
-pub(super) async fn prune_loop(store: Arc<dyn FenceStore>, retention: fence::Retention, stop: CancellationToken) {
+pub(super) async fn prune_loop(
+    store: Arc<dyn FenceStore>,
+    retention: fence::retention::Retention,
+    stop: CancellationToken,
+) {
     use tracing::Instrument;
-    let span = tracing::info_span!("consumer.pruner", backend = store.backend());
+    let span = tracing::info_span!("consumer.pruner", backend = store.backend().name());
     async move {
         loop {
             let run = tokio::time::timeout(PRUNE_RUN_TIMEOUT, store.prune(&retention));
@@ -34,7 +38,7 @@ pub(super) async fn prune_loop(store: Arc<dyn FenceStore>, retention: fence::Ret
             }
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(retention.interval()) => {}
+                _ = tokio::time::sleep(retention.get_every()) => {}
             }
         }
     }

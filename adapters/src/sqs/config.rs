@@ -13,21 +13,15 @@ use super::key::KeyStrategy;
 use crate::builder::setters;
 
 /// Longest visibility timeout SQS accepts (12 hours).
-pub const MAX_VISIBILITY: Duration = Duration::from_secs(43_200);
+pub(crate) const MAX_VISIBILITY: Duration = Duration::from_secs(43_200);
 /// Longest long-poll wait SQS accepts.
-pub const MAX_WAIT: Duration = Duration::from_secs(20);
+pub(crate) const MAX_WAIT: Duration = Duration::from_secs(20);
 /// Most messages one receive (or one batch call) may carry.
-pub const MAX_BATCH: usize = 10;
+pub(crate) const MAX_BATCH: usize = 10;
 
 /// The HTTP client the SDK uses: hyper 1 with rustls on *ring* (no aws-lc, no second stack).
-///
-/// ```no_run
-/// # async fn demo() {
-/// let http = brokerfence::sqs::http_client();
-/// let sdk = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http).load().await;
-/// let client = aws_sdk_sqs::Client::new(&sdk);
-/// # let _ = client; }
-/// ```
+/// [`client`] puts it on every client it builds.
+#[doc(hidden)]
 pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
     aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https()
 }
@@ -87,43 +81,21 @@ impl Default for SqsTimeouts {
     }
 }
 
-/// An SQS client configured from the standard AWS environment: `AWS_ENDPOINT_URL_SQS` /
-/// `AWS_ENDPOINT_URL`, `AWS_REGION`, credentials (environment, profile, web identity, container,
-/// instance metadata), on [`http_client`], with the default [`SqsTimeouts`].
+/// An SQS client from an AWS configuration loader, on rustls (*ring*) and with `timeouts`.
+/// `aws_config::from_env()` reads the standard AWS environment (`AWS_ENDPOINT_URL_SQS` /
+/// `AWS_ENDPOINT_URL`, `AWS_REGION`, credentials from the environment, a profile, web identity,
+/// the container or instance metadata); set an endpoint, region or credentials on the loader
+/// to choose them yourself.
 ///
 /// ```no_run
 /// # async fn demo() {
-/// let client = brokerfence::sqs::client_from_env().await;
-/// assert!(client.config().timeout_config().and_then(|t| t.operation_timeout()).is_some());
-/// # }
+/// use brokerfence::sqs::{SqsTimeouts, aws_config, client};
+/// let sqs = client(aws_config::from_env(), SqsTimeouts::default()).await;
+/// assert!(sqs.config().timeout_config().and_then(|t| t.operation_timeout()).is_some());
+/// let local = client(aws_config::from_env().endpoint_url("http://127.0.0.1:4566"), SqsTimeouts::default()).await;
+/// # let _ = local; }
 /// ```
-pub async fn client_from_env() -> Client {
-    client_from_env_with(SqsTimeouts::default()).await
-}
-
-/// [`client_from_env`] with timeouts of your choice.
-///
-/// ```no_run
-/// # async fn demo() {
-/// use std::time::Duration;
-/// let timeouts = brokerfence::sqs::SqsTimeouts::default().operation(Duration::from_secs(30));
-/// let client = brokerfence::sqs::client_from_env_with(timeouts).await;
-/// # let _ = client; }
-/// ```
-pub async fn client_from_env_with(timeouts: SqsTimeouts) -> Client {
-    client_from_loader(aws_config::defaults(aws_config::BehaviorVersion::latest()), timeouts).await
-}
-
-/// A client from an AWS configuration loader you prepared (endpoint, region, credentials), on
-/// [`http_client`] and with `timeouts`.
-///
-/// ```no_run
-/// # async fn demo() {
-/// let loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).endpoint_url("http://127.0.0.1:4566");
-/// let client = brokerfence::sqs::client_from_loader(loader, brokerfence::sqs::SqsTimeouts::default()).await;
-/// # let _ = client; }
-/// ```
-pub async fn client_from_loader(loader: aws_config::ConfigLoader, timeouts: SqsTimeouts) -> Client {
+pub async fn client(loader: aws_config::ConfigLoader, timeouts: SqsTimeouts) -> Client {
     let sdk = loader.http_client(http_client()).timeout_config(timeouts.timeout_config()).load().await;
     Client::new(&sdk)
 }
@@ -139,13 +111,7 @@ pub fn is_fifo_url(url: &str) -> bool {
 }
 
 /// The queue name of a queue URL: its last path segment.
-///
-/// ```
-/// let q = brokerfence::sqs::queue_name_of_url("http://127.0.0.1:4566/000000000000/orders").unwrap();
-/// assert_eq!(q.as_str(), "orders");
-/// assert!(brokerfence::sqs::queue_name_of_url("http://127.0.0.1:4566/").is_err());
-/// ```
-pub fn queue_name_of_url(url: &str) -> Result<QueueName, SqsError> {
+pub(crate) fn queue_name_of_url(url: &str) -> Result<QueueName, SqsError> {
     let invalid = |reason: String| SqsError::InvalidQueueUrl { url: url.to_owned(), reason };
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(invalid("must start with http:// or https://".into()));
@@ -160,6 +126,7 @@ pub fn queue_name_of_url(url: &str) -> Result<QueueName, SqsError> {
 
 /// Where messages that must be dead-lettered go.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeadLetterTarget {
     /// The queue's own dead-letter queue, read once from its `RedrivePolicy`.
     #[default]
@@ -173,6 +140,7 @@ pub enum DeadLetterTarget {
 
 /// What the source does when the queue's RedrivePolicy `maxReceiveCount` is lower than the retry
 /// policy needs (see [`SqsSource::check_max_receive_count`](super::SqsSource::check_max_receive_count)).
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ReceiveCountCheck {
     /// No check.
@@ -195,7 +163,7 @@ pub enum ReceiveCountCheck {
 ///     .unwrap()
 ///     .key(KeyStrategy::attribute("order-id"))
 ///     .wait_time(Duration::from_secs(5));
-/// assert_eq!(config.fence_queue().as_str(), "orders");
+/// assert_eq!(config.get_fence_queue_name().as_str(), "orders");
 /// assert!(!config.is_fifo());
 /// ```
 #[derive(Debug, Clone)]
@@ -324,12 +292,12 @@ impl SqsConfig {
     }
 
     /// The fence's queue name.
-    pub fn fence_queue(&self) -> &QueueName {
+    pub fn get_fence_queue_name(&self) -> &QueueName {
         &self.fence_queue
     }
 
     /// The key strategy.
-    pub fn key_strategy(&self) -> &KeyStrategy {
+    pub fn get_key(&self) -> &KeyStrategy {
         &self.key
     }
 
@@ -340,14 +308,22 @@ impl SqsConfig {
 }
 
 /// Whole seconds for a visibility timeout: rounded up, clamped to SQS's 0..=12 h.
-///
-/// ```
-/// use std::time::Duration;
-/// assert_eq!(brokerfence::sqs::visibility_secs(Duration::from_millis(1)), 1);
-/// assert_eq!(brokerfence::sqs::visibility_secs(Duration::from_secs(3)), 3);
-/// assert_eq!(brokerfence::sqs::visibility_secs(Duration::from_secs(100_000)), 43_200);
-/// ```
-pub fn visibility_secs(d: Duration) -> i32 {
+pub(crate) fn visibility_secs(d: Duration) -> i32 {
     let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
     i32::try_from(secs.min(MAX_VISIBILITY.as_secs())).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_names_and_visibility_seconds() {
+        let q = queue_name_of_url("http://127.0.0.1:4566/000000000000/orders").unwrap();
+        assert_eq!(q.as_str(), "orders");
+        assert!(queue_name_of_url("http://127.0.0.1:4566/").is_err());
+        assert_eq!(visibility_secs(Duration::from_millis(1)), 1);
+        assert_eq!(visibility_secs(Duration::from_secs(3)), 3);
+        assert_eq!(visibility_secs(Duration::from_secs(100_000)), 43_200);
+    }
 }

@@ -15,6 +15,7 @@ use crate::source::SourceError;
 /// assert_eq!(e.code(), Some("ThrottlingException"));
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SqsError {
     /// The queue URL cannot be used (it names no queue).
     #[error("invalid queue URL {url:?}: {reason}")]

@@ -16,6 +16,7 @@ use fence::JobKey;
 /// # let _ = (by_attr, by_body);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyStrategy {
     /// `MessageDeduplicationId` on a FIFO queue, `MessageId` on a standard queue.
     #[default]

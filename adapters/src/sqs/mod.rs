@@ -24,19 +24,19 @@
 //!
 //! Run it under the shared [`Consumer`](crate::Consumer) with an [`SqsSource`], or call
 //! [`SqsRetrofit::process`] from a receive loop you already own. The client comes from the
-//! standard AWS environment over a single rustls (*ring*) HTTP stack ([`client_from_env`]).
+//! standard AWS environment over a single rustls (*ring*) HTTP stack ([`client`]).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsSource, client_from_env};
+//! use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsSource};
 //! use brokerfence::{Consumer, ConsumerConfig};
 //! use brokerfence::{FenceStore, LeaseDuration, PgFence, SupervisorConfig};
 //!
 //! let store = Arc::new(PgFence::connect("postgres://postgres@127.0.0.1/test").await?);
 //! store.migrate().await?;
 //! let config = SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?.key(KeyStrategy::attribute("order-id"));
-//! let source = SqsSource::new(client_from_env().await, config);
+//! let source = SqsSource::new(brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await, config);
 //! let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
 //! consumer
 //!     .run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal())
@@ -58,11 +58,14 @@ mod retrofit;
 mod source;
 mod state;
 
+pub(crate) use config::MAX_BATCH;
 pub use config::{
-    DEFAULT_CALL_TIMEOUT, DEFAULT_RECEIVE_HEADROOM, DeadLetterTarget, MAX_BATCH, MAX_VISIBILITY, MAX_WAIT,
-    ReceiveCountCheck, SqsConfig, SqsTimeouts, client_from_env, client_from_env_with, client_from_loader, http_client,
-    is_fifo_url, queue_name_of_url, visibility_secs,
+    DEFAULT_CALL_TIMEOUT, DEFAULT_RECEIVE_HEADROOM, DeadLetterTarget, ReceiveCountCheck, SqsConfig, SqsTimeouts,
+    client, is_fifo_url,
 };
+// The SDK's HTTP client (rustls on ring), for the repository's own tests and harnesses.
+#[doc(hidden)]
+pub use config::http_client;
 pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_needed};
 pub use delivery::SqsDelivery;
 pub use error::{SqsError, error_chain};
@@ -70,7 +73,9 @@ pub use key::KeyStrategy;
 #[cfg(feature = "postgres")]
 pub use outbox::SqsPublisher;
 pub use retrofit::SqsRetrofit;
-pub use source::{CHECK_ATTEMPTS, SqsSource};
+#[doc(hidden)]
+pub use source::CHECK_ATTEMPTS;
+pub use source::SqsSource;
 
 /// The AWS configuration loader, re-exported for the same reason.
 pub use aws_config;

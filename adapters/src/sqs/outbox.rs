@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
-use fence::OutboxRow;
+use fence::outbox::OutboxRow;
 
 use super::config::is_fifo_url;
 use super::error::{SqsError, bounded, classify};
@@ -26,9 +26,9 @@ use crate::outbox::{OUTBOX_ID, PublishError, Published, Publisher};
 /// ```no_run
 /// # async fn demo(fence: brokerfence::PgFence) {
 /// use std::sync::Arc;
-/// use brokerfence::adapters::outbox::{OutboxRelay, RelayConfig};
-/// use brokerfence::sqs::{SqsPublisher, client_from_env};
-/// let sqs = SqsPublisher::new(client_from_env().await)
+/// use brokerfence::outbox::{OutboxRelay, RelayConfig};
+/// use brokerfence::sqs::{SqsPublisher};
+/// let sqs = SqsPublisher::new(brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await)
 ///     .route("billing", "http://127.0.0.1:4566/000000000000/billing");
 /// let relay = OutboxRelay::new(fence, RelayConfig::default()).publisher(Arc::new(sqs));
 /// # let _ = relay; }

@@ -68,7 +68,7 @@ struct ExtendHook {
 #[async_trait]
 impl LeaseHook for ExtendHook {
     async fn confirmed(&self, leases: &[Lease]) {
-        let pairs = self.in_flight.pairs(self.source.config().fence_queue(), leases);
+        let pairs = self.in_flight.pairs(self.source.config().get_fence_queue_name(), leases);
         if !pairs.is_empty()
             && let Err(e) = self.source.extend_visibility(&pairs).await
         {
@@ -81,9 +81,9 @@ impl LeaseHook for ExtendHook {
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use brokerfence::sqs::{SqsConfig, SqsRetrofit, SqsSource, client_from_env};
+/// use brokerfence::sqs::{SqsConfig, SqsRetrofit, SqsSource};
 /// use brokerfence::{LeaseDuration, SupervisorConfig};
-/// let client = client_from_env().await;
+/// let client = brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await;
 /// let url = "http://127.0.0.1:4566/000000000000/orders";
 /// let fence = SqsRetrofit::new(store, SqsSource::new(client.clone(), SqsConfig::new(url)?),
 ///     SupervisorConfig::new(LeaseDuration::from_secs(30)?));
@@ -121,7 +121,7 @@ impl SqsRetrofit {
 
     /// Middleware with the given owner id.
     pub fn with_owner(store: Arc<dyn FenceStore>, source: SqsSource, owner: Owner, config: SupervisorConfig) -> Self {
-        let retrofit = Retrofit::with_owner(store, source.config().fence_queue().clone(), owner, config);
+        let retrofit = Retrofit::with_owner(store, source.config().get_fence_queue_name().clone(), owner, config);
         let in_flight = Arc::new(InFlight::default());
         retrofit
             .supervisor()
@@ -238,7 +238,7 @@ impl SqsRetrofit {
             }
         };
         let config = self.source.config();
-        let key = match config.key_strategy().key_of(message, config.is_fifo()) {
+        let key = match config.get_key().key_of(message, config.is_fifo()) {
             Ok(k) => k,
             Err(reason) => {
                 tracing::warn!(%reason, "malformed message: dead-lettering it");

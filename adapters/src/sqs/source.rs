@@ -60,10 +60,10 @@ fn endpoint_of(client: &Client) -> String {
 ///
 /// ```no_run
 /// # async fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> Result<(), Box<dyn std::error::Error>> {
-/// use brokerfence::sqs::{SqsConfig, SqsSource, client_from_env};
+/// use brokerfence::sqs::{SqsConfig, SqsSource};
 /// use brokerfence::{Consumer, ConsumerConfig};
 /// use brokerfence::{LeaseDuration, SupervisorConfig};
-/// let client = client_from_env().await;
+/// let client = brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await;
 /// let source = SqsSource::new(client, SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?);
 /// let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
 /// consumer.run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal()).await?;
@@ -134,8 +134,8 @@ impl SqsSource {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), brokerfence::sqs::SqsError> {
-    /// use brokerfence::sqs::{SqsConfig, SqsSource, client_from_env};
-    /// let source = SqsSource::new(client_from_env().await, SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?);
+    /// use brokerfence::sqs::{SqsConfig, SqsSource};
+    /// let source = SqsSource::new(brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default()).await, SqsConfig::new("http://127.0.0.1:4566/000000000000/orders")?);
     /// source.check().await?; // "SQS queue … does not exist …" rather than failing receives
     /// # Ok(()) }
     /// ```

@@ -30,12 +30,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
-use brokerfence::fence::{
+use brokerfence::TableQueue;
+use brokerfence::{Consumer, ConsumerConfig, Source};
+use brokerfence::{
     FenceStore, JobContext, JobError, JobKey, LeaseDuration, Owner, PgFence, QueueName, SchemaName, Supervisor,
     SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 

@@ -1,9 +1,9 @@
 //! Redis Streams: fenced against a plain XREADGROUP/XACK consumer.
 
 use super::*;
-use brokerfence::adapters::Retrofit;
-use brokerfence::adapters::redis::client as redis;
-use brokerfence::adapters::redis::{RedisConnections, StreamSource};
+use brokerfence::Retrofit;
+use brokerfence::redis::client as redis;
+use brokerfence::redis::{RedisConnections, StreamSource};
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
 
@@ -163,7 +163,7 @@ pub async fn run(o: &Opts, pg: &table::Pg) -> Result<(), String> {
         .block(Duration::from_millis(100));
     print_cancellation(&consumer_cancellation(source, &pg.fence, samples).await?);
     for s in streams {
-        let dead = brokerfence::adapters::redis::sibling_key(&s, ":dead");
+        let dead = brokerfence::redis::sibling_key(&s, ":dead");
         let _: Result<(), _> = redis::cmd("DEL").arg(&s).arg(&dead).query_async(&mut conn).await;
     }
     Ok(())

@@ -1,23 +1,23 @@
 //! SQS (LocalStack): fenced against a plain receive/delete consumer.
 
 use super::*;
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource, aws_config, http_client};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsRetrofit, SqsSource, aws_config};
 use futures::StreamExt;
 
 async fn client() -> Client {
     let var = |n: &str| brokerfence_testkit::services::var(n);
-    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
+    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
     if let Some(endpoint) = var("AWS_ENDPOINT_URL_SQS") {
         loader = loader.endpoint_url(endpoint);
     }
     loader = loader.region(aws_config::Region::new(var("AWS_REGION").unwrap_or_else(|| "us-east-1".into())));
     if let (Some(id), Some(secret)) = (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
-        let creds = brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "bench");
+        let creds = brokerfence::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "bench");
         loader = loader.credentials_provider(creds);
     }
-    Client::new(&loader.load().await)
+    brokerfence::sqs::client(loader, brokerfence::sqs::SqsTimeouts::default()).await
 }
 
 async fn queue(client: &Client, n: usize) -> Result<String, String> {

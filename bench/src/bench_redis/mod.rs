@@ -41,12 +41,10 @@ mod bench {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::{Duration, Instant};
 
-    use brokerfence::adapters::redis::client::{self, Value};
-    use brokerfence::adapters::redis::{KeyFrom, RedisConn, RedisConnections, StreamSource};
-    use brokerfence::adapters::{Consumer, ConsumerConfig};
-    use brokerfence::fence::{
-        FenceStore, JobContext, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig,
-    };
+    use brokerfence::redis::client::{self, Value};
+    use brokerfence::redis::{KeyFrom, RedisConn, RedisConnections, StreamSource};
+    use brokerfence::{Consumer, ConsumerConfig};
+    use brokerfence::{FenceStore, JobContext, LeaseDuration, Owner, PgFence, QueueName, SchemaName, SupervisorConfig};
     use sqlx::AssertSqlSafe;
 
     use tokio::sync::Semaphore;
@@ -146,7 +144,7 @@ mod bench {
     }
 
     /// The fenced consumers' configuration: concurrency, batch, lease, prefetch.
-    pub(super) fn consumer_config(a: &Args) -> Result<ConsumerConfig, brokerfence::fence::FenceError> {
+    pub(super) fn consumer_config(a: &Args) -> Result<ConsumerConfig, brokerfence::FenceError> {
         let config = ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(a.lease)?))
             .concurrency(a.concurrency)
             .batch(a.batch);

@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{RedisConnections, key_slot};
-use brokerfence::fence::{FenceStore, PgFence};
+use brokerfence::redis::client;
+use brokerfence::redis::{RedisConnections, key_slot};
+use brokerfence::{FenceStore, PgFence};
 use brokerfence_testkit::redis_topology::RedisCluster;
 use futures::future::try_join_all;
 

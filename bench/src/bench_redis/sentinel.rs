@@ -15,10 +15,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use brokerfence::adapters::Consumer;
-use brokerfence::adapters::redis::client::Script;
-use brokerfence::adapters::redis::{KeyFrom, RedisConnections, StreamSource};
-use brokerfence::fence::{FenceStore, JobContext, Owner, PgFence, QueueName};
+use brokerfence::Consumer;
+use brokerfence::redis::client::Script;
+use brokerfence::redis::{KeyFrom, RedisConnections, StreamSource};
+use brokerfence::{FenceStore, JobContext, Owner, PgFence, QueueName};
 use brokerfence_testkit::redis_topology::RedisSentinels;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;

@@ -39,11 +39,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
-use brokerfence::adapters::sqs::{SqsConfig, SqsSource, client_from_env};
-use brokerfence::adapters::{Consumer, ConsumerConfig};
-use brokerfence::fence::{FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{SqsConfig, SqsSource};
+use brokerfence::{Consumer, ConsumerConfig};
+use brokerfence::{FenceStore, JobContext, JobError, LeaseDuration, PgFence, SchemaName, SupervisorConfig};
 use futures::StreamExt;
 use sqlx::AssertSqlSafe;
 use tokio::sync::mpsc;
@@ -302,7 +302,9 @@ async fn fenced(
 // ---------------------------------------------------------------- main
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let client = client_from_env().await;
+    let client =
+        brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default())
+            .await;
     let name = format!("bench-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
     let url = client.create_queue().queue_name(&name).send().await?.queue_url().unwrap_or_default().to_owned();
     let database_url = args.database_url.clone()?;

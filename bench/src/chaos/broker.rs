@@ -58,10 +58,10 @@ impl Broker {
     ) -> Result<Self, String> {
         match c.source {
             SourceKind::Table => {
-                let items: Vec<(brokerfence::fence::JobKey, Vec<u8>)> = jobs
+                let items: Vec<(brokerfence::JobKey, Vec<u8>)> = jobs
                     .iter()
-                    .map(|(k, kind)| Ok((brokerfence::fence::JobKey::new(k.clone())?, payload_of(*kind).to_vec())))
-                    .collect::<Result<_, brokerfence::fence::FenceError>>()
+                    .map(|(k, kind)| Ok((brokerfence::JobKey::new(k.clone())?, payload_of(*kind).to_vec())))
+                    .collect::<Result<_, brokerfence::FenceError>>()
                     .map_err(|e| e.to_string())?;
                 for chunk in items.chunks(1000) {
                     store.enqueue_many(queue, chunk).await.map_err(|e| format!("enqueue: {e}"))?;

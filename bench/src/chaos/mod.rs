@@ -94,11 +94,12 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Source, shutdown_signal};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{
-    FenceStore, JobContext, JobError, LeaseDuration, Owner, PgFence, PgLedger, QueueName, RetryPolicy, SchemaName,
-    SupervisorConfig, Verdict,
+use brokerfence::ledger::{PgLedger, Verdict};
+use brokerfence::wire::FenceStamp;
+use brokerfence::{Consumer, ConsumerConfig, Source, shutdown_signal};
+use brokerfence::{
+    FenceStore, JobContext, JobError, LeaseDuration, Owner, PgFence, QueueName, RetryPolicy, SchemaName,
+    SupervisorConfig,
 };
 use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;

@@ -114,6 +114,10 @@ impl Receiver {
                 self.conflicts.fetch_add(1, Ordering::Relaxed);
                 (StatusCode::CONFLICT, format!("epoch {newest} held by another owner"))
             }
+            other => {
+                entry.refused += 1;
+                (StatusCode::CONFLICT, format!("refused: {other:?}"))
+            }
         }
     }
 

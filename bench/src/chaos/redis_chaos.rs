@@ -2,8 +2,8 @@
 //! `--redis-topology cluster`), the stream, and the source of a worker.
 
 use super::*;
-use brokerfence::adapters::redis::client as redis;
-use brokerfence::adapters::redis::{KeyFrom, RedisConn, RedisConnections, StreamSource};
+use brokerfence::redis::client as redis;
+use brokerfence::redis::{KeyFrom, RedisConn, RedisConnections, StreamSource};
 use brokerfence_testkit::redis_topology::RedisCluster;
 
 /// The consumer group the workers read the stream as.
@@ -162,7 +162,7 @@ impl RedisBroker {
     /// Poison jobs found in the dead-letter stream (by the `key` field the copy keeps).
     pub async fn dead_letters(&self, poison: &HashSet<String>) -> Result<usize, String> {
         let mut conn = self.conn().await?;
-        let dead = brokerfence::adapters::redis::sibling_key(&self.stream, ":dead");
+        let dead = brokerfence::redis::sibling_key(&self.stream, ":dead");
         type Entries = Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)>;
         let entries: Entries = redis::cmd("XRANGE")
             .arg(&dead)

@@ -24,7 +24,7 @@
 
 use std::collections::BTreeSet;
 
-use brokerfence::adapters::redis::client as redis_client;
+use brokerfence::redis::client as redis_client;
 use brokerfence_testkit::redis_topology::{RedisCluster, RedisNode};
 
 use super::redis_chaos::{GROUP, field};

@@ -1,12 +1,10 @@
 //! SQS (feature `sqs`): the queue, its dead-letter queue and the source of a worker.
 
 use super::*;
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::error::{DisplayErrorContext, SdkError};
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{
-    MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry,
-};
-use brokerfence::adapters::sqs::{KeyStrategy, SqsConfig, SqsSource, aws_config, client_from_env, http_client};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::error::{DisplayErrorContext, SdkError};
+use brokerfence::sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry};
+use brokerfence::sqs::{KeyStrategy, SqsConfig, SqsSource, aws_config};
 
 /// The message attribute that carries the job key.
 pub const KEY_ATTRIBUTE: &str = "job-key";
@@ -31,7 +29,7 @@ pub fn endpoint_host_port() -> Option<String> {
 
 async fn client() -> Client {
     let env: HashMap<String, String> = aws_env().into_iter().collect();
-    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http_client());
+    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
     if let Some(endpoint) = env.get("AWS_ENDPOINT_URL_SQS") {
         loader = loader.endpoint_url(endpoint);
     }
@@ -39,10 +37,10 @@ async fn client() -> Client {
         loader = loader.region(aws_config::Region::new(region.clone()));
     }
     if let (Some(id), Some(secret)) = (env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")) {
-        let creds = brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "chaos");
+        let creds = brokerfence::sqs::aws_sdk_sqs::config::Credentials::new(id, secret, None, None, "chaos");
         loader = loader.credentials_provider(creds);
     }
-    Client::new(&loader.load().await)
+    brokerfence::sqs::client(loader, brokerfence::sqs::SqsTimeouts::default()).await
 }
 
 fn err<E, R>(what: &'static str) -> impl FnOnce(SdkError<E, R>) -> String
@@ -164,5 +162,9 @@ pub async fn worker_source(o: &WorkerOpts, _queue: QueueName) -> Result<SqsSourc
         .map_err(|e| e.to_string())?
         .key(KeyStrategy::attribute(KEY_ATTRIBUTE))
         .wait_time(Duration::from_secs(1));
-    Ok(SqsSource::new(client_from_env().await, config))
+    Ok(SqsSource::new(
+        brokerfence::sqs::client(brokerfence::sqs::aws_config::from_env(), brokerfence::sqs::SqsTimeouts::default())
+            .await,
+        config,
+    ))
 }

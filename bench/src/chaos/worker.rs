@@ -258,8 +258,7 @@ pub(crate) async fn worker(o: WorkerOpts) -> Result<(), String> {
     event(format!("ready pid={} owner={owner}", std::process::id()));
     match o.source {
         SourceKind::Table => {
-            let source =
-                brokerfence::table::TableQueue::new(Arc::clone(&store), queue).idle_wait(Duration::from_millis(50));
+            let source = brokerfence::TableQueue::new(Arc::clone(&store), queue).idle_wait(Duration::from_millis(50));
             consume(source, store, owner, config, env).await
         }
         #[cfg(feature = "sqs")]
@@ -278,7 +277,7 @@ pub(crate) async fn worker(o: WorkerOpts) -> Result<(), String> {
 }
 
 pub(crate) fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence, String> {
-    let mut guards = brokerfence::fence::Guards::default();
+    let mut guards = fence::Guards::default();
     for name in names {
         guards = match name.as_str() {
             "no-epoch-increment" => guards.without_epoch_increment(),

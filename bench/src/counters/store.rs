@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use async_trait::async_trait;
-use brokerfence::fence::{
+use brokerfence::{
     self, Claim, ClaimedJob, DbTime, FailOutcome, FenceStore, Heartbeat, JobKey, JobRecord, Lease, LeaseDuration,
     Owner, QueueName, RetryPolicy,
 };
@@ -267,15 +267,12 @@ impl FenceStore for Counting {
     async fn db_now(&self) -> fence::Result<DbTime> {
         self.timed("db_now", self.inner.db_now()).await
     }
-    fn backend(&self) -> &'static str {
+
+    fn backend(&self) -> fence::Backend<'_> {
         self.inner.backend()
     }
 
-    fn concrete(&self) -> fence::Backend<'_> {
-        self.inner.concrete()
-    }
-
-    async fn prune(&self, retention: &fence::Retention) -> fence::Result<fence::PruneReport> {
+    async fn prune(&self, retention: &fence::retention::Retention) -> fence::Result<fence::retention::PruneReport> {
         self.inner.prune(retention).await
     }
 }

@@ -23,12 +23,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::{Consumer, ConsumerConfig, Source};
-use brokerfence::fence::{
-    FenceStore, JobContext, JobError, JobKey, LeaseDuration, Metrics, PgFence, PgLedger, QueueName, QueueRetention,
-    Retention, SchemaName, SupervisorConfig,
+use brokerfence::TableQueue;
+use brokerfence::ledger::PgLedger;
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{Consumer, ConsumerConfig, Source};
+use brokerfence::{
+    FenceStore, JobContext, JobError, JobKey, LeaseDuration, Metrics, PgFence, QueueName, SchemaName, SupervisorConfig,
 };
-use brokerfence::table::TableQueue;
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
@@ -274,7 +275,7 @@ fn rss_mib() -> u64 {
 #[cfg(feature = "redis")]
 mod redis_soak {
     use super::*;
-    use brokerfence::adapters::redis::{RedisConnections, StreamSource, client};
+    use brokerfence::redis::{RedisConnections, StreamSource, client};
 
     struct StreamProducer {
         conn: brokerfence::redis::RedisConn,

@@ -6,7 +6,7 @@
 //! milliseconds since the Unix epoch ([`DbTime`](crate::DbTime)), and every "time left" is computed by the
 //! database in the same statement. Each call is bounded: on PostgreSQL by a `statement_timeout`
 //! (the call's limit) and a `lock_timeout` (half of it, at most 3 s) set for its own
-//! transactions, and on both backends by a client-side limit ([`Admin::with_timeout`], default
+//! transactions, and on both backends by a client-side limit ([`Admin::timeout`], default
 //! 30 s, plus 2 s for the server's answer) past which it answers [`AdminError::Timeout`].
 //!
 //! ```no_run
@@ -71,7 +71,7 @@ pub enum AdminError {
     /// is missing or too old ([`FenceError::SchemaTooOld`]), and so on.
     #[error(transparent)]
     Fence(#[from] FenceError),
-    /// The call did not finish within the client-side limit ([`Admin::with_timeout`]).
+    /// The call did not finish within the client-side limit ([`Admin::timeout`]).
     #[error("{operation} did not finish within {after:?} (admin timeout)")]
     Timeout {
         /// The call.
@@ -81,9 +81,9 @@ pub enum AdminError {
     },
     /// The store is neither a [`PgFence`](crate::PgFence) nor a
     /// [`SqliteFence`](crate::SqliteFence), and does not name one through
-    /// [`FenceStore::concrete`].
+    /// [`FenceStore::backend`].
     #[error(
-        "the admin API needs a PgFence or a SqliteFence; this {backend} store does not expose one (FenceStore::concrete)"
+        "the admin API needs a PgFence or a SqliteFence; this {backend} store does not expose one (FenceStore::backend)"
     )]
     UnsupportedStore {
         /// [`FenceStore::backend`] of the store.
@@ -96,7 +96,7 @@ pub enum AdminError {
     /// by themselves. Re-send their messages from the dead-letter queue or stream; when the job
     /// key comes from the message (an attribute, the body, a stream field, the list item), the
     /// re-sent message is claimed under the same key, which a dead row refuses: requeue first
-    /// with [`Admin::with_broker_jobs`] (CLI: `--broker-jobs`). With the broker's message id as
+    /// with [`Admin::broker_jobs`] (CLI: `--broker-jobs`). With the broker's message id as
     /// the key, the re-sent message is a new job and needs no requeue.
     ///
     /// ```
@@ -114,7 +114,7 @@ pub enum AdminError {
         "queue {queue}: {count} dead job(s) were claimed from a broker ({}), not enqueued in the table: a requeue \
          would make them pending with no broker message to run them, so nothing was changed. Re-send their \
          messages from the dead-letter queue or stream; when the job key comes from the message (not the broker's \
-         message id), requeue them first with --broker-jobs (Admin::with_broker_jobs)",
+         message id), requeue them first with --broker-jobs (Admin::broker_jobs)",
         key_list(keys, *count)
     )]
     BrokerJobs {
@@ -172,7 +172,7 @@ enum Store {
 /// use brokerfence::admin::Admin;
 /// use brokerfence::{JobKey, QueueName, SqliteFence};
 /// let store = SqliteFence::open("sqlite:jobs.db").await?;
-/// let admin = Admin::new(&store)?.with_timeout(Duration::from_secs(5));
+/// let admin = Admin::new(&store)?.timeout(Duration::from_secs(5));
 /// if let Some(job) = admin.job(&QueueName::new("emails")?, &JobKey::new("welcome-42")?).await? {
 ///     println!("{} at epoch {}, last error {:?}", job.state, job.epoch, job.last_error);
 /// }
@@ -189,7 +189,7 @@ pub struct Admin {
 }
 
 impl Admin {
-    /// An admin on the concrete store behind `store` ([`FenceStore::concrete`]): its pool and
+    /// An admin on the concrete store behind `store` ([`FenceStore::backend`]): its pool and
     /// schema. A store that names none answers [`AdminError::UnsupportedStore`].
     ///
     /// ```
@@ -202,12 +202,12 @@ impl Admin {
     /// # Ok(()) }
     /// ```
     pub fn new<S: FenceStore + ?Sized>(store: &S) -> Result<Self, AdminError> {
-        let store = match store.concrete() {
+        let store = match store.backend() {
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => Store::Postgres(pg.clone()),
             #[cfg(feature = "sqlite")]
             Backend::Sqlite(lite) => Store::Sqlite(lite.clone()),
-            _ => return Err(AdminError::UnsupportedStore { backend: store.backend() }),
+            _ => return Err(AdminError::UnsupportedStore { backend: store.backend().name() }),
         };
         Ok(Self {
             store,
@@ -221,26 +221,26 @@ impl Admin {
 
     /// The limit of one call (default [`DEFAULT_ADMIN_TIMEOUT`], at least 1 ms). On PostgreSQL it
     /// is also the `statement_timeout` of the call's statements.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(Duration::from_millis(1));
         self
     }
 
     /// Which leases [`QueueStatus::expiring`] lists: those ending within `window` (default
     /// [`DEFAULT_EXPIRING_WITHIN`]) or ended already.
-    pub fn with_expiring_within(mut self, window: Duration) -> Self {
+    pub fn expiring_within(mut self, window: Duration) -> Self {
         self.expiring_within = window;
         self
     }
 
     /// How many leases [`QueueStatus::expiring`] lists per queue (default 10, at least 1).
-    pub fn with_list_limit(mut self, n: u32) -> Self {
+    pub fn list_limit(mut self, n: u32) -> Self {
         self.list_limit = n.max(1);
         self
     }
 
     /// Rows a requeue changes per statement (default [`DEFAULT_REQUEUE_BATCH`], at least 1).
-    pub fn with_batch_size(mut self, n: u32) -> Self {
+    pub fn batch_size(mut self, n: u32) -> Self {
         self.batch = n.max(1);
         self
     }
@@ -254,11 +254,11 @@ impl Admin {
     /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {
     /// use brokerfence::admin::Requeue;
     /// let orders = brokerfence::QueueName::new("orders")?;
-    /// let report = admin.with_broker_jobs(true).requeue_dead(&orders, Requeue::AllDead).await?;
+    /// let report = admin.broker_jobs(true).requeue_dead(&orders, Requeue::AllDead).await?;
     /// // now re-send the messages of report.requeued from the dead-letter queue
     /// # Ok(()) }
     /// ```
-    pub fn with_broker_jobs(mut self, yes: bool) -> Self {
+    pub fn broker_jobs(mut self, yes: bool) -> Self {
         self.broker_jobs = yes;
         self
     }
@@ -362,8 +362,8 @@ impl Admin {
     ///
     /// Jobs claimed from a broker (SQS, Redis: their rows have no payload, unlike the table
     /// queue's) are refused, with nothing changed, as [`AdminError::BrokerJobs`]: a pending row
-    /// without a broker message would never run. [`with_broker_jobs`](Self::with_broker_jobs)
-    /// requeues them too, for an operator who re-sends their messages. Keys are changed in batches of [`Admin::with_batch_size`]
+    /// without a broker message would never run. [`broker_jobs`](Self::broker_jobs)
+    /// requeues them too, for an operator who re-sends their messages. Keys are changed in batches of [`Admin::batch_size`]
     /// rows, each one statement (a short transaction); [`Requeue::AllDead`] works the same way
     /// through the jobs dead when the call started, oldest first. The time limit applies to the
     /// whole call: a call that runs out of it leaves the batches done so far committed.
@@ -403,7 +403,8 @@ impl Admin {
     ///
     /// ```no_run
     /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {
-    /// use brokerfence::{QueueName, QueueRetention, Retention};
+    /// use brokerfence::QueueName;
+    /// use brokerfence::retention::{QueueRetention, Retention};
     /// let retention = Retention::new().queue(QueueName::new("orders")?, QueueRetention::default());
     /// println!("{:?}", admin.prune(&retention).await?);
     /// # Ok(()) }

@@ -80,12 +80,12 @@ pub struct QueueStatus {
     pub expired_leases: u64,
     /// The running job that has been due the longest (smallest `run_at`), if any is running.
     pub oldest_running: Option<RunningJob>,
-    /// Running jobs whose lease ends within [`Admin::with_expiring_within`](crate::Admin::with_expiring_within) (or has ended),
-    /// soonest first, at most [`Admin::with_list_limit`](crate::Admin::with_list_limit) of them.
+    /// Running jobs whose lease ends within [`Admin::expiring_within`](crate::admin::Admin::expiring_within) (or has ended),
+    /// soonest first, at most [`Admin::list_limit`](crate::admin::Admin::list_limit) of them.
     pub expiring: Vec<RunningJob>,
 }
 
-/// What [`Admin::status`](crate::Admin::status) found.
+/// What [`Admin::status`](crate::admin::Admin::status) found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Status {
     /// The database clock when the status was read.
@@ -94,7 +94,7 @@ pub struct Status {
     pub queues: Vec<QueueStatus>,
 }
 
-/// One job, as [`Admin::job`](crate::Admin::job) shows it.
+/// One job, as [`Admin::job`](crate::admin::Admin::job) shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobInfo {
     /// Queue.
@@ -117,7 +117,7 @@ pub struct JobInfo {
     pub lease_left_ms: Option<i64>,
     /// When the job is (or was) due.
     pub run_at: DbTime,
-    /// Last error (kept after a requeue; see [`Admin::requeue_dead`](crate::Admin::requeue_dead)).
+    /// Last error (kept after a requeue; see [`Admin::requeue_dead`](crate::admin::Admin::requeue_dead)).
     pub last_error: Option<String>,
     /// When the row was created.
     pub created_at: DbTime,
@@ -133,7 +133,7 @@ pub struct JobInfo {
     pub now: DbTime,
 }
 
-/// A dead letter, as [`Admin::dead`](crate::Admin::dead) lists it.
+/// A dead letter, as [`Admin::dead`](crate::admin::Admin::dead) lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadJob {
     /// Queue.
@@ -156,8 +156,9 @@ pub struct DeadJob {
     pub age_ms: i64,
 }
 
-/// Which dead jobs of a queue [`Admin::requeue_dead`](crate::Admin::requeue_dead) gives another run.
+/// Which dead jobs of a queue [`Admin::requeue_dead`](crate::admin::Admin::requeue_dead) gives another run.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Requeue {
     /// These keys (a key that is not dead is reported in [`RequeueReport::skipped`]).
     Keys(Vec<JobKey>),
@@ -166,7 +167,7 @@ pub enum Requeue {
     AllDead,
 }
 
-/// A job [`Admin::requeue_dead`](crate::Admin::requeue_dead) made pending again.
+/// A job [`Admin::requeue_dead`](crate::admin::Admin::requeue_dead) made pending again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Requeued {
     /// Key.
@@ -175,7 +176,7 @@ pub struct Requeued {
     pub epoch: i64,
 }
 
-/// A key [`Admin::requeue_dead`](crate::Admin::requeue_dead) left alone.
+/// A key [`Admin::requeue_dead`](crate::admin::Admin::requeue_dead) left alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Skipped {
     /// Key.
@@ -184,7 +185,7 @@ pub struct Skipped {
     pub state: Option<JobState>,
 }
 
-/// What [`Admin::requeue_dead`](crate::Admin::requeue_dead) did.
+/// What [`Admin::requeue_dead`](crate::admin::Admin::requeue_dead) did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequeueReport {
     /// Jobs made pending, with their new epochs.

@@ -20,7 +20,7 @@ use crate::store::default_max_claims;
 
 impl PgTimeouts {
     /// The pool of reserved heartbeat connections: opened on first use (then kept while in use, like any pool's), each with
-    /// [`PG_SESSION_SETUP`](super::PG_SESSION_SETUP) and the heartbeat limits.
+    /// the fence's planner settings and the heartbeat limits.
     fn heartbeat_pool(&self, options: sqlx::postgres::PgConnectOptions, watch: &Arc<PrimaryWatch>) -> PgPool {
         route::pool_options(false, watch)
             .max_connections(self.heartbeat_connections.max(1))
@@ -30,7 +30,7 @@ impl PgTimeouts {
 
 impl PgFence {
     /// The pool options [`connect`](Self::connect) and [`connect_with`](Self::connect_with) use:
-    /// up to 16 connections, 10 s to acquire one, and [`PG_SESSION_SETUP`](super::PG_SESSION_SETUP) on each new connection.
+    /// up to 16 connections, 10 s to acquire one, and the fence's planner settings on each new connection.
     /// Build your own pool from them (then [`PgFence::new`]) to change the limits and keep the rest.
     ///
     /// Planning is the larger part of a fence statement's cost (a batch claim of ten keys: 0.27 ms
@@ -174,7 +174,7 @@ impl PgFence {
     /// naming the certificate problem. `Prefer` falls back to plain TCP.
     ///
     /// Before the pool is built, one direct connection is opened (and closed) with a bound of
-    /// [`CONNECT_PROBE_TIMEOUT`](super::CONNECT_PROBE_TIMEOUT): a server that cannot be reached fails at once with
+    /// 10 s: a server that cannot be reached fails at once with
     /// [`FenceError::Unreachable`](crate::FenceError::Unreachable) naming the host, port and cause (connection refused, a name
     /// that does not resolve, no answer in time), and one that answers but refuses the user or
     /// database fails with [`FenceError::ConnectRejected`](crate::FenceError::ConnectRejected) and the server's message, rather
@@ -203,12 +203,12 @@ impl PgFence {
     }
 
     /// Uses an existing pool, with the default schema. Build it from
-    /// [`pool_options`](Self::pool_options), or run [`PG_SESSION_SETUP`](super::PG_SESSION_SETUP) on its connections; add
+    /// [`pool_options`](Self::pool_options), or run the fence's planner settings on its connections; add
     /// [`PgTimeouts::apply`] to its connect options for the fence's time limits (a pool built
     /// without them keeps whatever limits its connections have).
     ///
     /// Heartbeats get their own connections (up to two, opened on first use with the pool's
-    /// connect options, [`PG_SESSION_SETUP`](super::PG_SESSION_SETUP) and the default heartbeat limits of [`PgTimeouts`]),
+    /// connect options, the fence's planner settings and the default heartbeat limits of [`PgTimeouts`]),
     /// so a pool kept busy by claims and commits never delays a renewal. Outside a tokio runtime
     /// there is no such pool to open: heartbeats then share `pool`.
     /// [`with_heartbeat_pool`](Self::with_heartbeat_pool) supplies another.
@@ -292,7 +292,7 @@ impl PgFence {
     }
 
     /// Renews leases on `pool` (reserved capacity: give it connections the main pool cannot use
-    /// up, with [`PG_SESSION_SETUP`](super::PG_SESSION_SETUP) and time limits that fit the lease, see
+    /// up, with the fence's planner settings and time limits that fit the lease, see
     /// [`PgTimeouts::apply_heartbeat`]).
     pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
         self.heartbeat_pool = pool;

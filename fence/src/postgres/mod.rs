@@ -31,7 +31,7 @@ mod store;
 mod target;
 
 pub(crate) use route::{Lane, Session};
-pub use session::{CONNECT_PROBE_TIMEOUT, PG_SESSION_SETUP, PgTimeouts};
+pub use session::PgTimeouts;
 pub(crate) use statements::Statements;
 use statements::{ABORT_FENCED_TX, sql};
 pub use target::{PgTarget, Pooler};

@@ -127,7 +127,7 @@ impl PgFence {
 
     pub(super) async fn prune_all(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
         let mut report = crate::PruneReport::default();
-        let batch = retention.batch();
+        let batch = retention.get_batch_size();
         let mut floor_busy: Vec<&QueueName> = Vec::new();
         for (queue, state, age) in retention.targets() {
             if floor_busy.contains(&queue) {
@@ -158,11 +158,12 @@ impl PgFence {
                         }
                     }
                 }
-                tokio::time::sleep(retention.pause()).await;
+                tokio::time::sleep(retention.get_pause_between_batches()).await;
             }
         }
         for (scope, age) in retention.ledger_scopes() {
-            let (rows, batches, contended) = self.prune_ledger_scope(scope, age, batch, retention.pause()).await?;
+            let (rows, batches, contended) =
+                self.prune_ledger_scope(scope, age, batch, retention.get_pause_between_batches()).await?;
             report.ledger += rows;
             report.batches += batches;
             if contended {

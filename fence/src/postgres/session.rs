@@ -11,21 +11,9 @@ use std::time::Duration;
 /// too: on a jobs table that was never analyzed the planner guesses a row or two per queue, and
 /// for `claim_next` it then picked a bitmap scan over every due row plus a sort (62–67 ms per
 /// claim of ten with 76,000 jobs pending, the sort spilling to disk) over the index-order scan
-/// that stops after ten rows. For a pool built some other way, run it on each new connection
-/// (five `SET`s, sent as one simple query):
-///
-/// ```no_run
-/// # async fn demo() -> Result<(), sqlx::Error> {
-/// let pool = sqlx::postgres::PgPoolOptions::new()
-///     .after_connect(|conn, _| Box::pin(async move {
-///         sqlx::Executor::execute(&mut *conn, brokerfence::PG_SESSION_SETUP).await.map(drop)
-///     }))
-///     .connect("postgres://127.0.0.1/jobs")
-///     .await?;
-/// let fence = brokerfence::PgFence::new(pool);
-/// # let _ = fence; Ok(()) }
-/// ```
-pub const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
+/// that stops after ten rows. A pool built some other way starts from
+/// [`PgFence::pool_options`](super::PgFence::pool_options), which runs it.
+pub(crate) const PG_SESSION_SETUP: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET enable_hashjoin = off; \
                                      SET enable_mergejoin = off; SET plan_cache_mode = force_generic_plan";
 
 /// The schemes [`PgFence::connect`](super::PgFence::connect) accepts, as its [`FenceError::UnsupportedScheme`](crate::FenceError::UnsupportedScheme) names them.
@@ -35,7 +23,7 @@ pub(super) const PG_SCHEMES: &str =
 /// How long the one direct connection attempt [`PgFence::connect`](super::PgFence::connect) and
 /// [`PgFence::connect_with`](super::PgFence::connect_with) make before building their pool may take (10 s, the pool's acquire
 /// timeout): past it the connect fails with [`FenceError::Unreachable`](crate::FenceError::Unreachable).
-pub const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Server-side time limits of a fence's connections, sent as startup options of each connection
 /// (`-c statement_timeout=… -c lock_timeout=…` in the startup packet): no statement pays an extra

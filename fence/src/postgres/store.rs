@@ -555,11 +555,7 @@ impl FenceStore for PgFence {
         answer.map_err(|e| self.seen(e))
     }
 
-    fn backend(&self) -> &'static str {
-        "postgres"
-    }
-
-    fn concrete(&self) -> crate::Backend<'_> {
+    fn backend(&self) -> crate::Backend<'_> {
         crate::Backend::Postgres(self)
     }
 }

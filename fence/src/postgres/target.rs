@@ -101,7 +101,7 @@ impl std::fmt::Debug for PgTarget {
 }
 
 /// How long one connection attempt to one host may take (libpq's `connect_timeout`), unless the
-/// URL says: [`CONNECT_PROBE_TIMEOUT`](crate::CONNECT_PROBE_TIMEOUT).
+/// URL says: 10 s.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = super::session::CONNECT_PROBE_TIMEOUT;
 
 impl PgTarget {

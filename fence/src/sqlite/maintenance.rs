@@ -147,7 +147,7 @@ impl SqliteFence {
 
     pub(super) async fn prune_all(&self, retention: &crate::Retention) -> Result<crate::PruneReport> {
         let mut report = crate::PruneReport::default();
-        let batch = retention.batch();
+        let batch = retention.get_batch_size();
         for (queue, state, age) in retention.targets() {
             loop {
                 let n = self.prune_jobs_batch(queue, state, age, batch).await?;
@@ -162,11 +162,12 @@ impl SqliteFence {
                 if n < u64::from(batch) {
                     break;
                 }
-                tokio::time::sleep(retention.pause()).await;
+                tokio::time::sleep(retention.get_pause_between_batches()).await;
             }
         }
         for (scope, age) in retention.ledger_scopes() {
-            let (rows, batches) = self.prune_ledger_scope(scope, age, batch, retention.pause()).await?;
+            let (rows, batches) =
+                self.prune_ledger_scope(scope, age, batch, retention.get_pause_between_batches()).await?;
             report.ledger += rows;
             report.batches += batches;
         }

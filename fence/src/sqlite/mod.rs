@@ -60,6 +60,7 @@ pub struct SqliteFence {
 ///   storage survives power loss (or losing the newest commits is acceptable), for the
 ///   throughput it buys (measured in the README).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum SqliteDurability {
     /// `synchronous = FULL`: a returned commit is on disk.
     #[default]

@@ -283,11 +283,7 @@ impl FenceStore for SqliteFence {
         Ok(DbTime(ms))
     }
 
-    fn backend(&self) -> &'static str {
-        "sqlite"
-    }
-
-    fn concrete(&self) -> crate::Backend<'_> {
+    fn backend(&self) -> crate::Backend<'_> {
         crate::Backend::Sqlite(self)
     }
 }

@@ -285,7 +285,7 @@ impl Inner {
     /// [`SupervisorConfig::settle_timeout`]: past it the fate is unknown
     /// ([`FenceError::CommitUnconfirmed`]), so the delivery is not acknowledged.
     async fn settled<T>(&self, verdict: impl Future<Output = Result<T>>) -> Result<T> {
-        let limit = self.config.settle_timeout_length();
+        let limit = self.config.get_settle_timeout();
         tokio::time::timeout(limit, verdict).await.unwrap_or_else(|_| {
             Err(FenceError::CommitUnconfirmed(format!("no verdict from the database within {limit:?}")))
         })

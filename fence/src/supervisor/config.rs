@@ -12,9 +12,9 @@ use crate::lease::{LeaseDuration, RetryPolicy};
 /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
 ///     .attempt_timeout(Duration::from_secs(120));
 /// assert_eq!(config.lease().heartbeat_interval(), Duration::from_secs(10));
-/// assert_eq!(config.commit_window_length(), brokerfence::DEFAULT_COMMIT_WINDOW);
-/// assert_eq!(config.hook_timeout_length(), Duration::from_secs(10)); // lease/3
-/// assert_eq!(config.settle_timeout_length(), Duration::from_secs(60)); // 2 × lease, at least 30 s
+/// assert_eq!(config.get_commit_window(), Duration::from_millis(5));
+/// assert_eq!(config.get_hook_timeout(), Duration::from_secs(10)); // lease/3
+/// assert_eq!(config.get_settle_timeout(), Duration::from_secs(60)); // 2 × lease, at least 30 s
 /// ```
 #[derive(Debug, Clone)]
 pub struct SupervisorConfig {
@@ -56,8 +56,8 @@ impl SupervisorConfig {
     /// use std::time::Duration;
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap());
-    /// assert_eq!(config.clone().hook_timeout(Duration::from_secs(2)).hook_timeout_length(), Duration::from_secs(2));
-    /// assert_eq!(config.hook_timeout(Duration::from_secs(60)).hook_timeout_length(), Duration::from_secs(10));
+    /// assert_eq!(config.clone().hook_timeout(Duration::from_secs(2)).get_hook_timeout(), Duration::from_secs(2));
+    /// assert_eq!(config.hook_timeout(Duration::from_secs(60)).get_hook_timeout(), Duration::from_secs(10));
     /// ```
     pub fn hook_timeout(mut self, timeout: Duration) -> Self {
         self.hook_timeout = Some(timeout);
@@ -65,7 +65,7 @@ impl SupervisorConfig {
     }
 
     /// The [`hook_timeout`](Self::hook_timeout) in force: at most lease/3.
-    pub fn hook_timeout_length(&self) -> Duration {
+    pub fn get_hook_timeout(&self) -> Duration {
         let most = self.lease.heartbeat_interval();
         self.hook_timeout.map_or(most, |t| t.min(most))
     }
@@ -79,9 +79,9 @@ impl SupervisorConfig {
     /// use std::time::Duration;
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(5).unwrap());
-    /// assert_eq!(config.settle_timeout_length(), Duration::from_secs(30));
+    /// assert_eq!(config.get_settle_timeout(), Duration::from_secs(30));
     /// let config = config.settle_timeout(Duration::from_secs(12));
-    /// assert_eq!(config.settle_timeout_length(), Duration::from_secs(12));
+    /// assert_eq!(config.get_settle_timeout(), Duration::from_secs(12));
     /// ```
     pub fn settle_timeout(mut self, timeout: Duration) -> Self {
         self.settle_timeout = Some(timeout);
@@ -89,7 +89,7 @@ impl SupervisorConfig {
     }
 
     /// The [`settle_timeout`](Self::settle_timeout) in force.
-    pub fn settle_timeout_length(&self) -> Duration {
+    pub fn get_settle_timeout(&self) -> Duration {
         self.settle_timeout.unwrap_or_else(|| (self.lease.get() * 2).max(Duration::from_secs(30)))
     }
 
@@ -115,7 +115,7 @@ impl SupervisorConfig {
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap())
     ///     .commit_window(Duration::from_millis(20)); // fewer, larger statements
-    /// assert_eq!(config.commit_window_length(), Duration::from_millis(20));
+    /// assert_eq!(config.get_commit_window(), Duration::from_millis(20));
     /// ```
     pub fn commit_window(mut self, window: Duration) -> Self {
         self.commit_window = window;
@@ -123,7 +123,7 @@ impl SupervisorConfig {
     }
 
     /// The [`commit_window`](Self::commit_window).
-    pub fn commit_window_length(&self) -> Duration {
+    pub fn get_commit_window(&self) -> Duration {
         self.commit_window
     }
 
@@ -143,10 +143,10 @@ impl SupervisorConfig {
     /// use std::time::Duration;
     /// use brokerfence::{LeaseDuration, SupervisorConfig};
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap());
-    /// assert_eq!(config.attempt_timeout_length(), None);
+    /// assert_eq!(config.get_attempt_timeout(), None);
     /// let config = config.attempt_timeout(Duration::from_secs(120));
-    /// assert_eq!(config.attempt_timeout_length(), Some(Duration::from_secs(120)));
-    /// assert_eq!(config.without_attempt_timeout().attempt_timeout_length(), None);
+    /// assert_eq!(config.get_attempt_timeout(), Some(Duration::from_secs(120)));
+    /// assert_eq!(config.without_attempt_timeout().get_attempt_timeout(), None);
     /// ```
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
@@ -154,7 +154,7 @@ impl SupervisorConfig {
     }
 
     /// The [`attempt_timeout`](Self::attempt_timeout), if one is set.
-    pub fn attempt_timeout_length(&self) -> Option<Duration> {
+    pub fn get_attempt_timeout(&self) -> Option<Duration> {
         self.attempt_timeout
     }
 
@@ -179,7 +179,7 @@ impl SupervisorConfig {
     }
 
     /// The retry policy.
-    pub fn retry_policy(&self) -> &RetryPolicy {
+    pub fn get_retry(&self) -> &RetryPolicy {
         &self.retry
     }
 

@@ -79,7 +79,7 @@ impl JobContext {
     /// # }
     /// ```
     pub fn stamp(&self) -> crate::wire::FenceStamp {
-        crate::wire::FenceStamp::of_lease(&self.lease)
+        crate::wire::FenceStamp::from(&self.lease)
     }
 
     /// Stores progress under the lease. A `Fenced` answer also cancels this attempt.
@@ -132,7 +132,7 @@ impl JobContext {
     pub async fn complete_in<C: FencedConnection + ?Sized>(&self, conn: &mut C, result: &[u8]) -> Result<()> {
         // Set before the statement goes out: whatever its answer, the row decides afterwards.
         self.slot.own_commit.store(true, Ordering::Release);
-        match conn.complete_on(self.store.concrete(), &self.lease, result).await {
+        match conn.complete_on(self.store.backend(), &self.lease, result).await {
             Err(e @ FenceError::Fenced { .. }) => {
                 self.metrics.incr(Counter::FencedRejections);
                 self.slot.lose(LossReason::Superseded);

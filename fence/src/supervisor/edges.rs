@@ -247,8 +247,8 @@ impl FenceStore for SlowStore {
     async fn db_now(&self) -> Result<DbTime> {
         self.inner.db_now().await
     }
-    fn backend(&self) -> &'static str {
-        "slow-sqlite"
+    fn backend(&self) -> crate::Backend<'_> {
+        crate::Backend::Other("slow-sqlite")
     }
 }
 

@@ -147,7 +147,7 @@ impl Supervisor {
                 &inner.runtime,
                 hook,
                 hooks.len(),
-                inner.config.hook_timeout_length(),
+                inner.config.get_hook_timeout(),
                 live,
                 Arc::clone(&inner.metrics),
                 inner.stop.clone(),

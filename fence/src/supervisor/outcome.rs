@@ -9,6 +9,7 @@ use crate::lease::Lease;
 
 /// Why a handler was stopped before it finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum LossReason {
     /// The database says another owner holds a newer epoch (or the job is no longer running).
     Superseded,
@@ -20,6 +21,7 @@ pub enum LossReason {
 }
 
 /// How one attempt ended. Only `Completed` may be acknowledged to a broker.
+#[non_exhaustive]
 #[derive(Debug)]
 pub enum Outcome {
     /// The result is committed under this epoch.

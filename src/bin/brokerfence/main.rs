@@ -25,7 +25,8 @@
 use std::process::ExitCode;
 
 use brokerfence::admin::{Admin, Requeue};
-use brokerfence::{FenceError, FenceStore, PgFence, QueueRetention, Retention, SqliteFence};
+use brokerfence::retention::{QueueRetention, Retention};
+use brokerfence::{FenceError, FenceStore, PgFence, SqliteFence};
 use clap::Parser;
 use serde_json::json;
 
@@ -58,8 +59,8 @@ impl From<FenceError> for Failure {
     }
 }
 
-impl From<brokerfence::AdminError> for Failure {
-    fn from(e: brokerfence::AdminError) -> Self {
+impl From<brokerfence::admin::AdminError> for Failure {
+    fn from(e: brokerfence::admin::AdminError) -> Self {
         Failure::Failed(e.to_string())
     }
 }
@@ -159,8 +160,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         fence.migrate().await?;
         return print(
             cli.json,
-            json!({"migrated": true, "backend": fence.backend(), "schema": cli.schema.as_str()}),
-            || format!("migrated: {} schema {} is up to date\n", fence.backend(), cli.schema.as_str()),
+            json!({"migrated": true, "backend": fence.backend().name(), "schema": cli.schema.as_str()}),
+            || format!("migrated: {} schema {} is up to date\n", fence.backend().name(), cli.schema.as_str()),
         );
     }
     // Says "run migrations" on an old schema, and "no such schema" on one that has no migration
@@ -171,17 +172,17 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             return Err(Failure::Failed(format!(
                 "no such schema {schema} in this {} database (no fence tables under that name): check --schema \
                  (the default is {}); `brokerfence migrate --schema {schema}` creates it",
-                fence.backend(),
+                fence.backend().name(),
                 brokerfence::DEFAULT_SCHEMA
             )));
         }
         result => result?,
     }
-    let admin = Admin::new(fence)?.with_timeout(cli.timeout);
+    let admin = Admin::new(fence)?.timeout(cli.timeout);
     match &cli.command {
         Command::Migrate => Ok(()),
         Command::Status { queue, expiring_within, limit } => {
-            let admin = admin.with_expiring_within(*expiring_within).with_list_limit(*limit);
+            let admin = admin.expiring_within(*expiring_within).list_limit(*limit);
             let status = admin.status(queue.as_ref()).await?;
             print(cli.json, status_json(&status, admin.backend()), || status_text(&status, *expiring_within))
         }
@@ -208,7 +209,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Dead(Dead::Requeue { queue, keys, all, batch, broker_jobs }) => {
             let which = if *all { Requeue::AllDead } else { Requeue::Keys(keys.clone()) };
             // Jobs claimed from a broker are refused unless asked for (AdminError::BrokerJobs).
-            let admin = admin.with_batch_size(*batch).with_broker_jobs(*broker_jobs);
+            let admin = admin.batch_size(*batch).broker_jobs(*broker_jobs);
             let report = admin.requeue_dead(queue, which).await?;
             print(cli.json, requeue_json(queue, &report), || requeue_text(queue, &report))?;
             if report.skipped.is_empty() { Ok(()) } else { Err(Failure::NotFound) }

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use brokerfence::admin::{DeadJob, JobInfo, RequeueReport, RunningJob, Status};
-use brokerfence::{DbTime, JobRecord, PruneReport, QueueName};
+use brokerfence::retention::PruneReport;
+use brokerfence::{DbTime, JobRecord, QueueName};
 use serde_json::{Value, json};
 
 use crate::Failure;

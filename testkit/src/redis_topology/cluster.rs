@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brokerfence::adapters::redis::client::{self, Value};
+use brokerfence::redis::client::{self, Value};
 
 use super::node::{Launch, RedisNode, parse_fields};
 use super::sys::{self, TempRoot};

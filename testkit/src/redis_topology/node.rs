@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::redis::client::aio::MultiplexedConnection;
-use brokerfence::adapters::redis::client::{self, AsyncConnectionConfig, Cmd, FromRedisValue, RedisResult};
+use brokerfence::redis::client::aio::MultiplexedConnection;
+use brokerfence::redis::client::{self, AsyncConnectionConfig, Cmd, FromRedisValue, RedisResult};
 
 use super::sys::{self, TempRoot};
 

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::redis::client::{self, RedisResult};
+use brokerfence::redis::client::{self, RedisResult};
 
 use super::{RedisCluster, RedisNode, RedisPair, RedisSentinels};
 

@@ -11,12 +11,11 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::aws_config::{self, BehaviorVersion, Region};
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
-use brokerfence::adapters::sqs::aws_sdk_sqs::config::Credentials;
-use brokerfence::adapters::sqs::aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
-use brokerfence::adapters::sqs::http_client;
-use brokerfence::fence::{FenceStore, PgFence, QueueName};
+use brokerfence::sqs::aws_config::{self, BehaviorVersion, Region};
+use brokerfence::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_sdk_sqs::config::Credentials;
+use brokerfence::sqs::aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
+use brokerfence::{FenceStore, PgFence, QueueName};
 
 use crate::localstack;
 
@@ -90,7 +89,7 @@ pub async fn sqs() -> Client {
 /// An SQS client for `endpoint` (the test endpoint, or a proxy in front of it), with the test's
 /// region and credentials and the adapter's HTTP client.
 pub async fn client_at(endpoint: &str) -> Client {
-    Client::new(&loader_at(endpoint).http_client(http_client()).load().await)
+    brokerfence::sqs::client(loader_at(endpoint), brokerfence::sqs::SqsTimeouts::default()).await
 }
 
 /// The SDK loader for `endpoint` with the test's region and credentials, nothing else set.
@@ -244,7 +243,7 @@ pub fn dyn_store(fence: &PgFence) -> Arc<dyn FenceStore> {
 /// Creates the dead-letter queue `name` and returns its URL and ARN (for a redrive policy). Used
 /// by the tests' queues and by the chaos harness.
 pub async fn create_dlq(client: &Client, name: &str) -> Result<(String, String), String> {
-    use brokerfence::adapters::sqs::aws_sdk_sqs::error::DisplayErrorContext;
+    use brokerfence::sqs::aws_sdk_sqs::error::DisplayErrorContext;
     let said =
         |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e} (is LocalStack up? run `bash localstack/up`)");
     let created = client.create_queue().queue_name(name).send().await;

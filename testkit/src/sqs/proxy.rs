@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::adapters::sqs::aws_config;
-use brokerfence::adapters::sqs::aws_sdk_sqs::Client;
+use brokerfence::sqs::aws_config;
+use brokerfence::sqs::aws_sdk_sqs::Client;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use super::aws;

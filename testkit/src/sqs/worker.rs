@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use brokerfence::fence::PgFence;
+use brokerfence::PgFence;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::Notify;
 

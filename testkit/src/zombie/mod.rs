@@ -19,12 +19,14 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::routing::post;
-use brokerfence::adapters::http::{AcceptedStamp, EpochGuard, stamp_from_headers};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{
-    Claim, FenceStore, Guards, JobKey, JobRecord, Lease, LeaseDuration, Ledger, MetricsSnapshot, Outcome, Owner,
-    PgFence, PgLedger, QueueName, SchemaName, SqliteFence, SqliteLedger, Supervisor, SupervisorConfig,
+use brokerfence::http::{AcceptedStamp, EpochGuard, stamp_from_headers};
+use brokerfence::ledger::{Ledger, PgLedger, SqliteLedger};
+use brokerfence::wire::FenceStamp;
+use brokerfence::{
+    Claim, FenceStore, JobKey, JobRecord, Lease, LeaseDuration, MetricsSnapshot, Outcome, Owner, PgFence, QueueName,
+    SchemaName, SqliteFence, Supervisor, SupervisorConfig,
 };
+use fence::Guards;
 
 pub mod pg_proxy;
 pub mod process;

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use brokerfence::fence::{Guards, JobRecord, MetricsSnapshot, Outcome, Owner};
+use brokerfence::{JobRecord, MetricsSnapshot, Outcome, Owner};
+use fence::Guards;
 
 use super::{Backend, Db, NEW_OWNER, Receiver, Zombie, field, new_owner_runs, take_over};
 

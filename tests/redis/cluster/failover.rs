@@ -30,12 +30,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brokerfence::adapters::Handler;
-use brokerfence::adapters::redis::client::{self, Value};
-use brokerfence::adapters::redis::{
-    ItemKey, KeyFrom, RedisConn, RedisConnections, RedisTimeouts, ReliableList, StreamSource,
-};
-use brokerfence::fence::{JobContext, JobError, JobRecord, JobState, MetricsSnapshot, QueueName};
+use brokerfence::Handler;
+use brokerfence::redis::client::{self, Value};
+use brokerfence::redis::{ItemKey, KeyFrom, RedisConn, RedisConnections, RedisTimeouts, ReliableList, StreamSource};
+use brokerfence::{JobContext, JobError, JobRecord, JobState, MetricsSnapshot, QueueName};
 use brokerfence_testkit::redis::{Env, Running, consumer_config, field_of, rand_hex, spawn_consumer, wait_for};
 use brokerfence_testkit::redis_topology::{RedisNode, RedisPair, RedisSentinels};
 use tokio::sync::Semaphore;

@@ -6,10 +6,10 @@
 //! stale reservation). The reapers now share a count of put-backs (`{list}:reaped`): a suspect
 //! goes back only when no reaper put anything back since the pass that saw it.
 
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{ItemKey, ReliableList};
-use brokerfence::adapters::{Incoming, ReceiveContext, Source};
-use brokerfence::fence::{Owner, QueueName};
+use brokerfence::redis::client;
+use brokerfence::redis::{ItemKey, ReliableList};
+use brokerfence::{Incoming, ReceiveContext, Source};
+use brokerfence::{Owner, QueueName};
 use brokerfence_testkit::redis::{Env, lease};
 
 async fn llen(env: &Env, key: &str) -> i64 {

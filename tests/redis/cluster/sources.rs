@@ -13,18 +13,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use brokerfence::adapters::outbox::{OUTBOX_ID, OutboxRelay, PublishError, Published, Publisher, RelayConfig};
-use brokerfence::adapters::redis::client::{self, Value};
-use brokerfence::adapters::redis::{
+use brokerfence::outbox::OutboxRow;
+use brokerfence::outbox::{OUTBOX_ID, OutboxRelay, PublishError, Published, Publisher, RelayConfig};
+use brokerfence::redis::client::{self, Value};
+use brokerfence::redis::{
     ItemKey, KeyFrom, ListRetrofit, RedisConn, RedisConnections, RedisPublisher, ReliableList, StreamSource, key_slot,
     sibling_key, token,
 };
-use brokerfence::adapters::{Detail, Disposition, Handler};
-use brokerfence::fence::wire::FenceStamp;
-use brokerfence::fence::{
-    Claim, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, OutboxRow, Owner, QueueName, RetryPolicy,
+use brokerfence::wire::FenceStamp;
+use brokerfence::{
+    Claim, FenceStore, JobContext, JobError, JobKey, JobState, LeaseDuration, Owner, QueueName, RetryPolicy,
     SupervisorConfig,
 };
+use brokerfence::{Detail, Disposition, Handler};
 use brokerfence_testkit::redis::{
     Env, Running, consumer_config, field_of, lease, pending_count, retry, spawn_consumer, wait_for, xadd, xadd_job,
     xrange,
@@ -138,7 +139,7 @@ fn assert_running(consumers: &[Running], when: &str) {
 }
 
 /// Shuts every consumer down, side by side; each `run` must return `Ok` (the helper panics otherwise).
-async fn shutdown_all(consumers: Vec<Running>) -> Vec<brokerfence::fence::MetricsSnapshot> {
+async fn shutdown_all(consumers: Vec<Running>) -> Vec<brokerfence::MetricsSnapshot> {
     futures::future::join_all(consumers.into_iter().map(|c| c.shutdown(Duration::from_secs(5)))).await
 }
 
@@ -193,7 +194,7 @@ async fn cluster_stream_source_end_to_end() {
             ));
         }
     }
-    let total = |consumers: &[Running], f: fn(&brokerfence::fence::MetricsSnapshot) -> u64| -> u64 {
+    let total = |consumers: &[Running], f: fn(&brokerfence::MetricsSnapshot) -> u64| -> u64 {
         consumers.iter().map(|c| f(&c.snapshot())).sum()
     };
     let distinct = (JOBS * streams.len()) as u64;
@@ -315,7 +316,7 @@ async fn cluster_reliable_list_end_to_end() {
         Duration::from_secs(15),
         || {
             let s: Vec<_> = consumers.iter().map(Running::snapshot).collect();
-            let sum = |f: fn(&brokerfence::fence::MetricsSnapshot) -> u64| s.iter().map(f).sum::<u64>();
+            let sum = |f: fn(&brokerfence::MetricsSnapshot) -> u64| s.iter().map(f).sum::<u64>();
             let counted = sum(|s| s.completions) >= want && sum(|s| s.acks) >= want && sum(|s| s.dead_letters) == 1;
             let (env, cluster, list, processing) = (&env, &cluster, &list, &processing);
             async move {
@@ -379,7 +380,7 @@ async fn cluster_list_retrofit_in_a_brpop_loop() {
     /// (job key, epoch, lease key holder seen by the handler, its PTTL)
     type Seen = Arc<Mutex<Vec<(String, i64, Option<String>, i64)>>>;
     let observed: Seen = Arc::default();
-    let mut outcomes: Vec<(String, brokerfence::adapters::Processed)> = Vec::new();
+    let mut outcomes: Vec<(String, brokerfence::Processed)> = Vec::new();
     let mut blocking = env.redis.blocking();
     loop {
         // The user's loop, unchanged but for the calls to `process` and `requeue_popped`.
@@ -673,7 +674,7 @@ async fn cluster_slot_migrated_mid_run_with_workers_running() {
     };
     let source = reliable_list(worker_conns(&env).await, &list);
     consumers.push(spawn_consumer(source, env.store(), "lb", consumer_config(3, 4), handler));
-    let sum = |consumers: &[Running], f: fn(&brokerfence::fence::MetricsSnapshot) -> u64| -> u64 {
+    let sum = |consumers: &[Running], f: fn(&brokerfence::MetricsSnapshot) -> u64| -> u64 {
         consumers.iter().map(|c| f(&c.snapshot())).sum()
     };
     wait_for("the first jobs committed", Duration::from_secs(10), || {

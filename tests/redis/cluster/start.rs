@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brokerfence::CancellationToken;
-use brokerfence::adapters::redis::client;
-use brokerfence::adapters::redis::{
+use brokerfence::redis::client;
+use brokerfence::redis::{
     ItemKey, ListRetrofit, RedisConnections, RedisError, RedisTimeouts, ReliableList, StreamSource, Topology,
 };
-use brokerfence::adapters::{Consumer, Source, SourceError};
-use brokerfence::fence::{JobContext, QueueName, SupervisorConfig};
+use brokerfence::{Consumer, Source, SourceError};
+use brokerfence::{JobContext, QueueName, SupervisorConfig};
 use brokerfence_testkit::redis::{Env, consumer_config, lease, redis_url, xadd_job};
 use brokerfence_testkit::redis_topology::{RedisCluster, RedisSentinels};
 
@@ -144,7 +144,7 @@ async fn cluster_cross_slot_configuration_is_refused_at_start() {
         .dead_letter_stream("{mail}:dead-letters");
     tagged.check().expect("keys with the list's hash tag share its slot");
 
-    let store: Arc<dyn brokerfence::fence::FenceStore> = env.store();
+    let store: Arc<dyn brokerfence::FenceStore> = env.store();
     let config = SupervisorConfig::new(lease(3));
     let err = ListRetrofit::new(
         Arc::clone(&store),

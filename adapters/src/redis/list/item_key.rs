@@ -32,6 +32,7 @@ type DecodeFn = dyn Fn(&[u8]) -> Result<(JobKey, Vec<u8>), String> + Send + Sync
 /// assert!(ItemKey::Split(b'|').decode(b"no separator").is_err());
 /// ```
 #[derive(Clone)]
+#[non_exhaustive]
 pub enum ItemKey {
     /// `sha1:<hex>` of the whole item, which is also the payload: identical items are one job
     /// (within the deduplication window; see the type's docs).

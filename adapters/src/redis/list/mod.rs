@@ -178,7 +178,7 @@ impl ReliableList {
     }
 
     fn response(&self) -> Duration {
-        self.conns.timeouts().response_timeout()
+        self.conns.timeouts().get_response()
     }
 
     fn lease_key_of(&self, item: &[u8]) -> String {

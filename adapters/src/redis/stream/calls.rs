@@ -20,7 +20,7 @@ use super::{KeyFrom, State, StreamDelivery, StreamSource};
 
 impl StreamSource {
     pub(super) fn response(&self) -> Duration {
-        self.conns.timeouts().response_timeout()
+        self.conns.timeouts().get_response()
     }
 
     pub(super) fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> Option<T> {

@@ -25,6 +25,7 @@ mod calls;
 
 /// Where the job key of a stream entry comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyFrom {
     /// The entry id (`1700000000000-0`): every entry is its own job.
     EntryId,
