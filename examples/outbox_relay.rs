@@ -11,9 +11,9 @@
 //!   Several relays can run side by side (`FOR UPDATE SKIP LOCKED`).
 //!
 //! ```text
-//! cargo run --features sqs,redis --example table_produce -- --queue orders --count 100 --migrate
-//! cargo run --features sqs,redis --example outbox_relay -- worker --queue orders --destination billing --migrate
-//! cargo run --features sqs,redis --example outbox_relay -- relay \
+//! cargo run -p brokerfence-examples --features sqs,redis --example table_produce -- --queue orders --count 100 --migrate
+//! cargo run -p brokerfence-examples --features sqs,redis --example outbox_relay -- worker --queue orders --destination billing --migrate
+//! cargo run -p brokerfence-examples --features sqs,redis --example outbox_relay -- relay \
 //!     --sqs billing=http://127.0.0.1:4566/000000000000/billing --redis audit=audit-events
 //! ```
 //!

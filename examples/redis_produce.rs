@@ -2,8 +2,8 @@
 //! (`LPUSH key|body`), for `examples/redis_worker.rs`.
 //!
 //! ```text
-//! cargo run --features redis --example redis_produce -- --stream orders --count 1000 --key-prefix order
-//! cargo run --features redis --example redis_produce -- --list mail --count 100 --key-prefix mail
+//! cargo run -p brokerfence-examples --features redis --example redis_produce -- --stream orders --count 1000 --key-prefix order
+//! cargo run -p brokerfence-examples --features redis --example redis_produce -- --list mail --count 100 --key-prefix mail
 //! ```
 //!
 //! With `--key-prefix P` every job gets the key `P-<i>` (so running it twice sends duplicates the
@@ -23,7 +23,7 @@ fn main() {
 
 #[cfg(not(feature = "redis"))]
 fn main() {
-    eprintln!("redis_produce needs the `redis` feature: cargo run --features redis --example redis_produce");
+    eprintln!("redis_produce needs the `redis` feature: cargo run -p brokerfence-examples --features redis --example redis_produce");
     std::process::exit(2);
 }
 

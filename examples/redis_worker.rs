@@ -5,7 +5,7 @@
 //! `examples/sqs_worker.rs`.
 //!
 //! ```text
-//! cargo run --features redis --example redis_worker -- \
+//! cargo run -p brokerfence-examples --features redis --example redis_worker -- \
 //!     --stream orders --group billing --key-field key \
 //!     --receiver-url http://127.0.0.1:8080/apply --lease 30
 //! ```
@@ -34,7 +34,7 @@ fn main() {
 
 #[cfg(not(feature = "redis"))]
 fn main() {
-    eprintln!("redis_worker needs the `redis` feature: cargo run --features redis --example redis_worker");
+    eprintln!("redis_worker needs the `redis` feature: cargo run -p brokerfence-examples --features redis --example redis_worker");
     std::process::exit(2);
 }
 

@@ -1,7 +1,7 @@
 //! Sends N messages to an SQS queue (batches of ten, several batches in flight).
 //!
 //! ```text
-//! cargo run --features sqs --example sqs_produce -- \
+//! cargo run -p brokerfence-examples --features sqs --example sqs_produce -- \
 //!     --queue-url http://127.0.0.1:4566/000000000000/orders --count 100
 //! ```
 //!

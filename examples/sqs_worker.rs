@@ -4,7 +4,7 @@
 //! a superseded (zombie) worker's late call.
 //!
 //! ```text
-//! cargo run --features sqs --example sqs_worker -- \
+//! cargo run -p brokerfence-examples --features sqs --example sqs_worker -- \
 //!     --queue-url http://127.0.0.1:4566/000000000000/orders \
 //!     --receiver-url http://127.0.0.1:8080/apply --lease 30
 //! ```

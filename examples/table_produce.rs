@@ -2,7 +2,7 @@
 //! `examples/table_worker.rs`.
 //!
 //! ```text
-//! cargo run --example table_produce -- --queue thumbnails --count 100 --migrate
+//! cargo run -p brokerfence-examples --example table_produce -- --queue thumbnails --count 100 --migrate
 //! ```
 //!
 //! Job `i` (from `--start`, default 0) gets the key `<prefix>-<i>` and the payload `<body> <i>`.

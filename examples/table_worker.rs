@@ -5,8 +5,8 @@
 //! Same flags and `EVENT` lines as `examples/sqs_worker.rs` and `examples/redis_worker.rs`.
 //!
 //! ```text
-//! cargo run --example table_produce -- --queue thumbnails --count 100 --migrate
-//! cargo run --example table_worker -- --queue thumbnails \
+//! cargo run -p brokerfence-examples --example table_produce -- --queue thumbnails --count 100 --migrate
+//! cargo run -p brokerfence-examples --example table_worker -- --queue thumbnails \
 //!     --receiver-url http://127.0.0.1:8080/apply --lease 30
 //! ```
 //!

@@ -5,8 +5,8 @@
 //! only a result the fence committed is acknowledged, as with any handler.
 //!
 //! ```text
-//! cargo run --example table_produce -- --queue resize --count 10 --migrate
-//! cargo run --features tower --example tower_worker -- --queue resize --timeout 2000
+//! cargo run -p brokerfence-examples --example table_produce -- --queue resize --count 10 --migrate
+//! cargo run -p brokerfence-examples --features tower --example tower_worker -- --queue resize --timeout 2000
 //! ```
 //!
 //! A job whose payload is `sleep:<ms>` sleeps that long before it returns (to show the timeout);

@@ -143,7 +143,7 @@ impl Common {
         let Some(addr) = self.metrics_addr.as_deref() else { return Ok(()) };
         if !cfg!(feature = "metrics") {
             return Err(StartError::Refused(
-                "--metrics-addr needs the `metrics` feature (cargo run --features metrics --example …)".into(),
+                "--metrics-addr needs the `metrics` feature (cargo run -p brokerfence-examples --features metrics --example …)".into(),
             ));
         }
         let listener = tokio::net::TcpListener::bind(addr)
