@@ -28,10 +28,7 @@ impl LeaseDuration {
             return Err(FenceError::LeaseTooShort { lease, min: MIN_LEASE });
         }
         if lease > Duration::from_secs(86_400) {
-            return Err(FenceError::invalid(
-                "LeaseDuration::new",
-                format!("a lease of {lease:?} is longer than one day"),
-            ));
+            return Err(FenceError::invalid("lease", format!("LeaseDuration::new: {lease:?} is longer than one day")));
         }
         Ok(Self(lease))
     }
