@@ -125,7 +125,7 @@ fn parse_args(raw: Vec<String>) -> Result<Args, clap::Error> {
 
 /// The example's business table (created with `--migrate`).
 pub async fn create_business_table(pg: &PgFence) -> Result<(), StartError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS {s}.outbox_example_orders (queue text NOT NULL, key text NOT NULL, \
          epoch bigint NOT NULL, owner text NOT NULL, done_at timestamptz NOT NULL DEFAULT clock_timestamp())"
@@ -153,7 +153,7 @@ async fn handle(pg: PgFence, w: Arc<WorkerOpts>, ctx: JobContext) -> Result<Vec<
     tokio::time::sleep(w.delay).await;
     let mut tx = pg.pool().begin().await.map_err(JobError::retry)?;
     let mut watch = TxWatch(ctx.lease(), false);
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO {s}.outbox_example_orders (queue, key, epoch, owner) VALUES ($1, $2, $3, $4)"
     )))

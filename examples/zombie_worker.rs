@@ -165,13 +165,13 @@ async fn open(o: &Opts, owner: &Owner) -> Result<Arc<dyn FenceStore>, StartError
     let store: Arc<dyn FenceStore> = if common::database_kind(db)? == common::DbKind::Postgres {
         // `application_name` = the owner, so the worker shows in `pg_stat_activity`.
         let f = common::connect_pg(db, Some(&o.schema), owner, o.migrate).await?;
-        let f = f.with_guards(g);
+        let f = f.guards(g);
         Arc::new(f)
     } else {
         let schema = SchemaName::new(o.schema.clone()).map_err(|e| refused(e.to_string()))?;
-        let f = SqliteFence::open(db).await?.with_schema(schema);
+        let f = SqliteFence::open(db).await?.schema(schema);
         common::prepare_schema(&f, o.migrate).await?;
-        let f = f.with_guards(g);
+        let f = f.guards(g);
         Arc::new(f)
     };
     // Prints `committed`, `fenced` and `fail_recorded` as the database decides them.

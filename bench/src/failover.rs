@@ -188,7 +188,7 @@ async fn failover_round(variant: Variant, alone: Duration) -> Result<RoundFigure
     let schema = SchemaName::new(format!("failover_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
     let queue = QueueName::new("failover").map_err(|e| e.to_string())?;
     let direct = format!("postgres://postgres@{}/postgres", pair.primary.addr());
-    let admin = PgFence::connect(&direct).await.map_err(|e| e.to_string())?.with_schema(schema.clone());
+    let admin = PgFence::connect(&direct).await.map_err(|e| e.to_string())?.schema(schema.clone());
     admin.migrate().await.map_err(|e| e.to_string())?;
     let jobs: Vec<(JobKey, Vec<u8>)> = (0..400)
         .map(|i| JobKey::new(format!("job-{i:04}")).map(|k| (k, b"work".to_vec())))
@@ -202,9 +202,8 @@ async fn failover_round(variant: Variant, alone: Duration) -> Result<RoundFigure
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     for i in 1..=3 {
-        let store: Arc<dyn FenceStore> = Arc::new(
-            PgFence::connect(&url).await.map_err(|e| format!("connect {url}: {e}"))?.with_schema(schema.clone()),
-        );
+        let store: Arc<dyn FenceStore> =
+            Arc::new(PgFence::connect(&url).await.map_err(|e| format!("connect {url}: {e}"))?.schema(schema.clone()));
         let lease = LeaseDuration::from_secs(10).map_err(|e| e.to_string())?;
         let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(2).grace(Duration::from_millis(500));
         let owner = Owner::new(format!("w-{i}")).map_err(|e| e.to_string())?;
@@ -236,7 +235,7 @@ async fn failover_round(variant: Variant, alone: Duration) -> Result<RoundFigure
     let promoted = PgFence::connect(&format!("postgres://postgres@{}/postgres", pair.standby.addr()))
         .await
         .map_err(|e| e.to_string())?
-        .with_schema(schema.clone());
+        .schema(schema.clone());
     let s = schema.as_str();
     let first_commit = format!(
         "SELECT floor(extract(epoch from min(updated_at)) * 1000)::bigint FROM {s}.jobs \
@@ -296,7 +295,7 @@ async fn bouncer_in_front_of(url: &str) -> Result<(PgBouncer, String), String> {
 async fn drain(url: &str, jobs: usize, concurrency: usize, work: Duration) -> Result<f64, String> {
     let schema = SchemaName::new(format!("bouncer_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
     let queue = QueueName::new("drain").map_err(|e| e.to_string())?;
-    let admin = PgFence::connect(url).await.map_err(|e| e.to_string())?.with_schema(schema.clone());
+    let admin = PgFence::connect(url).await.map_err(|e| e.to_string())?.schema(schema.clone());
     admin.migrate().await.map_err(|e| e.to_string())?;
     for start in (0..jobs).step_by(5000) {
         let batch: Vec<(JobKey, Vec<u8>)> = (start..(start + 5000).min(jobs))
@@ -310,7 +309,7 @@ async fn drain(url: &str, jobs: usize, concurrency: usize, work: Duration) -> Re
     let mut consumers = Vec::new();
     for i in 0..2 {
         let store: Arc<dyn FenceStore> =
-            Arc::new(PgFence::connect(url).await.map_err(|e| e.to_string())?.with_schema(schema.clone()));
+            Arc::new(PgFence::connect(url).await.map_err(|e| e.to_string())?.schema(schema.clone()));
         let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
         let config = ConsumerConfig::new(SupervisorConfig::new(lease)).concurrency(concurrency);
         let owner = Owner::new(format!("drain-{i}")).map_err(|e| e.to_string())?;

@@ -199,7 +199,7 @@ pub async fn connect_pg(url: &str, schema: Option<&str>, owner: &Owner, migrate:
         e => e.into(),
     })?;
     if let Some(schema) = schema {
-        store = store.with_schema(SchemaName::new(schema.to_owned()).map_err(|e| StartError::Refused(e.to_string()))?);
+        store = store.schema(SchemaName::new(schema.to_owned()).map_err(|e| StartError::Refused(e.to_string()))?);
     }
     prepare_schema(&store, migrate).await?;
     Ok(store)

@@ -63,7 +63,7 @@ impl Db {
     pub async fn open(&self) -> Result<(Arc<dyn FenceStore>, Ledger), BoxError> {
         Ok(match self {
             Db::Postgres { url, schema } => {
-                let fence = PgFence::connect(url).await?.with_schema(schema.clone());
+                let fence = PgFence::connect(url).await?.schema(schema.clone());
                 fence.migrate().await?;
                 let ledger = Ledger::Pg(PgLedger::new(&fence, "payments-service"));
                 (Arc::new(fence), ledger)

@@ -28,10 +28,7 @@ impl LeaseDuration {
             return Err(FenceError::LeaseTooShort { lease, min: MIN_LEASE });
         }
         if lease > Duration::from_secs(86_400) {
-            return Err(FenceError::invalid(
-                "LeaseDuration::new",
-                format!("a lease of {lease:?} is longer than one day"),
-            ));
+            return Err(FenceError::invalid("lease", format!("LeaseDuration::new: {lease:?} is longer than one day")));
         }
         Ok(Self(lease))
     }
@@ -224,7 +221,7 @@ pub struct Heartbeat {
 pub struct RetryPolicy {
     /// Handler failures after which a failure is final (the job goes `dead`, its last error
     /// naming this cap). Takeovers of stalled holders do not count: the stores cap claims
-    /// apart (`with_max_claims`, see [`RetryPolicy::max_claims`]).
+    /// apart (`max_claims`, see [`RetryPolicy::max_claims`]).
     pub max_attempts: i64,
     /// Backoff after the first failed attempt; doubles per attempt.
     pub base_backoff: Duration,
@@ -244,7 +241,7 @@ impl RetryPolicy {
         Self { max_attempts: 1, ..Self::default() }
     }
 
-    /// The cap on claims this policy suggests for a store (`with_max_claims`): claims count
+    /// The cap on claims this policy suggests for a store (`max_claims`): claims count
     /// takeovers of stalled holders too, so it sits well above `max_attempts`:
     /// `max(4 × max_attempts, 20)`.
     ///

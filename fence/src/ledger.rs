@@ -166,15 +166,10 @@ impl PgLedger {
         self.fence.begin().await
     }
 
-    /// The guards of the fence the ledger was made from (see [`crate::Guards`]).
-    ///
-    /// ```no_run
-    /// # fn demo(ledger: brokerfence::ledger::PgLedger) {
-    /// assert!(ledger.guards().receiver_ledger_lock());
-    /// # }
-    /// ```
+    /// The guards of the fence the ledger was made from (test support).
+    #[doc(hidden)]
     pub fn guards(&self) -> crate::Guards {
-        self.fence.guards()
+        self.fence.get_guards()
     }
 
     /// Accepts `epoch` for `job` if it is not older than the newest seen; one atomic statement.

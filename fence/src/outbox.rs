@@ -105,7 +105,7 @@ impl OutboxRow {
 type Row = (i64, String, String, i64, String, String, Vec<u8>);
 
 fn table(fence: &PgFence) -> String {
-    format!("{}.outbox", fence.schema().as_str())
+    format!("{}.outbox", fence.get_schema().as_str())
 }
 
 impl PgFence {

@@ -62,7 +62,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// [`Claim::Busy`](crate::Claim::Busy), [`Done`](crate::Claim::Done),
     /// [`Dead`](crate::Claim::Dead) or [`Backoff`](crate::Claim::Backoff).
     ///
-    /// A claim that would exceed the store's cap on claims of one job (`with_max_claims`,
+    /// A claim that would exceed the store's cap on claims of one job (`max_claims`,
     /// default 20: a job that keeps killing or stalling its workers) makes the job dead instead,
     /// with the last error "claimed N times without finishing (max_claims = M)", and answers
     /// [`Dead`](crate::Claim::Dead). [`claim_next`](Self::claim_next) does the same and leaves
@@ -98,7 +98,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// `run_at` order (its claim cursor) rather than past every job still running, and from the
     /// start when that finds fewer than `n`; a job behind the cursor (a lease that ran out, a row
     /// skipped while locked) waits, while claims keep coming back full, at most the
-    /// [`with_claim_rescan`](crate::PgFence::with_claim_rescan) interval (1 s).
+    /// [`claim_rescan`](crate::PgFence::claim_rescan) interval (1 s).
     async fn claim_next(
         &self,
         queue: &QueueName,
@@ -148,7 +148,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// of `policy.backoff(failures)`, or dead when `retry` is false or the failures reach
     /// `policy.max_attempts` (then its last error reads "failed N times (max_attempts = M): …").
     /// Claims, takeovers included, are not failures: they have their own, higher cap
-    /// (`with_max_claims` of the store).
+    /// (`max_claims` of the store).
     async fn fail(&self, lease: &Lease, error: &str, retry: bool, policy: &RetryPolicy) -> Result<FailOutcome>;
 
     /// Gives the job back without spending an attempt (it is pending again at once).

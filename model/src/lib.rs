@@ -161,11 +161,11 @@ impl ProtocolModel {
     /// ```
     /// use brokerfence_model::{Guards, ProtocolModel, SAFETY, Source};
     /// let broken = ProtocolModel::new(Source::Table, 2)
-    ///     .with_guards(Guards { commit_cas: false, ..Guards::default() });
+    ///     .guards(Guards { commit_cas: false, ..Guards::default() });
     /// let report = broken.check_safety(1);
     /// assert!(report.counterexamples.contains_key(SAFETY[0]));
     /// ```
-    pub fn with_guards(mut self, guards: Guards) -> Self {
+    pub fn guards(mut self, guards: Guards) -> Self {
         self.guards = guards;
         self
     }

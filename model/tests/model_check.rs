@@ -91,7 +91,7 @@ fn model_check_three_workers() {
 /// A negative control: with `guards`, the check must find a counterexample to `property`.
 fn negative(source: Source, guards: Guards, property: &'static str) -> Vec<Action> {
     assert!(SAFETY.contains(&property));
-    let model = ProtocolModel::new(source, 2).with_guards(guards);
+    let model = ProtocolModel::new(source, 2).guards(guards);
     let report = model.check_safety(THREADS);
     let Some(path) = report.counterexamples.get(property) else {
         panic!(

@@ -46,8 +46,8 @@ async fn store(model: &ProtocolModel) -> PgFence {
     let fence = PgFence::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {url}: {e}"))
-        .with_schema(schema)
-        .with_max_claims(i64::from(model.bounds.max_claims));
+        .schema(schema)
+        .max_claims(i64::from(model.bounds.max_claims));
     fence.migrate().await.expect("migrate");
     fence
 }
@@ -91,7 +91,7 @@ impl<'a> Replay<'a> {
         let f = self.fence;
         Some(match a {
             Action::Tick => {
-                let s = f.schema().as_str();
+                let s = f.get_schema().as_str();
                 sqlx::query(AssertSqlSafe(format!(
                     "UPDATE {s}.jobs SET lease_until = lease_until - interval '10 seconds', \
                      run_at = run_at - interval '10 seconds' WHERE queue = $1"
@@ -198,7 +198,7 @@ async fn replay(
     name: &str,
     tally: &mut std::collections::BTreeMap<String, usize>,
 ) -> Option<(usize, Action, Answer, Answer)> {
-    let correct = broken.with_guards(Guards::default());
+    let correct = broken.guards(Guards::default());
     let states = broken.states_along(path).expect("a path of the model");
     let mut r = Replay::new(fence, broken, name).await;
     let mut stores = 0;
@@ -247,8 +247,8 @@ async fn model_replay_negative_controls_against_pgfence() {
     ];
     let fence = store(&ProtocolModel::new(Source::Table, 2)).await;
     for (name, source, guards, property, store_guard) in cases {
-        let broken = ProtocolModel::new(source, 2).with_guards(guards);
-        let fence = fence.clone().with_max_claims(i64::from(broken.bounds.max_claims));
+        let broken = ProtocolModel::new(source, 2).guards(guards);
+        let fence = fence.clone().max_claims(i64::from(broken.bounds.max_claims));
         let report = broken.check_safety(1);
         let path = report.counterexamples.get(property).unwrap_or_else(|| panic!("{name}: no counterexample"));
         let refused = replay(&fence, broken, path, name, &mut Default::default()).await;

@@ -85,7 +85,7 @@ impl Env {
 
     /// All job rows of `queue`: (key, state, epoch, result).
     pub async fn jobs(&self, queue: &str) -> Vec<(String, String, i64, Option<String>)> {
-        let s = self.store.schema().as_str();
+        let s = self.store.get_schema().as_str();
         let rows: Vec<(String, String, i64, Option<Vec<u8>>)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT key, state, epoch, result FROM {s}.jobs WHERE queue = $1 ORDER BY key"
         )))

@@ -62,7 +62,7 @@ pub async fn pg_on(schema: SchemaName) -> PgFence {
     let fence = PgFence::connect(&url).await.unwrap_or_else(|e| {
         panic!("cannot connect to PostgreSQL at {url}: {e}. Is it running? Run `localstack/up` first.")
     });
-    fence.with_schema(schema)
+    fence.schema(schema)
 }
 
 /// A migrated PgFence on a fresh schema.
@@ -74,7 +74,7 @@ pub async fn pg() -> PgFence {
 
 /// Drops the test's schema (best effort).
 pub async fn drop_schema(fence: &PgFence) {
-    let s = fence.schema().as_str();
+    let s = fence.get_schema().as_str();
     let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {s} CASCADE"))).execute(fence.pool()).await;
 }
 
@@ -85,7 +85,7 @@ pub async fn job(fence: &(impl FenceStore + ?Sized), queue: &QueueName, key: &st
 
 /// Every job row of the schema: (key, state, epoch, owner, result).
 pub async fn jobs(fence: &PgFence) -> Vec<(String, String, i64, Option<String>, Option<Vec<u8>>)> {
-    let s = fence.schema().as_str();
+    let s = fence.get_schema().as_str();
     sqlx::query_as(AssertSqlSafe(format!("SELECT key, state, epoch, owner, result FROM {s}.jobs ORDER BY key")))
         .fetch_all(fence.pool())
         .await
@@ -192,19 +192,19 @@ impl TestStore for PgFence {
     }
 
     async fn reopen(&self) -> Self {
-        pg_on(self.schema().clone()).await
+        pg_on(self.get_schema().clone()).await
     }
 
     async fn tables(&self) -> Vec<String> {
         sqlx::query_scalar("SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1")
-            .bind(self.schema().as_str().to_owned())
+            .bind(self.get_schema().as_str().to_owned())
             .fetch_all(self.pool())
             .await
             .expect("list tables")
     }
 
     async fn migration_rows(&self) -> i64 {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {s}._migrations")))
             .fetch_one(self.pool())
             .await
@@ -216,7 +216,7 @@ impl TestStore for PgFence {
     }
 
     async fn complete_with_business_row(&self, lease: &Lease, marker: &str, result: &[u8]) -> fence::Result<()> {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         let mut tx = self.pool().begin().await?;
         sqlx::query(AssertSqlSafe(format!("CREATE TABLE IF NOT EXISTS {s}.business (marker text NOT NULL)")))
             .execute(&mut *tx)
@@ -231,7 +231,7 @@ impl TestStore for PgFence {
     }
 
     async fn business_rows(&self) -> Vec<String> {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         sqlx::query(AssertSqlSafe(format!("CREATE TABLE IF NOT EXISTS {s}.business (marker text NOT NULL)")))
             .execute(self.pool())
             .await
@@ -243,7 +243,7 @@ impl TestStore for PgFence {
     }
 
     async fn ledger_accept_in(&self, scope: &str, job: &str, epoch: i64, marker: &str, commit: bool) -> Verdict {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         let ledger = PgLedger::new(self, scope);
         let mut conn = self.pool().acquire().await.expect("acquire");
         sqlx::query(AssertSqlSafe(format!("CREATE TABLE IF NOT EXISTS {s}.business (marker text NOT NULL)")))
@@ -344,13 +344,13 @@ impl TestStore for SqliteFence {
 pub async fn jobs_rows_read(s: &PgFence) -> i64 {
     // Pending statistics reach the shared view when the backend next goes idle (the
     // heartbeat's backend too).
-    sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.heartbeat_pool()).await.expect("flush stats");
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.get_heartbeat_pool()).await.expect("flush stats");
     sqlx::query("SELECT pg_stat_force_next_flush()").execute(s.pool()).await.expect("flush stats");
     let (n,): (i64,) = sqlx::query_as(
         "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables \
          WHERE relid = to_regclass($1)",
     )
-    .bind(format!("{}.jobs", s.schema().as_str()))
+    .bind(format!("{}.jobs", s.get_schema().as_str()))
     .fetch_one(s.pool())
     .await
     .expect("read table statistics");

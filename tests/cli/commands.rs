@@ -30,7 +30,7 @@ struct Target {
 
 async fn pg_target(migrated: bool) -> Target {
     let store = if migrated { common::pg().await } else { common::pg_unmigrated().await };
-    Target { url: common::database_url(), schema: store.schema().clone(), store: Arc::new(store), file: None }
+    Target { url: common::database_url(), schema: store.get_schema().clone(), store: Arc::new(store), file: None }
 }
 
 async fn sqlite_target(migrated: bool) -> Target {
@@ -38,7 +38,7 @@ async fn sqlite_target(migrated: bool) -> Target {
     let schema = common::unique_schema();
     let url = format!("sqlite:{}", path.display());
     let store: Arc<dyn FenceStore> = if migrated {
-        let store = common::sqlite_on(&path).await.with_schema(schema.clone());
+        let store = common::sqlite_on(&path).await.schema(schema.clone());
         store.migrate().await.expect("migrate SQLite");
         Arc::new(store)
     } else {
@@ -174,7 +174,7 @@ async fn migrate_case(t: Target) {
     assert_eq!(done["schema"], t.schema.as_str());
     // The schema is there for the store's own check, and a second run is a no-op.
     let check = match &t.file {
-        Some(file) => common::sqlite_on(file).await.with_schema(t.schema.clone()).check_schema().await,
+        Some(file) => common::sqlite_on(file).await.schema(t.schema.clone()).check_schema().await,
         None => common::pg_on(t.schema.clone()).await.check_schema().await,
     };
     check.expect("schema up to date after `brokerfence migrate`");

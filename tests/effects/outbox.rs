@@ -109,7 +109,7 @@ impl Proc {
 
 /// The consumer's tables: one effect per (via, job), the outbox id it came with.
 async fn create_effects_table(pg: &PgFence) {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE {s}.effects (via text NOT NULL, job text NOT NULL, epoch bigint NOT NULL, \
          outbox_id bigint NOT NULL, PRIMARY KEY (via, job))"
@@ -137,7 +137,7 @@ async fn apply(
     outbox_id: i64,
     seen: &Mutex<Downstream>,
 ) {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let mut tx = pg.pool().begin().await.expect("begin");
     let verdict = ledger.accept_in(&mut tx, &stamp.ledger_job(), stamp.epoch).await.expect("ledger");
     {
@@ -223,13 +223,13 @@ async fn consume_redis(pg: PgFence, stream: String, seen: Arc<Mutex<Downstream>>
 // ------------------------------------------------------------------------------ end to end
 
 fn args(sub: &str, pg: &PgFence, extra: &[&str]) -> Vec<String> {
-    let mut v = vec![sub.to_owned(), "--schema".to_owned(), pg.schema().as_str().to_owned()];
+    let mut v = vec![sub.to_owned(), "--schema".to_owned(), pg.get_schema().as_str().to_owned()];
     v.extend(extra.iter().map(|s| (*s).to_owned()));
     v
 }
 
 async fn completed(pg: &PgFence, queue: &str) -> i64 {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*)::bigint FROM {s}.jobs WHERE queue = $1 AND state = 'completed'"
     )))
@@ -383,7 +383,7 @@ async fn effects_outbox_end_to_end_with_zombies_kills_and_relay_restarts() {
 
     // The database: each job completed once; its business row and its outbox rows are of its
     // final epoch and there is one of each.
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let finals: HashMap<String, i64> =
         sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(format!("SELECT key, epoch FROM {s}.jobs WHERE queue = $1")))
             .bind(queue)
@@ -468,7 +468,7 @@ async fn outbox_rows(pg: &PgFence, n: usize, destination: &str, payload: &[u8]) 
 }
 
 async fn unsent_ids(pg: &PgFence) -> Vec<i64> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     sqlx::query_scalar(AssertSqlSafe(format!("SELECT id FROM {s}.outbox WHERE sent_at IS NULL ORDER BY id")))
         .fetch_all(pg.pool())
         .await
@@ -630,7 +630,7 @@ async fn zombie_and_successor(pg: &PgFence, careless: bool) -> (Vec<(i64, Vec<u8
     let Claim::Claimed(old) = pg.claim(&q, &key, &Owner::unique("zombie"), lease).await.expect("claim") else {
         panic!("claim")
     };
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     sqlx::query(AssertSqlSafe(format!("UPDATE {s}.jobs SET lease_until = clock_timestamp() - interval '1 second'")))
         .execute(pg.pool())
         .await
@@ -678,7 +678,7 @@ async fn effects_outbox_zombie_transaction_leaves_no_outbox_row() {
 #[tokio::test]
 async fn effects_outbox_guard_off_a_careless_zombie_commits_its_outbox_row() {
     let pg = sqs_support::pg().await;
-    let pg = pg.clone().with_guards(fence::Guards::default().without_fenced_tx_rollback());
+    let pg = pg.clone().guards(fence::Guards::default().without_fenced_tx_rollback());
     let (rows, old, new) = zombie_and_successor(&pg, true).await;
     assert_eq!(rows, vec![(old, b"zombie".to_vec()), (new, b"new".to_vec())], "the violation shows");
     sqs_support::drop_schema(&pg).await;
@@ -703,7 +703,7 @@ impl Publisher for CrashAfterPublish {
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
              AND state = 'idle in transaction' AND query LIKE '%' || $1 || '.outbox%SKIP LOCKED%'",
         )
-        .bind(self.pg.schema().as_str())
+        .bind(self.pg.get_schema().as_str())
         .fetch_all(self.pg.pool())
         .await
         .expect("terminate the relay's connection");

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Creates the business table of these tests (job, epoch, owner) next to the fence's tables.
 async fn pg_business_table(fence: &PgFence) -> String {
-    let table = format!("\"{}\".effects_rows", fence.schema().as_str());
+    let table = format!("\"{}\".effects_rows", fence.get_schema().as_str());
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE {table} (job text NOT NULL, epoch bigint NOT NULL, owner text NOT NULL)"
     )))
@@ -393,8 +393,8 @@ async fn effects_fenced_complete_in_aborts_the_transaction_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effects_guard_switch_fenced_tx_rollback_off_lets_the_zombies_rows_commit() {
     let off = fence::Guards::default().without_fenced_tx_rollback();
-    assert_eq!(fenced_complete_in_pg(common::pg().await.with_guards(off)).await, 1, "PostgreSQL without the guard");
-    assert_eq!(fenced_complete_in_sqlite(common::sqlite().await.with_guards(off)).await, 1, "SQLite without the guard");
+    assert_eq!(fenced_complete_in_pg(common::pg().await.guards(off)).await, 1, "PostgreSQL without the guard");
+    assert_eq!(fenced_complete_in_sqlite(common::sqlite().await.guards(off)).await, 1, "SQLite without the guard");
 }
 
 /// The heartbeat beside an open handler transaction (PostgreSQL). One job's handler completes

@@ -159,7 +159,7 @@ async fn hardening_item5_a_handler_that_commits_and_runs_on_is_one_ack_sqlite() 
 /// the nested transaction) and commits the outer one. Returns the answer it got and the business
 /// rows that committed.
 async fn zombie_through_a_savepoint_pg(fence: &PgFence) -> (Result<(), FenceError>, i64) {
-    let table = format!("\"{}\".item6_rows", fence.schema().as_str());
+    let table = format!("\"{}\".item6_rows", fence.get_schema().as_str());
     sqlx::query(AssertSqlSafe(format!("CREATE TABLE {table} (job text NOT NULL, owner text NOT NULL)")))
         .execute(fence.pool())
         .await
@@ -228,7 +228,7 @@ async fn hardening_item6_complete_in_refuses_savepoints_and_autocommit_pg() {
 /// bypass the check closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardening_item6_guard_switch_depth_check_off_lets_a_savepoint_commit_the_zombies_rows() {
-    let fence = common::pg().await.with_guards(Guards::default().without_own_tx_depth_check());
+    let fence = common::pg().await.guards(Guards::default().without_own_tx_depth_check());
     let (answer, rows) = zombie_through_a_savepoint_pg(&fence).await;
     assert!(answer.as_ref().is_err_and(FenceError::is_fenced), "{answer:?}");
     assert_eq!(rows, 1, "without the check the savepoint's rollback clears the abort: the zombie's row commits");

@@ -77,7 +77,7 @@ impl Shared {
     }
 
     fn schema(&self) -> &str {
-        self.fence.schema().as_str()
+        self.fence.get_schema().as_str()
     }
 
     async fn jitter(&self) {
@@ -295,7 +295,7 @@ async fn serve(guard: Guard, fence: PgFence, slow_epoch: Option<i64>) -> Receive
 
 /// [`serve`] with another handler time limit for the atomic guard.
 async fn serve_with(guard: Guard, fence: PgFence, slow_epoch: Option<i64>, handler_timeout: Duration) -> Receiver {
-    let s = fence.schema().as_str().to_owned();
+    let s = fence.get_schema().as_str().to_owned();
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE {s}.effects (job text PRIMARY KEY, epoch bigint NOT NULL, body text NOT NULL)"
     )))
@@ -487,7 +487,7 @@ async fn effects_check_only_guard_lets_slow_epoch1_land_last() {
 async fn effects_guard_receiver_ledger_lock() {
     use fence::Guards;
     let on = serve(Guard::Atomic, common::pg().await, Some(1)).await;
-    let off_fence = common::pg().await.with_guards(Guards::default().without_receiver_ledger_lock());
+    let off_fence = common::pg().await.guards(Guards::default().without_receiver_ledger_lock());
     let off = serve(Guard::Atomic, off_fence, Some(1)).await;
     let job = common::unique("switch");
     let (run_on, run_off) = tokio::join!(race(&on, &job, 1, 2), race(&off, &job, 1, 2));
@@ -601,7 +601,7 @@ async fn effects_receiver_wait_past_lock_timeout_is_503_then_retry_wins() {
     let options: sqlx::postgres::PgConnectOptions = common::database_url().parse().expect("DATABASE_URL");
     let timeouts = PgTimeouts { lock: Duration::from_millis(200), ..PgTimeouts::default() };
     let fence =
-        PgFence::connect_with_timeouts(options, timeouts).await.expect("connect").with_schema(common::unique_schema());
+        PgFence::connect_with_timeouts(options, timeouts).await.expect("connect").schema(common::unique_schema());
     fence.migrate().await.expect("migrate");
     let rx = serve(Guard::Atomic, fence, Some(1)).await;
     // Epoch 1 holds the row until epoch 2 has answered, however long that takes.

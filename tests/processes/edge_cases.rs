@@ -256,7 +256,7 @@ mod edges {
         assert!(schema_exists(&admin, &s).await);
         let (code, _, _) = worker.stop().await;
         assert_eq!(code, 0);
-        let fence = admin.clone().with_schema(brokerfence::SchemaName::new(s).expect("schema"));
+        let fence = admin.clone().schema(brokerfence::SchemaName::new(s).expect("schema"));
         fence.check_schema().await.expect("migrated by --migrate");
     }
 
@@ -270,7 +270,7 @@ mod edges {
     async fn edges_table_worker_runs_produced_jobs_and_tells_what_happened() {
         let url = database_url();
         let fence = common::pg_unmigrated().await;
-        let schema = fence.schema().as_str().to_owned();
+        let schema = fence.get_schema().as_str().to_owned();
         let queue = common::unique("tq");
         let owner = common::unique("h6-table");
         let (code, out, err) = run_to_end(
@@ -332,7 +332,7 @@ mod edges {
     async fn edges_a_handler_error_is_failed_not_dropped() {
         let url = database_url();
         let fence = common::pg().await;
-        let schema = fence.schema().as_str().to_owned();
+        let schema = fence.get_schema().as_str().to_owned();
         let queue = common::unique("tq");
         let q = QueueName::new(queue.clone()).expect("queue");
         fence.enqueue(&q, &common::key("doomed"), b"x").await.expect("enqueue");
@@ -379,7 +379,7 @@ mod edges {
     async fn edges_a_cancelled_attempt_prints_lease_lost_and_dropped() {
         let url = database_url();
         let fence = common::pg().await;
-        let schema = fence.schema().as_str().to_owned();
+        let schema = fence.get_schema().as_str().to_owned();
         let queue = common::unique("tq");
         let q = QueueName::new(queue.clone()).expect("queue");
         fence.enqueue(&q, &common::key("slow"), b"x").await.expect("enqueue");
@@ -446,7 +446,7 @@ mod edges {
                 "--database-url",
                 &url,
                 "--schema",
-                fence.schema().as_str(),
+                fence.get_schema().as_str(),
                 "--redis-url",
                 &redis_url,
                 "--block",

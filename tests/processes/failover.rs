@@ -29,11 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 /// The fence at `url` in `schema`, with `guards` (all on unless a negative control says).
 async fn fence_at(url: &str, schema: &SchemaName, guards: Guards) -> PgFence {
-    PgFence::connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("connect {url}: {e}"))
-        .with_schema(schema.clone())
-        .with_guards(guards)
+    PgFence::connect(url).await.unwrap_or_else(|e| panic!("connect {url}: {e}")).schema(schema.clone()).guards(guards)
 }
 
 /// `postgres://postgres@<addr>/postgres`: the superuser of a private server (or of a relay in
@@ -404,7 +400,7 @@ async fn failover_pool_behind_a_vip_that_points_at_a_standby_recovers() {
     let schema = common::unique_schema();
     let queue = QueueName::new("vip").expect("queue");
     let target = PgTarget::parse(&url_of(vip.addr())).expect("url").application_name("vip-fence");
-    let fence = PgFence::connect_to(target).await.expect("connect").with_schema(schema.clone());
+    let fence = PgFence::connect_to(target).await.expect("connect").schema(schema.clone());
     fence.migrate().await.expect("migrate");
     assert_eq!(claim_and_complete(&fence, &queue, "before").await.expect("before"), 1);
     pair.wait_caught_up().await;
@@ -458,7 +454,7 @@ async fn failover_multi_host_url_follows_the_primary() {
     assert_eq!(target.hosts().len(), 2);
     let schema = common::unique_schema();
     let queue = QueueName::new("multi").expect("queue");
-    let fence = PgFence::connect_to(target).await.expect("connect").with_schema(schema.clone());
+    let fence = PgFence::connect_to(target).await.expect("connect").schema(schema.clone());
     fence.migrate().await.expect("migrate on the primary (the second host)");
     assert_eq!(claim_and_complete(&fence, &queue, "before").await.expect("before"), 1);
     pair.wait_caught_up().await;
@@ -515,7 +511,7 @@ async fn failover_table_queue_through_pgbouncer_transaction_mode() {
         let (_bouncer, url) = bouncer(ignore).await;
         let schema = common::unique_schema();
         let fence = fence_at(&url, &schema, Guards::default()).await;
-        assert_eq!(fence.pooler(), Pooler::Transaction, "ignore_startup_parameters = {ignore:?}");
+        assert_eq!(fence.get_pooler(), Pooler::Transaction, "ignore_startup_parameters = {ignore:?}");
         fence.migrate().await.expect("migrate through PgBouncer");
         let queue = QueueName::new("bounced").expect("queue");
         let keys = job_keys(200);
@@ -552,8 +548,8 @@ async fn failover_pgbouncer_time_limits_hold_per_transaction() {
     let fence = PgFence::connect_to(PgTarget::parse(&url).expect("url").timeouts(timeouts))
         .await
         .expect("connect")
-        .with_schema(schema.clone());
-    assert_eq!(fence.pooler(), Pooler::Transaction);
+        .schema(schema.clone());
+    assert_eq!(fence.get_pooler(), Pooler::Transaction);
     fence.migrate().await.expect("migrate");
     let queue = QueueName::new("locked").expect("queue");
     assert!(fence.enqueue(&queue, &key("held"), b"x").await.expect("enqueue"));
@@ -612,7 +608,7 @@ async fn failover_sqs_and_redis_sources_through_pgbouncer() {
     let (_bouncer, url) = bouncer("extra_float_digits").await;
     let schema = common::unique_schema();
     let fence = fence_at(&url, &schema, Guards::default()).await;
-    assert_eq!(fence.pooler(), Pooler::Transaction);
+    assert_eq!(fence.get_pooler(), Pooler::Transaction);
     fence.migrate().await.expect("migrate through PgBouncer");
     let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
     let ledger_home = common::pg().await;
@@ -689,5 +685,5 @@ async fn failover_pgbouncer_refused_startup_names_the_setting() {
     let text = err.to_string();
     assert!(text.contains("?pooler=transaction") && text.contains("ignore_startup_parameters"), "{text}");
     // The URL as users write it finds the pooler out by itself.
-    assert_eq!(PgFence::connect(&url).await.expect("auto").pooler(), Pooler::Transaction);
+    assert_eq!(PgFence::connect(&url).await.expect("auto").get_pooler(), Pooler::Transaction);
 }

@@ -48,7 +48,7 @@ fn events<'a>(lines: &'a [String], event: &str, key: &str) -> Vec<&'a String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ergonomics_tower_worker_times_out_retries_and_buries_a_slow_job() {
     let fence = common::pg().await;
-    let schema = fence.schema().as_str().to_owned();
+    let schema = fence.get_schema().as_str().to_owned();
     let queue = common::unique("tower");
     let q = QueueName::new(queue.clone()).expect("queue");
     for (k, body) in [("fast-0", "hello"), ("fast-1", "hello"), ("slow", "sleep:3000")] {

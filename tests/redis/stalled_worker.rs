@@ -222,7 +222,7 @@ async fn run_table(order: Order) {
         "--lease",
         "3",
         "--schema",
-        env.store.schema().as_str(),
+        env.store.get_schema().as_str(),
         "--receiver-url",
         &url,
         "--concurrency",

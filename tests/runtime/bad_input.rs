@@ -651,7 +651,7 @@ mod redis_sweep {
             assert!(reason.contains(&format!("undecodable body [{tag}]")), "{key}: {reason:?}");
         }
         let _: () = redis::cmd("DEL").arg(&stream).arg(&dead_stream).query_async(&mut conn).await.expect("del");
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.schema().as_str())))
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.get_schema().as_str())))
             .execute(fence.pool())
             .await;
     }

@@ -341,14 +341,14 @@ mod small_errors {
     #[tokio::test]
     async fn hardening_item16_a_mistyped_schema_says_no_such_schema() {
         let store = common::pg().await;
-        let typo = format!("{}x", store.schema().as_str());
+        let typo = format!("{}x", store.get_schema().as_str());
         let url = common::database_url();
         let (code, _, err) = cli(&["--database-url", &url, "--schema", &typo, "status"]);
         assert_eq!(code, 1, "{err}");
         assert!(err.contains(&format!("no such schema {typo}")), "{err}");
         assert!(!err.contains("--migrate"), "{err}");
         // The right one works.
-        let (code, _, err) = cli(&["--database-url", &url, "--schema", store.schema().as_str(), "status"]);
+        let (code, _, err) = cli(&["--database-url", &url, "--schema", store.get_schema().as_str(), "status"]);
         assert_eq!(code, 0, "{err}");
         common::drop_schema(&store).await;
     }

@@ -288,7 +288,7 @@ async fn check_scrape(worker: &Proc, url: &str, queue: &str, source: &str) -> Sc
 async fn ergonomics_metrics_scrape_of_a_table_worker_matches_its_run() {
     let url = common::database_url();
     let fence = common::pg_unmigrated().await;
-    let schema = fence.schema().as_str().to_owned();
+    let schema = fence.get_schema().as_str().to_owned();
     let queue = common::unique("metrics");
     let n = N.to_string();
     let produce = ["--database-url", &url, "--schema", &schema, "--queue", &queue, "--count", &n, "--migrate"];
@@ -315,7 +315,7 @@ async fn ergonomics_metrics_scrape_of_a_redis_worker_matches_its_run() {
     let url = common::database_url();
     let redis_url = brokerfence_testkit::services::var("REDIS_URL").unwrap_or_else(|| "redis://127.0.0.1:6379".into());
     let fence = common::pg().await;
-    let schema = fence.schema().as_str().to_owned();
+    let schema = fence.get_schema().as_str().to_owned();
     let stream = common::unique("metrics-stream");
     let delay = DELAY_MS.to_string();
     let mut args = vec![
@@ -496,7 +496,7 @@ async fn ergonomics_metrics_middleware_under_a_debugging_recorder() {
 async fn ergonomics_metrics_lease_loss_to_cancellation_is_timed() {
     let recorder = DebuggingRecorder::new();
     let fence = common::pg().await;
-    let schema = fence.schema().as_str().to_owned();
+    let schema = fence.get_schema().as_str().to_owned();
     let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
     let queue = QueueName::new(common::unique("loss")).expect("queue");
     let key = JobKey::new("stolen").expect("key");

@@ -234,7 +234,7 @@ async fn hardening_item9_cli_dead_requeue_refuses_broker_jobs() {
     let q = queue(&unique("cli-dead"));
     seed_dead(&pg, &q).await;
     let run = |extra: &'static [&'static str]| {
-        let (schema, q) = (pg.schema().as_str().to_owned(), q.as_str().to_owned());
+        let (schema, q) = (pg.get_schema().as_str().to_owned(), q.as_str().to_owned());
         async move {
             let mut cmd = tokio::process::Command::new(brokerfence_testkit::programs::bin("brokerfence"));
             cmd.args([

@@ -22,7 +22,7 @@ async fn pg() -> Arc<dyn FenceStore> {
     let store = PgFence::connect(&url)
         .await
         .expect("connect to PostgreSQL (run `localstack/up`)")
-        .with_schema(SchemaName::new(unique("tq")).expect("schema"));
+        .schema(SchemaName::new(unique("tq")).expect("schema"));
     store.migrate().await.expect("migrate");
     Arc::new(store)
 }

@@ -60,9 +60,9 @@ async fn measure(s: &PgFence, queue: &QueueName, owner: &Owner, claims: usize) -
 async fn throughput_claim_next_reads_in_index_order_on_a_never_analyzed_table() {
     // One connection: its backend's kept plans are the ones measured.
     let pool = PgFence::pool_options().max_connections(1).connect(&common::database_url()).await.unwrap();
-    let s = PgFence::new(pool).with_schema(common::unique_schema());
+    let s = PgFence::new(pool).schema(common::unique_schema());
     s.migrate().await.unwrap();
-    let jobs_table = format!("{}.jobs", s.schema().as_str());
+    let jobs_table = format!("{}.jobs", s.get_schema().as_str());
     sqlx::query(AssertSqlSafe(format!("ALTER TABLE {jobs_table} SET (autovacuum_enabled = false)")))
         .execute(s.pool())
         .await

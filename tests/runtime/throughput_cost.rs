@@ -149,7 +149,7 @@ struct Drained {
 
 /// One measured drain of [`JOBS`] fenced jobs and [`JOBS`] plain jobs, batches alternating.
 async fn drain_once(s: &PgFence, plain: &mut PgConnection, round: usize) -> Drained {
-    let schema = s.schema().as_str().to_owned();
+    let schema = s.get_schema().as_str().to_owned();
     let queue = QueueName::new(format!("fenced-{round}")).unwrap();
     let pq = format!("plain-{round}");
     let owner = Owner::new(format!("worker-{round}")).unwrap();
@@ -280,9 +280,9 @@ async fn drain_once(s: &PgFence, plain: &mut PgConnection, round: usize) -> Drai
 async fn throughput_wal_bytes_per_job_fenced_vs_plain_loop() {
     // One connection: the statements the store prepares are on it.
     let pool = PgFence::pool_options().max_connections(1).connect(&common::database_url()).await.unwrap();
-    let s = PgFence::new(pool).with_schema(common::unique_schema());
+    let s = PgFence::new(pool).schema(common::unique_schema());
     s.migrate().await.unwrap();
-    let schema = s.schema().as_str().to_owned();
+    let schema = s.get_schema().as_str().to_owned();
     let mut plain = PgConnection::connect(&common::database_url()).await.unwrap();
     for ddl in [
         format!(
@@ -368,7 +368,7 @@ async fn throughput_wal_bytes_per_job_fenced_vs_plain_loop() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_group_commit_waiting_on_a_takeover_is_refused_and_names_the_new_holder() {
     let s = common::pg().await;
-    let schema = s.schema().as_str().to_owned();
+    let schema = s.get_schema().as_str().to_owned();
     let queue = QueueName::new("race").unwrap();
     s.enqueue_many(&queue, &[(common::key("k"), PAYLOAD.to_vec())]).await.unwrap();
     let old = Owner::new("old-holder").unwrap();
@@ -421,7 +421,7 @@ async fn throughput_group_commit_waiting_on_a_takeover_is_refused_and_names_the_
 async fn throughput_group_commit_reads_only_the_rows_it_refuses() {
     const N: usize = 64;
     let pool = PgFence::pool_options().max_connections(1).connect(&common::database_url()).await.unwrap();
-    let s = PgFence::new(pool).with_schema(common::unique_schema());
+    let s = PgFence::new(pool).schema(common::unique_schema());
     s.migrate().await.unwrap();
     let queue = QueueName::new("reads").unwrap();
     let owner = Owner::new("reader").unwrap();

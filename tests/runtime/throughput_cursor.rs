@@ -16,7 +16,7 @@ use sqlx::{AssertSqlSafe, Connection};
 /// scanning each queue from the start at most every `rescan`.
 async fn store(rescan: Duration) -> PgFence {
     let pool = PgFence::pool_options().max_connections(1).connect(&common::database_url()).await.unwrap();
-    let s = PgFence::new(pool).with_schema(common::unique_schema()).with_claim_rescan(rescan);
+    let s = PgFence::new(pool).schema(common::unique_schema()).claim_rescan(rescan);
     s.migrate().await.unwrap();
     s
 }
@@ -74,7 +74,7 @@ async fn throughput_claim_cursor_takes_over_an_expired_lease_behind_it() {
     assert_eq!(keys(&first), ["job-00000"]);
     assert_eq!(s.claim_next(&q, &b, common::lease(30), 20).await.unwrap().len(), 20, "the cursor moves past job-00000");
     // The stalled holder's lease runs out (on the database clock).
-    let sc = s.schema().as_str();
+    let sc = s.get_schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "UPDATE {sc}.jobs SET lease_until = clock_timestamp() - interval '1 second' WHERE key = 'job-00000'"
     )))
@@ -110,7 +110,7 @@ async fn throughput_claim_cursor_finds_skipped_jobs_when_a_claim_comes_up_short(
     let owner = Owner::new("worker").unwrap();
     enqueue(&s, &q, 30).await;
     // Another transaction holds the first 10 rows locked while the store claims.
-    let sc = s.schema().as_str().to_owned();
+    let sc = s.get_schema().as_str().to_owned();
     let mut other = sqlx::postgres::PgConnection::connect(&common::database_url()).await.unwrap();
     sqlx::query("BEGIN").execute(&mut other).await.unwrap();
     sqlx::query(AssertSqlSafe(format!("SELECT key FROM {sc}.jobs WHERE queue = $1 AND key < 'job-00010' FOR UPDATE")))

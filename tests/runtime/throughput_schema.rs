@@ -20,7 +20,7 @@ async fn indexes(s: &PgFence) -> Vec<(String, String)> {
     sqlx::query_as(
         "SELECT indexname::text, indexdef FROM pg_indexes WHERE schemaname = $1 AND tablename = 'jobs' ORDER BY 1",
     )
-    .bind(s.schema().as_str())
+    .bind(s.get_schema().as_str())
     .fetch_all(s.pool())
     .await
     .unwrap()
@@ -35,7 +35,7 @@ async fn indexes(s: &PgFence) -> Vec<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_hot_claims_migration_upgrades_an_earlier_schema() {
     let s = common::pg().await;
-    let sc = s.schema().as_str().to_owned();
+    let sc = s.get_schema().as_str().to_owned();
     // Back to what migrations 1-7 left (the BEFORE trigger of migration 7 included).
     for sql in [
         format!("ALTER TABLE {sc}.jobs DROP CONSTRAINT jobs_finished_is_final_state"),
@@ -63,7 +63,7 @@ async fn throughput_hot_claims_migration_upgrades_an_earlier_schema() {
     ] {
         exec(&s, sql).await;
     }
-    let upgraded = common::pg_on(s.schema().clone()).await;
+    let upgraded = common::pg_on(s.get_schema().clone()).await;
     upgraded.migrate().await.unwrap();
 
     let finished: Vec<(String, Option<String>)> =
@@ -119,7 +119,7 @@ async fn throughput_hot_claims_migration_upgrades_an_earlier_schema() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_hot_claims_finished_follows_state() {
     let s = common::pg().await;
-    let sc = s.schema().as_str().to_owned();
+    let sc = s.get_schema().as_str().to_owned();
     let q = QueueName::new("check").unwrap();
     s.enqueue_many(&q, &[(JobKey::new("a").unwrap(), Vec::new())]).await.unwrap();
     for sql in [

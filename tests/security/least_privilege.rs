@@ -89,7 +89,7 @@ impl Roles {
         } else {
             (sqlx::query_scalar("SELECT current_user::text").fetch_one(pool).await.expect("user"), false)
         };
-        let schema = admin.schema().clone();
+        let schema = admin.get_schema().clone();
         Self { admin, database, owner, owner_created, app, schema }
     }
 
@@ -97,7 +97,7 @@ impl Roles {
         PgFence::connect_with(options_as(role))
             .await
             .unwrap_or_else(|e| panic!("connect as {role}: {e}"))
-            .with_schema(self.schema.clone())
+            .schema(self.schema.clone())
     }
 
     async fn drop(self) {

@@ -94,7 +94,7 @@ impl PgRole {
         let admin = PgFence::connect_with(quiet.disable_statement_logging())
             .await
             .expect("connect as admin")
-            .with_schema(schema.clone());
+            .schema(schema.clone());
         admin.migrate().await.expect("migrate as admin");
         let name = format!("bf_secret_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
         let s = schema.as_str();
@@ -118,7 +118,7 @@ impl PgRole {
 
     async fn drop(self) {
         let pool = self.admin.pool();
-        let s = self.admin.schema().as_str();
+        let s = self.admin.get_schema().as_str();
         for sql in [format!("DROP SCHEMA IF EXISTS {s} CASCADE"), format!("DROP ROLE IF EXISTS {}", self.name)] {
             let _ = sqlx::query(AssertSqlSafe(sql)).execute(pool).await;
         }
@@ -133,7 +133,7 @@ async fn postgres_credentials_never_appear_in_logs_debug_or_errors() {
     let role = PgRole::create(&secret, &schema).await;
     let url = role.url(&secret, "");
 
-    let fence = PgFence::connect(&url).await.expect("connect with a password URL").with_schema(schema.clone());
+    let fence = PgFence::connect(&url).await.expect("connect with a password URL").schema(schema.clone());
     let outcome =
         futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(exercise(&fence, &secret, &role))).await;
     role.drop().await;
@@ -201,7 +201,7 @@ async fn exercise(fence: &PgFence, secret: &str, role: &PgRole) {
     let Claim::Claimed(old) = store.claim(&q, &k, &Owner::unique("a"), lease).await.expect("claim") else { panic!() };
     sqlx::query(AssertSqlSafe(format!(
         "UPDATE {}.jobs SET lease_until = clock_timestamp() - interval '1 second' WHERE key = 'fenced'",
-        fence.schema().as_str()
+        fence.get_schema().as_str()
     )))
     .execute(fence.pool())
     .await
@@ -308,12 +308,12 @@ async fn uses_tls(fence: &PgFence) -> bool {
 }
 
 async fn works(fence: PgFence) -> bool {
-    let fence = fence.with_schema(common::unique_schema());
+    let fence = fence.schema(common::unique_schema());
     fence.migrate().await.expect("migrate");
     let q = QueueName::new("tls").expect("queue");
     assert!(fence.enqueue(&q, &JobKey::new("k").expect("key"), b"x").await.expect("enqueue"));
     let tls = uses_tls(&fence).await;
-    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.schema().as_str())))
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.get_schema().as_str())))
         .execute(fence.pool())
         .await;
     tls
@@ -465,7 +465,7 @@ async fn aws_secret_key_never_appears_in_logs_or_debug() {
     );
     let debug = format!("{debug} {retrofit:?}");
     let _ = client.delete_queue().queue_url(&url).send().await;
-    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.schema().as_str())))
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.get_schema().as_str())))
         .execute(fence.pool())
         .await;
     assert_absent(&secret, "Debug of the SDK config, client, SqsConfig, SqsSource or SqsRetrofit", &debug);
@@ -543,7 +543,7 @@ async fn redis_password_never_appears_in_logs_debug_or_errors() {
             Err(_) => {}
         }
     }
-    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.schema().as_str())))
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.get_schema().as_str())))
         .execute(fence.pool())
         .await;
     assert_absent(&secret, "Debug of the Redis client, connections, source or lease keys, or an error", &debug);

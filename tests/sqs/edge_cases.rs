@@ -534,7 +534,7 @@ mod edges {
         init_tracing();
         let client = sqs().await;
         let fence = pg().await;
-        let s = fence.schema().as_str().to_owned();
+        let s = fence.get_schema().as_str().to_owned();
         for stmt in [
             format!("CREATE TABLE {s}.slow_claims (key text PRIMARY KEY)"),
             format!(

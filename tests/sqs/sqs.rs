@@ -29,7 +29,7 @@ fn poison() -> impl Fn(JobContext) -> std::future::Ready<Result<Vec<u8>, JobErro
 
 /// The keys of the completed jobs, in the order their completion was written.
 async fn commit_order(fence: &PgFence) -> Vec<String> {
-    let s = fence.schema().as_str();
+    let s = fence.get_schema().as_str();
     sqlx::query_scalar(AssertSqlSafe(format!("SELECT key FROM {s}.jobs WHERE state = 'completed' ORDER BY updated_at")))
         .fetch_all(fence.pool())
         .await
@@ -247,7 +247,7 @@ async fn hardening_item10_fifo_order_holds_under_a_paused_holder() {
     let ids: Vec<String> = (0..keys.len()).map(id_of).collect();
     let (b_id, c_id) = (ids[1].clone(), ids[2].clone());
 
-    let w1 = paused_worker(&q.url, fence.schema().clone());
+    let w1 = paused_worker(&q.url, fence.get_schema().clone());
     let first = tokio::task::spawn_blocking(move || {
         let got = w1.started.recv_timeout(Duration::from_secs(20));
         (got, w1)

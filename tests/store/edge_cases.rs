@@ -123,12 +123,12 @@ mod edges {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_pg_claims_are_capped() {
-        claims_are_capped(common::pg().await.with_max_claims(2)).await
+        claims_are_capped(common::pg().await.max_claims(2)).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_sqlite_claims_are_capped() {
-        claims_are_capped(common::sqlite().await.with_max_claims(2)).await
+        claims_are_capped(common::sqlite().await.max_claims(2)).await
     }
 
     /// The default cap sits well above the default `max_attempts`.
@@ -136,8 +136,8 @@ mod edges {
     async fn edges_default_claims_cap_is_above_max_attempts() {
         let policy = RetryPolicy::default();
         assert_eq!(policy.max_claims(), 20);
-        assert!(common::pg().await.max_claims() >= 4 * policy.max_attempts);
-        assert!(common::sqlite().await.max_claims() >= 4 * policy.max_attempts);
+        assert!(common::pg().await.get_max_claims() >= 4 * policy.max_attempts);
+        assert!(common::sqlite().await.get_max_claims() >= 4 * policy.max_attempts);
     }
 
     /// §2 bullet 3 (SQLite durability): a fence opened with `SqliteFence::open` runs with
@@ -181,7 +181,7 @@ mod edges {
              LEFT JOIN pg_collation l ON l.oid = a.attcollation \
              WHERE n.nspname = $1 AND (c.relname, a.attname) IN (('jobs', 'queue'), ('jobs', 'key')) ORDER BY 1",
         )
-        .bind(s.schema().as_str().to_owned())
+        .bind(s.get_schema().as_str().to_owned())
         .fetch_all(s.pool())
         .await
         .expect("collations")
@@ -198,7 +198,7 @@ mod edges {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn edges_pg_migrate_on_a_live_table_does_not_stall_heartbeats() {
         let worker = common::pg().await;
-        let sc = worker.schema().as_str().to_owned();
+        let sc = worker.get_schema().as_str().to_owned();
         let q = queue();
         let me = Owner::unique("live");
         let l = claimed(worker.claim(&q, &key("heartbeated"), &me, lease(3)).await);
@@ -254,7 +254,7 @@ mod edges {
             }
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let migrator = common::pg_on(worker.schema().clone()).await;
+        let migrator = common::pg_on(worker.get_schema().clone()).await;
         let migration = tokio::spawn(async move { migrator.migrate().await });
         tokio::time::sleep(Duration::from_secs(3)).await;
         tx.commit().await.expect("the live transaction ends");
@@ -295,7 +295,7 @@ mod edges {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edges_pg_heartbeat_renews_while_the_main_pool_is_saturated() {
         let pool = PgFence::pool_options().max_connections(2).connect(&common::database_url()).await.expect("pool");
-        let s = PgFence::new(pool).with_schema(common::unique_schema());
+        let s = PgFence::new(pool).schema(common::unique_schema());
         s.migrate().await.expect("migrate");
         let q = queue();
         let me = Owner::unique("w");
@@ -336,7 +336,7 @@ mod edges {
         let mut tx = stalled.begin().await.expect("begin");
         sqlx::query(AssertSqlSafe(format!(
             "SELECT 1 FROM {}.jobs WHERE queue = $1 AND key = $2 FOR UPDATE",
-            s.schema().as_str()
+            s.get_schema().as_str()
         )))
         .bind(q.as_str().to_owned())
         .bind("locked")
@@ -374,14 +374,14 @@ mod edges {
 
     /// The newest migration version recorded, read directly.
     async fn pg_version(s: &PgFence) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT max(version) FROM {}._migrations", s.schema().as_str())))
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT max(version) FROM {}._migrations", s.get_schema().as_str())))
             .fetch_one(s.pool())
             .await
             .expect("read migrations")
     }
 
     async fn sqlite_version(s: &SqliteFence) -> i64 {
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT max(version) FROM {}__migrations", s.schema().as_str())))
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT max(version) FROM {}__migrations", s.get_schema().as_str())))
             .fetch_one(s.pool())
             .await
             .expect("read migrations")
@@ -416,7 +416,7 @@ mod edges {
         too_old(s.check_schema().await, 0, required);
         s.migrate().await.expect("migrate");
         s.check_schema().await.expect("a migrated schema passes");
-        let sc = s.schema().as_str().to_owned();
+        let sc = s.get_schema().as_str().to_owned();
         let exec = |sql: String| {
             let pool = s.pool().clone();
             async move { sqlx::query(AssertSqlSafe(sql)).execute(&pool).await.expect("edit migrations") }
@@ -439,7 +439,7 @@ mod edges {
         too_old(s.check_schema().await, 0, required);
         s.migrate().await.expect("migrate");
         s.check_schema().await.expect("a migrated schema passes");
-        let sc = s.schema().as_str().to_owned();
+        let sc = s.get_schema().as_str().to_owned();
         let exec = |sql: String| {
             let pool = s.pool().clone();
             async move { sqlx::query(AssertSqlSafe(sql)).execute(&pool).await.expect("edit migrations") }

@@ -112,7 +112,7 @@ async fn hardening_item2_upgrade_from_4_with_a_million_rows_loses_no_lease() {
     const LEASES_PER_WORKER: usize = 50;
     let fence = common::pg_unmigrated().await;
     fence.migrate_to(4).await.expect("migrate to version 4");
-    let sc = fence.schema().as_str().to_owned();
+    let sc = fence.get_schema().as_str().to_owned();
     let pool = fence.pool().clone();
 
     let filled = Instant::now();
@@ -161,7 +161,7 @@ async fn hardening_item2_upgrade_from_4_with_a_million_rows_loses_no_lease() {
                 attempts: 1,
             })
             .collect();
-        let worker = common::pg_on(fence.schema().clone()).await;
+        let worker = common::pg_on(fence.get_schema().clone()).await;
         workers.push(tokio::spawn(heartbeat_worker(worker, leases, stop.clone())));
     }
     println!("filled {ROWS} rows in {:?}", filled.elapsed());
@@ -169,7 +169,7 @@ async fn hardening_item2_upgrade_from_4_with_a_million_rows_loses_no_lease() {
     // Two rounds of renewals before the upgrade starts.
     tokio::time::sleep(2 * INTERVAL).await;
 
-    let migrator = common::pg_on(fence.schema().clone()).await;
+    let migrator = common::pg_on(fence.get_schema().clone()).await;
     let started = Instant::now();
     let migrated = migrator.migrate().await;
     let took = started.elapsed();
@@ -238,7 +238,7 @@ async fn hardening_item2_upgrade_from_4_with_a_million_rows_loses_no_lease() {
 async fn pg_rows(fence: &PgFence, q: &QueueName) -> Vec<(String, String, Option<String>)> {
     sqlx::query_as(AssertSqlSafe(format!(
         "SELECT key, state, last_error FROM {}.jobs WHERE queue = $1 ORDER BY key",
-        fence.schema().as_str()
+        fence.get_schema().as_str()
     )))
     .bind(q.as_str().to_owned())
     .fetch_all(fence.pool())
@@ -257,7 +257,7 @@ async fn pg_rows(fence: &PgFence, q: &QueueName) -> Vec<(String, String, Option<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardening_item7_pg_bad_key_row_does_not_poison_the_claim_batch() {
     let fence = common::pg().await;
-    let sc = fence.schema().as_str().to_owned();
+    let sc = fence.get_schema().as_str().to_owned();
     let q = QueueName::new(common::unique("bad-keys")).expect("queue");
     // A schema from before the key CHECK (migration 11).
     exec(fence.pool(), format!("ALTER TABLE {sc}.jobs DROP CONSTRAINT IF EXISTS jobs_key_is_valid")).await;
@@ -325,7 +325,7 @@ async fn hardening_item7_pg_bad_key_row_does_not_poison_the_claim_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardening_item7_pg_schema_checks_the_key_rules() {
     let fence = common::pg().await;
-    let sc = fence.schema().as_str().to_owned();
+    let sc = fence.get_schema().as_str().to_owned();
     let q = QueueName::new(common::unique("key-check")).expect("queue");
     let insert = format!(
         "INSERT INTO {sc}.jobs (queue, key, state, finished, payload) \
@@ -352,7 +352,7 @@ async fn hardening_item7_pg_schema_checks_the_key_rules() {
     try_insert(String::new(), "pending").await.expect("insert before the CHECK");
     try_insert("z".repeat(2000), "failed").await.expect("insert before the CHECK");
     try_insert("k".repeat(1100), "completed").await.expect("insert before the CHECK");
-    let upgraded = common::pg_on(fence.schema().clone()).await;
+    let upgraded = common::pg_on(fence.get_schema().clone()).await;
     upgraded.migrate().await.expect("migration 11 on a schema with bad keys");
     let validated: bool = sqlx::query_scalar(
         "SELECT convalidated FROM pg_constraint WHERE conrelid = to_regclass($1) AND conname = 'jobs_key_is_valid'",
@@ -379,7 +379,7 @@ async fn hardening_item7_pg_schema_checks_the_key_rules() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardening_item7_sqlite_bad_key_row_does_not_poison_the_claim_batch() {
     let fence = common::sqlite().await;
-    let t = format!("{}_jobs", fence.schema().as_str());
+    let t = format!("{}_jobs", fence.get_schema().as_str());
     let q = QueueName::new("bad-keys").expect("queue");
     for k in ["good-1", "good-2"] {
         assert!(fence.enqueue(&q, &common::key(k), b"p").await.expect("enqueue"));

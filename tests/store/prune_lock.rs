@@ -26,7 +26,7 @@ async fn finished_long_ago(fence: &PgFence, queue: &QueueName, n: usize) {
     for c in &claimed {
         fence.complete(&c.lease, b"done").await.expect("complete");
     }
-    let s = fence.schema().as_str();
+    let s = fence.get_schema().as_str();
     sqlx::query(AssertSqlSafe(format!(
         "UPDATE {s}.jobs SET updated_at = updated_at - interval '2 hours' WHERE queue = $1"
     )))
@@ -97,7 +97,7 @@ async fn hardening_item8_a_queue_under_steady_business_transactions_is_pruned() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardening_item8_an_enqueue_racing_a_prune_batch_is_claimed_above_the_floor() {
     let fence = common::pg().await;
-    let sc = fence.schema().as_str().to_owned();
+    let sc = fence.get_schema().as_str().to_owned();
     let queue = QueueName::new(unique("race")).expect("queue");
     let me = Owner::unique("w");
     assert!(fence.enqueue(&queue, &key("k"), b"first").await.expect("enqueue"));

@@ -37,7 +37,7 @@ trait Aged: TestStore {
 
 impl Aged for PgFence {
     async fn backdate(&self, queue: &QueueName, key: &str, secs: i64) {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         sqlx::query(AssertSqlSafe(format!(
             "UPDATE {s}.jobs SET updated_at = updated_at - $1 * interval '1 second' WHERE queue = $2 AND key = $3"
         )))
@@ -50,7 +50,7 @@ impl Aged for PgFence {
     }
 
     async fn backdate_ledger(&self, scope: &str, job: &str, secs: i64) {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         sqlx::query(AssertSqlSafe(format!(
             "UPDATE {s}.ledger SET updated_at = updated_at - $1 * interval '1 second' WHERE scope = $2 AND job = $3"
         )))
@@ -63,7 +63,7 @@ impl Aged for PgFence {
     }
 
     async fn job_rows(&self, queue: &QueueName) -> i64 {
-        let s = self.schema().as_str();
+        let s = self.get_schema().as_str();
         sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {s}.jobs WHERE queue = $1")))
             .bind(queue.as_str().to_owned())
             .fetch_one(self.pool())
@@ -288,7 +288,7 @@ async fn retention_key_reuse_after_prune_gets_a_newer_epoch_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_a_claim_racing_a_prune_batch_starts_above_the_new_floor_pg() {
     let s = common::pg().await;
-    let sc = s.schema().as_str().to_owned();
+    let sc = s.get_schema().as_str().to_owned();
     let q = queue("ret-race");
     let me = Owner::unique("w");
     let l = claimed(s.claim(&q, &key("k"), &me, lease(30)).await.unwrap());
@@ -377,7 +377,7 @@ async fn retention_two_pruners_never_prune_at_once_pg() {
     let leases: Vec<_> = s.claim_batch(&q, &keys, &me, lease(30)).await.unwrap().into_iter().map(claimed).collect();
     let items: Vec<_> = leases.iter().map(|l| (l.clone(), b"ok".to_vec())).collect();
     assert!(s.complete_batch(&items).await.unwrap().iter().all(Result::is_ok));
-    let sc = s.schema().as_str().to_owned();
+    let sc = s.get_schema().as_str().to_owned();
     sqlx::query(AssertSqlSafe(format!(
         "UPDATE {sc}.jobs SET updated_at = updated_at - interval '2 hours' WHERE queue = $1"
     )))
@@ -480,7 +480,7 @@ async fn retention_background_pruner_runs_in_the_consumer_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_prune_reads_by_index_on_an_unanalyzed_table_pg() {
     let s = common::pg().await;
-    let sc = s.schema().as_str();
+    let sc = s.get_schema().as_str();
     let jobs = format!(
         "SELECT t.ctid FROM {sc}.jobs t WHERE t.queue = $1 AND t.finished IS NOT NULL AND t.finished = $2 \
          AND t.updated_at < statement_timestamp() - $3::bigint * interval '1 millisecond' \
@@ -593,7 +593,7 @@ async fn retention_sqlite_existing_file_needs_one_vacuum_to_reclaim() {
 #[ignore = "figures, not a test"]
 async fn retention_prune_rate_pg() {
     let s = common::pg().await;
-    let sc = s.schema().as_str().to_owned();
+    let sc = s.get_schema().as_str().to_owned();
     let q = queue("ret-rate");
     let n = 200_000i64;
     sqlx::query(AssertSqlSafe(format!(

@@ -1341,13 +1341,13 @@ mod pg_only {
     async fn statements_read_rows_by_key_whatever_the_table_was_when_planned() {
         // One connection, so that one backend's plans and statistics are the ones measured.
         let pool = PgFence::pool_options().max_connections(1).connect(&common::database_url()).await.unwrap();
-        let s = PgFence::new(pool).with_schema(common::unique_schema());
+        let s = PgFence::new(pool).schema(common::unique_schema());
         s.migrate().await.unwrap();
         // No autovacuum ANALYZE may replace the plans midway (that would hide the fault).
         for table in ["jobs", "ledger"] {
             sqlx::query(AssertSqlSafe(format!(
                 "ALTER TABLE {}.{table} SET (autovacuum_enabled = false)",
-                s.schema().as_str()
+                s.get_schema().as_str()
             )))
             .execute(s.pool())
             .await
@@ -1395,7 +1395,7 @@ mod pg_only {
         };
         round("first".into()).await;
         for table in ["jobs", "ledger"] {
-            sqlx::query(AssertSqlSafe(format!("ANALYZE {}.{table}", s.schema().as_str())))
+            sqlx::query(AssertSqlSafe(format!("ANALYZE {}.{table}", s.get_schema().as_str())))
                 .execute(s.pool())
                 .await
                 .unwrap();
@@ -1415,7 +1415,7 @@ mod pg_only {
         // the migrations and the setup of this test ran once, the migration record's statements
         // once per migration, left out) runs a kept (generic) plan by now.
         let kept = |pool: sqlx::PgPool| {
-            let schema = s.schema().as_str().to_owned();
+            let schema = s.get_schema().as_str().to_owned();
             async move {
                 sqlx::query_as::<_, (String, i64, i64)>(
                     "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements \
@@ -1432,7 +1432,7 @@ mod pg_only {
         // claim, complete_batch, checkpoint, complete, fail, release, enqueue, claim_next, and
         // the ledger's accept and current epoch; the heartbeat runs on its own connection.
         assert_eq!(plans.len(), 10, "fence statements run more than five times: {plans:#?}");
-        let heartbeat = kept(s.heartbeat_pool().clone()).await;
+        let heartbeat = kept(s.get_heartbeat_pool().clone()).await;
         assert_eq!(heartbeat.len(), 1, "the heartbeat on its own connection: {heartbeat:#?}");
         plans.extend(heartbeat);
         for (statement, generic, custom) in &plans {
@@ -1449,7 +1449,7 @@ mod pg_only {
              WHERE n.nspname = $1 AND (c.relname, a.attname) IN (('jobs', 'queue'), ('jobs', 'key'), \
                  ('ledger', 'scope'), ('ledger', 'job')) ORDER BY 1, 2",
         )
-        .bind(s.schema().as_str().to_owned())
+        .bind(s.get_schema().as_str().to_owned())
         .fetch_all(s.pool())
         .await
         .unwrap()
@@ -1463,7 +1463,7 @@ mod pg_only {
     async fn migration_2_gives_an_existing_schema_byte_order_keys_and_keeps_its_rows() {
         let s = common::pg_unmigrated().await;
         s.migrate().await.unwrap();
-        let sc = s.schema().as_str();
+        let sc = s.get_schema().as_str();
         // Back to what migration 1 alone left: the database's default collation, one row.
         for sql in [
             format!(
@@ -1523,7 +1523,7 @@ mod pg_only {
         assert_eq!(out[0], out[5]);
         let rows: Vec<(String, String, String)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT key, xmin::text, xmax::text FROM {}.jobs WHERE queue = $1",
-            s.schema().as_str()
+            s.get_schema().as_str()
         )))
         .bind(q.as_str().to_owned())
         .fetch_all(s.pool())
@@ -1562,7 +1562,7 @@ mod pg_only {
             .unwrap();
         let tz: String = sqlx::query_scalar("SELECT current_setting('TimeZone')").fetch_one(&pool).await.unwrap();
         assert_eq!(tz, "Pacific/Chatham");
-        let odd = PgFence::new(pool).with_schema(normal.schema().clone());
+        let odd = PgFence::new(pool).schema(normal.get_schema().clone());
         let q = queue();
         let before = normal.db_now().await.unwrap();
         let l = claimed(odd.claim(&q, &key("tz"), &owner("a"), lease(30)).await.unwrap());
@@ -1635,7 +1635,7 @@ mod pg_only {
         let behind = owner("behind");
         let local_before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
         let db_before = s.db_now().await.unwrap();
-        let r = run_skewed("-5h", "claim", s.schema(), &q, k, &behind).await;
+        let r = run_skewed("-5h", "claim", s.get_schema(), &q, k, &behind).await;
         let db_after = s.db_now().await.unwrap();
         let skew = num(&r, "local_ms") - i64::try_from(local_before.as_millis()).unwrap();
         assert!((skew + 5 * 3_600_000).abs() < 60_000, "the child's clock really was 5 h behind (skew {skew} ms)");
@@ -1650,7 +1650,7 @@ mod pg_only {
         assert_eq!(rec.lease_until, Some(DbTime(num(&r, "hb_until"))));
 
         let ahead = owner("ahead");
-        let r = run_skewed("+5h", "contend", s.schema(), &q, k, &ahead).await;
+        let r = run_skewed("+5h", "contend", s.get_schema(), &q, k, &ahead).await;
         let skew = num(&r, "local_ms") - i64::try_from(local_before.as_millis()).unwrap();
         assert!((skew - 5 * 3_600_000).abs() < 60_000, "the child's clock really was 5 h ahead (skew {skew} ms)");
         assert_eq!(field(&r, "outcome"), "busy", "a worker 5 h ahead must not see the lease as expired");

@@ -198,7 +198,7 @@ mod edges {
         let lease_a = claimed(&fence, &q, &key_a, &owner).await;
         let lease_b = claimed(&fence, &q, &key_b, &owner).await;
         let pool = fence.pool().clone();
-        let table = format!("{}.jobs", fence.schema().as_str());
+        let table = format!("{}.jobs", fence.get_schema().as_str());
         let store: Arc<dyn FenceStore> = Arc::new(fence);
         let sup = Supervisor::new(Arc::clone(&store), owner, SupervisorConfig::new(common::lease(3)));
 
@@ -269,7 +269,7 @@ mod edges {
             Claim::Claimed(l) => l,
             other => panic!("{other:?}"),
         };
-        let table = format!("{}.jobs", fence.schema().as_str());
+        let table = format!("{}.jobs", fence.get_schema().as_str());
         // A table lock (a heartbeat skips locked rows since issue 13, but waits on a table lock
         // such as a migration's, up to its lock_timeout).
         let mut tx = fence.pool().begin().await.expect("begin");

@@ -287,7 +287,7 @@ struct TxApp {
 /// The recommended shape when the effect is a database write: ledger check and effect in one
 /// transaction.
 async fn charge(State(app): State<TxApp>, Stamp(stamp): Stamp, body: String) -> Response {
-    let table = format!("{}.charges", app.fence.schema().as_str());
+    let table = format!("{}.charges", app.fence.get_schema().as_str());
     let Ok(mut tx) = app.fence.pool().begin().await else {
         return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
     };
@@ -315,7 +315,7 @@ async fn charge(State(app): State<TxApp>, Stamp(stamp): Stamp, body: String) -> 
 }
 
 async fn accept_in_transaction(fence: &brokerfence::PgFence) {
-    let table = format!("{}.charges", fence.schema().as_str());
+    let table = format!("{}.charges", fence.get_schema().as_str());
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE TABLE {table} (job text, epoch bigint, body text)")))
         .execute(fence.pool())
         .await

@@ -165,9 +165,9 @@ async fn plain(
 /// The comparison, printed as a table.
 pub async fn run(o: &Opts, url: &str, levels: &[usize]) -> Result<(), String> {
     let schema = SchemaName::new(format!("bench_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
-    let store = Arc::new(PgFence::connect(url).await.map_err(|e| e.to_string())?.with_schema(schema));
+    let store = Arc::new(PgFence::connect(url).await.map_err(|e| e.to_string())?.schema(schema));
     store.migrate().await.map_err(|e| e.to_string())?;
-    let s = store.schema().as_str().to_owned();
+    let s = store.get_schema().as_str().to_owned();
     // The plain loop's own pool, the size of the fence's (16).
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(16)

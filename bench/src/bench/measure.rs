@@ -99,7 +99,7 @@ pub(crate) async fn consumer_cancellation<S: Source>(
     let claimed = || held.lock().unwrap_or_else(|p| p.into_inner()).len();
     wait_until("every sample to be claimed", Duration::from_secs(60), || claimed() >= samples).await?;
     let keys: Vec<String> = held.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let mut stolen_at = Vec::new();
     for key in &keys {
         sqlx::query(AssertSqlSafe(format!(

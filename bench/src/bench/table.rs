@@ -26,9 +26,9 @@ impl Pg {
             .connect_with(options.clone().application_name("brokerfence-bench-handlers"))
             .await
             .map_err(|e| format!("connect to PostgreSQL: {e}"))?;
-        let fence = PgFence::new(pool).with_schema(schema);
+        let fence = PgFence::new(pool).schema(schema);
         fence.migrate().await.map_err(|e| e.to_string())?;
-        let s = fence.schema().as_str();
+        let s = fence.get_schema().as_str();
         for stmt in [
             format!(
                 "CREATE TABLE {s}.plain (queue text NOT NULL, key text NOT NULL, state text NOT NULL DEFAULT 'pending', \
@@ -56,7 +56,7 @@ impl Pg {
     }
 
     pub async fn cleanup(&self) {
-        let s = self.fence.schema().as_str();
+        let s = self.fence.get_schema().as_str();
         let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {s} CASCADE"))).execute(self.fence.pool()).await;
     }
 
@@ -73,7 +73,7 @@ impl Pg {
     }
 
     async fn enqueue_plain(&self, q: &str, n: usize) -> Result<(), String> {
-        let s = self.fence.schema().as_str();
+        let s = self.fence.get_schema().as_str();
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {s}.plain (queue, key, payload) SELECT $1, 'job-' || lpad(i::text, 7, '0'), '{{\"n\":1}}'::bytea \
              FROM generate_series(0, $2 - 1) i"
@@ -183,7 +183,7 @@ async fn fenced_consumer_committing(
 async fn plain_consumer(o: &Opts, pg: &Pg, jobs: usize, group: bool) -> Result<Rate, String> {
     let q = format!("plain-{jobs}-{:x}", rand::random::<u32>());
     pg.enqueue_plain(&q, jobs).await?;
-    let s = pg.fence.schema().as_str().to_owned();
+    let s = pg.fence.get_schema().as_str().to_owned();
     let claim: Arc<str> = format!(
         "UPDATE {s}.plain t SET state = 'running' FROM (SELECT queue, key FROM {s}.plain \
          WHERE queue = $1 AND state = 'pending' LIMIT $2 FOR UPDATE SKIP LOCKED) p \
@@ -314,7 +314,7 @@ async fn latency(pg: &Pg, n: usize) -> Result<(Vec<Duration>, Vec<Duration>), St
     }
     let pq = format!("plain-latency-{:x}", rand::random::<u32>());
     pg.enqueue_plain(&pq, n).await?;
-    let s = pg.fence.schema().as_str();
+    let s = pg.fence.get_schema().as_str();
     let claim = format!(
         "UPDATE {s}.plain t SET state = 'running' FROM (SELECT queue, key FROM {s}.plain \
          WHERE queue = $1 AND state = 'pending' LIMIT 1 FOR UPDATE SKIP LOCKED) p \

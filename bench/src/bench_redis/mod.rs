@@ -293,7 +293,7 @@ mod bench {
         let db_url = a.database_url.clone()?;
         let tag = format!("{:08x}", rand::random::<u32>());
         let schema = SchemaName::new(format!("bench_redis_{tag}"))?;
-        let pg = PgFence::connect(&db_url).await?.with_schema(schema.clone());
+        let pg = PgFence::connect(&db_url).await?.schema(schema.clone());
         pg.migrate().await?;
         let result = match a.topology {
             Topology::Single | Topology::Cluster => super::rounds::run(&a, &pg, &tag).await,

@@ -148,7 +148,7 @@ async fn one(a: &Args, pg: &PgFence, tag: &str, round: usize) -> Result<Round, B
     let agreed = caught("SENTINEL FAILOVER", async move { failing_over.failover().await }).await?;
     let reporting = Arc::clone(&topology);
     let new_port = caught("the new master", async move { reporting.current_master_port().await }).await?;
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let first_commit_sql = format!(
         "SELECT floor(extract(epoch FROM min(updated_at)) * 1000)::bigint FROM {s}.jobs \
          WHERE queue = $1 AND state = 'completed' AND key = ANY($2)"

@@ -309,7 +309,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let url = client.create_queue().queue_name(&name).send().await?.queue_url().unwrap_or_default().to_owned();
     let database_url = args.database_url.clone()?;
     let schema = SchemaName::new(format!("bench_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff))?;
-    let pg = PgFence::connect(&database_url).await?.with_schema(schema.clone());
+    let pg = PgFence::connect(&database_url).await?.schema(schema.clone());
     pg.migrate().await?;
     let pg_store: Arc<dyn FenceStore> = Arc::new(pg.clone());
     let counts = if args.stages { Counting::with_stages(pg_store) } else { Counting::new(pg_store) };

@@ -181,7 +181,7 @@ fn secs(from_ms: u64, to_ms: u64) -> f64 {
 
 /// (key, epoch) of every commit in the audit table.
 pub(crate) async fn commit_keys(store: &PgFence, queue: &QueueName) -> Result<HashSet<(String, i64)>, String> {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     let rows: Vec<(String, i64)> =
         sqlx::query_as(AssertSqlSafe(format!("SELECT key, epoch FROM {s}.chaos_commits WHERE queue = $1")))
             .bind(queue.as_str().to_owned())
@@ -197,7 +197,7 @@ pub(crate) async fn first_commit_since(
     queue: &QueueName,
     since_ms: u64,
 ) -> Result<Option<u64>, String> {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     let at: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT (extract(epoch FROM min(at)) * 1000)::bigint FROM {s}.chaos_commits \
          WHERE queue = $1 AND at >= to_timestamp($2)"

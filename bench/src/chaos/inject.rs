@@ -182,7 +182,7 @@ pub(crate) async fn inject(
                 let id = log.open(FaultKind::PgLock, Target::Worker(index), format!("owner {prefix}…:"));
                 let app_prefix = format!("chaos-{}-w", x.run_id);
                 let target = pg_stall::LockTarget {
-                    schema: x.store.schema().as_str(),
+                    schema: x.store.get_schema().as_str(),
                     queue: x.queue.as_str(),
                     owner_prefix: &prefix,
                     victim: index,
@@ -250,7 +250,7 @@ async fn pause(
 }
 
 pub(crate) async fn live_attempts(x: &FaultCtx<'_>, owner_prefix: Option<&str>) -> Result<u64, String> {
-    let s = x.store.schema().as_str();
+    let s = x.store.get_schema().as_str();
     let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
          AND lease_until > clock_timestamp() AND owner LIKE $2"
@@ -272,7 +272,7 @@ pub(crate) fn owner_prefix(index: usize, pid: i32) -> String {
 /// a live lease and was stalled the fewest times so far (then: the most rows); `None` when none
 /// holds any. Taking turns keeps one worker's long jobs from being stalled again and again.
 pub(crate) async fn pg_victim(x: &FaultCtx<'_>, fleet: &Fleet) -> Result<Option<usize>, String> {
-    let s = x.store.schema().as_str();
+    let s = x.store.get_schema().as_str();
     let owners: Vec<(Option<String>, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT owner, count(*) FROM {s}.jobs WHERE queue = $1 AND state = 'running' \
          AND lease_until > clock_timestamp() GROUP BY owner"
@@ -304,7 +304,7 @@ pub(crate) async fn pg_victim(x: &FaultCtx<'_>, fleet: &Fleet) -> Result<Option<
 }
 
 pub(crate) async fn install_audit(store: &PgFence) -> Result<(), String> {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     for stmt in [
         format!(
             "CREATE TABLE {s}.chaos_commits (queue text NOT NULL, key text NOT NULL, epoch bigint NOT NULL, \
@@ -327,12 +327,12 @@ pub(crate) async fn install_audit(store: &PgFence) -> Result<(), String> {
 }
 
 pub(crate) async fn drop_schema(store: &PgFence) {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {s} CASCADE"))).execute(store.pool()).await;
 }
 
 pub(crate) async fn count_finished(store: &PgFence, queue: &QueueName) -> Result<usize, String> {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {s}.jobs WHERE queue = $1 AND state IN ('completed', 'dead')"
     )))
@@ -351,7 +351,7 @@ pub(crate) struct Row {
 }
 
 pub(crate) async fn final_rows(store: &PgFence, queue: &QueueName) -> Result<HashMap<String, Row>, String> {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     type Raw = (String, String, i64, Option<Vec<u8>>, Option<String>);
     let rows: Vec<Raw> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT key, state, epoch, result, last_error FROM {s}.jobs WHERE queue = $1"
@@ -367,7 +367,7 @@ pub(crate) async fn final_rows(store: &PgFence, queue: &QueueName) -> Result<Has
 }
 
 pub(crate) async fn commit_counts(store: &PgFence, queue: &QueueName) -> Result<HashMap<String, i64>, String> {
-    let s = store.schema().as_str();
+    let s = store.get_schema().as_str();
     let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT key, count(*) FROM {s}.chaos_commits WHERE queue = $1 GROUP BY key"
     )))

@@ -28,7 +28,7 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
     let store = PgFence::connect_with(options.application_name(&runner_app))
         .await
         .map_err(|e| format!("connect to PostgreSQL (run `bash localstack/up`): {e}"))?
-        .with_schema(schema.clone());
+        .schema(schema.clone());
     store.migrate().await.map_err(|e| format!("migrate: {e}"))?;
     // The audit trigger lives with the jobs: in a failover run it counts the commits that
     // survived on the promoted standby.
@@ -43,7 +43,7 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             let rx = PgFence::connect_with(options.application_name(&format!("chaos-{run_id}-receiver")))
                 .await
                 .map_err(|e| format!("connect to PostgreSQL for the receiver (run `bash localstack/up`): {e}"))?
-                .with_schema(rx_schema);
+                .schema(rx_schema);
             rx.migrate().await.map_err(|e| format!("migrate the receiver's schema: {e}"))?;
             rx
         }
@@ -520,7 +520,7 @@ pub async fn run(c: ChaosConfig) -> Result<Report, String> {
             say(format!(
                 "kept: the receiver's ledger in schema {} of DATABASE_URL (the jobs' schema goes with the private \
                  servers)",
-                ledger_store.schema().as_str()
+                ledger_store.get_schema().as_str()
             ));
         }
     } else {

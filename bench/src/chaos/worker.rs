@@ -230,7 +230,7 @@ pub(crate) async fn worker(o: WorkerOpts) -> Result<(), String> {
     let store = PgFence::connect_with(options.application_name(&format!("{}{}", o.app, o.id)))
         .await
         .map_err(|e| e.to_string())?
-        .with_schema(SchemaName::new(o.schema.clone()).map_err(|e| e.to_string())?);
+        .schema(SchemaName::new(o.schema.clone()).map_err(|e| e.to_string())?);
     // The harness stalls the same long jobs again and again (a PostgreSQL stall picks the rows its
     // victim runs, and a slow job is nearly always running), far beyond any production rate:
     // neither failures nor takeovers may bury a job here, so both caps are out of reach. The
@@ -240,7 +240,7 @@ pub(crate) async fn worker(o: WorkerOpts) -> Result<(), String> {
         base_backoff: Duration::from_millis(100),
         max_backoff: Duration::from_secs(1),
     };
-    let store = store.with_max_claims(retry.max_claims());
+    let store = store.max_claims(retry.max_claims());
     let store: Arc<dyn FenceStore> = Arc::new(without_guards(store, &o.guards)?);
     let queue = QueueName::new(o.queue.clone()).map_err(|e| e.to_string())?;
     let lease = LeaseDuration::from_secs(o.lease_secs).map_err(|e| e.to_string())?;
@@ -287,7 +287,7 @@ pub(crate) fn without_guards(store: PgFence, names: &[String]) -> Result<PgFence
             other => return Err(format!("unknown guard switch {other}")),
         };
     }
-    Ok(store.with_guards(guards))
+    Ok(store.guards(guards))
 }
 
 pub(crate) async fn consume<S: Source>(

@@ -97,7 +97,7 @@ pub fn main() {
 async fn soak(o: Opts) -> Result<(), String> {
     let url = o.common.database_url()?;
     let schema = SchemaName::new(format!("soak_{:08x}", rand::random::<u32>())).map_err(|e| e.to_string())?;
-    let fence = PgFence::connect(&url).await.map_err(|e| e.to_string())?.with_schema(schema);
+    let fence = PgFence::connect(&url).await.map_err(|e| e.to_string())?.schema(schema);
     fence.migrate().await.map_err(|e| e.to_string())?;
     let autovacuum: String = sqlx::query_scalar("SELECT current_setting('autovacuum')")
         .fetch_one(fence.pool())
@@ -128,7 +128,7 @@ async fn soak(o: Opts) -> Result<(), String> {
         Ok::<(), String>(())
     }
     .await;
-    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.schema().as_str())))
+    let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", fence.get_schema().as_str())))
         .execute(fence.pool())
         .await;
     result
@@ -231,7 +231,7 @@ async fn run<S: Source, P: Producer>(
 
 /// "total size (indexes) (rows)" of a table of the fence's schema.
 async fn size(fence: &PgFence, table: &str) -> Result<String, String> {
-    let name = format!("{}.{table}", fence.schema().as_str());
+    let name = format!("{}.{table}", fence.get_schema().as_str());
     let (total, indexes, rows): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT pg_total_relation_size('{name}'), pg_indexes_size('{name}'), (SELECT count(*) FROM {name})"
     )))
@@ -255,7 +255,7 @@ async fn autovacuum_off(fence: &PgFence) -> Result<bool, String> {
 /// pending row: issue 18).
 async fn vacuum(fence: &PgFence) -> Result<(), String> {
     for table in ["jobs", "ledger"] {
-        let stmt = format!("VACUUM (ANALYZE) {}.{table}", fence.schema().as_str());
+        let stmt = format!("VACUUM (ANALYZE) {}.{table}", fence.get_schema().as_str());
         sqlx::query(AssertSqlSafe(stmt)).execute(fence.pool()).await.map_err(|e| e.to_string())?;
     }
     Ok(())

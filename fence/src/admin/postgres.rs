@@ -78,7 +78,7 @@ pub(super) async fn status(
     within: Duration,
     limit: u32,
 ) -> Result<Status, AdminError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let f = queue_filter(queue);
     let q = queue.map(|q| q.as_str().to_owned());
     let mut tx = begin(pg, timeout, true).await?;
@@ -118,7 +118,7 @@ pub(super) async fn status(
 }
 
 pub(super) async fn queues(pg: &PgFence, timeout: Duration) -> Result<Vec<String>, AdminError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let mut tx = begin(pg, timeout, false).await?;
     // A loose index scan: the next queue name above the last one, by the primary key.
     let names: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -142,7 +142,7 @@ pub(super) async fn job(
     queue: &QueueName,
     key: &JobKey,
 ) -> Result<Option<JobInfo>, AdminError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let mut tx = begin(pg, timeout, false).await?;
     let row: Option<JobInfoRow> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT t.state, t.epoch, t.owner, t.attempts, t.failures, {lu}, {left}, {ra}, t.last_error, {ca}, {ua}, \
@@ -170,7 +170,7 @@ pub(super) async fn dead(
     queue: Option<&QueueName>,
     limit: u32,
 ) -> Result<Vec<super::DeadJob>, AdminError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let f = queue_filter(queue);
     let mut tx = begin(pg, timeout, true).await?;
     // `finished IS NOT NULL` lets the planner use the `jobs_finished` index (queue, finished, updated_at).
@@ -211,7 +211,7 @@ pub(super) async fn broker_jobs(
     queue: &QueueName,
     which: &Requeue,
 ) -> Result<(Vec<String>, i64), AdminError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     let keys: Option<Vec<String>> = match which {
         Requeue::Keys(keys) => Some(keys.iter().map(|k| k.as_str().to_owned()).collect()),
         Requeue::AllDead => None,
@@ -244,7 +244,7 @@ pub(super) async fn requeue(
     batch: u32,
     brokers: bool,
 ) -> Result<RequeueReport, AdminError> {
-    let s = pg.schema().as_str();
+    let s = pg.get_schema().as_str();
     // Checked before (`broker_jobs`); this keeps a row that died meanwhile out as well.
     let only = broker_filter(brokers);
     let mut report = RequeueReport::default();

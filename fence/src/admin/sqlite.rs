@@ -45,7 +45,7 @@ pub(super) async fn status(
     within: Duration,
     limit: u32,
 ) -> Result<Status, AdminError> {
-    let s = lite.schema().as_str();
+    let s = lite.get_schema().as_str();
     let f = queue_filter(queue);
     let q = queue.map(|q| q.as_str().to_owned());
     // One read transaction: every statement sees the same snapshot.
@@ -80,14 +80,14 @@ pub(super) async fn status(
 }
 
 pub(super) async fn queues(lite: &SqliteFence) -> Result<Vec<String>, AdminError> {
-    let s = lite.schema().as_str();
+    let s = lite.get_schema().as_str();
     Ok(sqlx::query_scalar(AssertSqlSafe(format!("SELECT DISTINCT queue FROM {s}_jobs ORDER BY queue")))
         .fetch_all(lite.pool())
         .await?)
 }
 
 pub(super) async fn job(lite: &SqliteFence, queue: &QueueName, key: &JobKey) -> Result<Option<JobInfo>, AdminError> {
-    let s = lite.schema().as_str();
+    let s = lite.get_schema().as_str();
     let row: Option<JobInfoRow> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT t.state, t.epoch, t.owner, t.attempts, t.failures, t.lease_until, t.lease_until - {NOW}, t.run_at, \
            t.last_error, t.created_at, t.updated_at, length(t.payload), length(t.progress), length(t.result), {NOW} \
@@ -105,7 +105,7 @@ pub(super) async fn dead(
     queue: Option<&QueueName>,
     limit: u32,
 ) -> Result<Vec<super::DeadJob>, AdminError> {
-    let s = lite.schema().as_str();
+    let s = lite.get_schema().as_str();
     let f = queue_filter(queue);
     let rows: Vec<DeadRow> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT t.queue, t.key, t.epoch, t.owner, t.attempts, t.failures, t.last_error, t.updated_at, \
@@ -138,7 +138,7 @@ pub(super) async fn broker_jobs(
     queue: &QueueName,
     which: &Requeue,
 ) -> Result<(Vec<String>, i64), AdminError> {
-    let s = lite.schema().as_str();
+    let s = lite.get_schema().as_str();
     let shown = i64::try_from(super::BROKER_KEYS_SHOWN).unwrap_or(10);
     match which {
         Requeue::Keys(keys) => {
@@ -185,7 +185,7 @@ pub(super) async fn requeue(
     batch: u32,
     brokers: bool,
 ) -> Result<RequeueReport, AdminError> {
-    let s = lite.schema().as_str();
+    let s = lite.get_schema().as_str();
     let set = requeue_set();
     // Checked before (`broker_jobs`); this keeps a row that died meanwhile out as well.
     let only = broker_filter(brokers);

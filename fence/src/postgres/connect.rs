@@ -127,7 +127,7 @@ impl PgFence {
         let locator = notify.map(|notify| {
             Arc::new(Locator::spawn(target, host, pooled, pool.clone(), heartbeat_pool.clone(), watch, notify))
         });
-        let mut fence = Self::new(pool).with_heartbeat_pool(heartbeat_pool);
+        let mut fence = Self::new(pool).heartbeat_pool(heartbeat_pool);
         fence.route = route;
         fence.locator = locator;
         Ok(fence)
@@ -144,10 +144,10 @@ impl PgFence {
     /// use brokerfence::{PgFence, Pooler};
     /// let options: sqlx::postgres::PgConnectOptions = "postgres://app@pgbouncer:6432/jobs".parse()?;
     /// let pool = sqlx::postgres::PgPoolOptions::new().connect_with(options.extra_float_digits(None)).await?;
-    /// let fence = PgFence::new(pool).with_pooler(Pooler::Transaction);
+    /// let fence = PgFence::new(pool).pooler(Pooler::Transaction);
     /// # let _ = fence; Ok(()) }
     /// ```
-    pub fn with_pooler(mut self, pooler: Pooler) -> Self {
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
         let watch = Arc::clone(&self.route.watch);
         self.route = match pooler {
             Pooler::Transaction => Route::pooled(&PgTimeouts::default(), watch),
@@ -158,7 +158,7 @@ impl PgFence {
 
     /// Whether statements run behind a transaction-mode pooler ([`Pooler::Transaction`]: found
     /// out when connecting, or asked for).
-    pub fn pooler(&self) -> Pooler {
+    pub fn get_pooler(&self) -> Pooler {
         if self.route.is_pooled() { Pooler::Transaction } else { Pooler::None }
     }
 
@@ -211,7 +211,7 @@ impl PgFence {
     /// connect options, the fence's planner settings and the default heartbeat limits of [`PgTimeouts`]),
     /// so a pool kept busy by claims and commits never delays a renewal. Outside a tokio runtime
     /// there is no such pool to open: heartbeats then share `pool`.
-    /// [`with_heartbeat_pool`](Self::with_heartbeat_pool) supplies another.
+    /// [`heartbeat_pool`](Self::heartbeat_pool) supplies another.
     pub fn new(pool: PgPool) -> Self {
         let schema = SchemaName::default();
         let guards = Guards::default();
@@ -243,7 +243,7 @@ impl PgFence {
     /// are not the job's fault and do not count against [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts): this is
     /// the cap against a job that kills every worker that runs it. Keep it well above
     /// `max_attempts` (`policy.max_claims()` suggests a value).
-    pub fn with_max_claims(mut self, n: i64) -> Self {
+    pub fn max_claims(mut self, n: i64) -> Self {
         self.max_claims = n.max(1);
         self
     }
@@ -264,16 +264,16 @@ impl PgFence {
     /// # async fn demo() -> brokerfence::Result<()> {
     /// use std::time::Duration;
     /// let fence = brokerfence::PgFence::connect("postgres://postgres@127.0.0.1/test").await?
-    ///     .with_claim_rescan(Duration::from_millis(250));
+    ///     .claim_rescan(Duration::from_millis(250));
     /// # let _ = fence; Ok(()) }
     /// ```
-    pub fn with_claim_rescan(mut self, every: Duration) -> Self {
+    pub fn claim_rescan(mut self, every: Duration) -> Self {
         self.cursors = Arc::new(ClaimCursors::new(every));
         self
     }
 
-    /// The cap on claims of one job (see [`with_max_claims`](Self::with_max_claims)).
-    pub fn max_claims(&self) -> i64 {
+    /// The cap on claims of one job (see [`max_claims`](Self::max_claims)).
+    pub fn get_max_claims(&self) -> i64 {
         self.max_claims
     }
 
@@ -286,7 +286,7 @@ impl PgFence {
     /// also bounds each migration statement (its `statement_timeout`), the index builds
     /// (`CREATE INDEX CONCURRENTLY`, which wait for the transactions using the table but block
     /// no claim, heartbeat or commit) included: raise it for tables that take longer to index.
-    pub fn with_migration_lock_timeout(mut self, lock_timeout: Duration, give_up_after: Duration) -> Self {
+    pub fn migration_lock_timeout(mut self, lock_timeout: Duration, give_up_after: Duration) -> Self {
         self.migration = MigrationLimits { lock_timeout: lock_timeout.max(Duration::from_millis(1)), give_up_after };
         self
     }
@@ -294,13 +294,13 @@ impl PgFence {
     /// Renews leases on `pool` (reserved capacity: give it connections the main pool cannot use
     /// up, with the fence's planner settings and time limits that fit the lease, see
     /// [`PgTimeouts::apply_heartbeat`]).
-    pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
+    pub fn heartbeat_pool(mut self, pool: PgPool) -> Self {
         self.heartbeat_pool = pool;
         self
     }
 
     /// Uses another schema (created by [`migrate`](crate::FenceStore::migrate)).
-    pub fn with_schema(mut self, schema: SchemaName) -> Self {
+    pub fn schema(mut self, schema: SchemaName) -> Self {
         self.stmts = Arc::new(Statements::new(&schema, self.guards));
         self.cursors = Arc::new(ClaimCursors::new(self.cursors.rescan()));
         self.schema = schema;
@@ -310,14 +310,15 @@ impl PgFence {
     /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
     #[cfg(feature = "guard-switches")]
     #[doc(hidden)]
-    pub fn with_guards(mut self, guards: Guards) -> Self {
+    pub fn guards(mut self, guards: Guards) -> Self {
         self.stmts = Arc::new(Statements::new(&self.schema, guards));
         self.guards = guards;
         self
     }
 
     /// The guards in force.
-    pub fn guards(&self) -> Guards {
+    #[doc(hidden)]
+    pub fn get_guards(&self) -> Guards {
         self.guards
     }
 
@@ -327,12 +328,12 @@ impl PgFence {
     }
 
     /// The connections reserved for heartbeats.
-    pub fn heartbeat_pool(&self) -> &PgPool {
+    pub fn get_heartbeat_pool(&self) -> &PgPool {
         &self.heartbeat_pool
     }
 
     /// The schema.
-    pub fn schema(&self) -> &SchemaName {
+    pub fn get_schema(&self) -> &SchemaName {
         &self.schema
     }
 }

@@ -19,7 +19,7 @@
 //!   only when a scan of the whole queue found no more;
 //! - while scans from the start come back short (the queue's due jobs fit in one claim), claims
 //!   keep scanning from the start, one statement each;
-//! - at least every rescan interval ([`PgFence::with_claim_rescan`](super::PgFence::with_claim_rescan),
+//! - at least every rescan interval ([`PgFence::claim_rescan`](super::PgFence::claim_rescan),
 //!   1 s by default) a claim scans from the start even while claims from the cursor come back
 //!   full.
 //!

@@ -42,7 +42,7 @@ pub use target::{PgTarget, Pooler};
 /// # async fn demo() -> brokerfence::Result<()> {
 /// use brokerfence::{FenceStore, PgFence, SchemaName};
 /// let fence = PgFence::connect("postgres://postgres@127.0.0.1/test").await?
-///     .with_schema(SchemaName::new("my_fence")?);
+///     .schema(SchemaName::new("my_fence")?);
 /// fence.migrate().await?;
 /// # Ok(()) }
 /// ```

@@ -44,7 +44,7 @@ pub(crate) const CONNECT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// The main pool's limits also apply to what a caller runs on [`PgFence::pool`](super::PgFence::pool) connections (for
 /// example the business statements of a [`complete_in`](super::PgFence::complete_in) transaction).
-/// Migrations override both per transaction (see [`PgFence::with_migration_lock_timeout`](super::PgFence::with_migration_lock_timeout)).
+/// Migrations override both per transaction (see [`PgFence::migration_lock_timeout`](super::PgFence::migration_lock_timeout)).
 /// Behind a transaction-mode pooler (PgBouncer), which refuses or drops startup options, the
 /// fence sets the same limits at the start of every transaction instead (`SET LOCAL`, see
 /// [`Pooler`](super::Pooler)); they hold there too.

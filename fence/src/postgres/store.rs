@@ -213,7 +213,7 @@ impl FenceStore for PgFence {
     /// that waits at most the migration lock timeout (200 ms by default) for its table locks, so
     /// that the exclusive lock a schema change asks for never sits in the lock queue holding up
     /// live claims, commits and heartbeats for longer than that; on a lock timeout it backs off
-    /// and tries again (see [`PgFence::with_migration_lock_timeout`]). Migrations add columns with
+    /// and tries again (see [`PgFence::migration_lock_timeout`]). Migrations add columns with
     /// constant defaults (no table rewrite); indexes are built CONCURRENTLY, backfills run in
     /// batches, CHECKs are validated apart (see `postgres/migrations/`), and an interrupted
     /// migration is resumed from its first step, which are all idempotent. The limit that remains: once granted, migration 2

@@ -169,19 +169,19 @@ impl SqliteFence {
 
     /// Caps the claims of one job at `n` (at least 1; default 20): a claim that would exceed it
     /// makes the job dead, with the last error "claimed N times without finishing (max_claims =
-    /// M)", and answers [`Claim::Dead`](crate::Claim::Dead). See [`PgFence::with_max_claims`](crate::PgFence::with_max_claims).
-    pub fn with_max_claims(mut self, n: i64) -> Self {
+    /// M)", and answers [`Claim::Dead`](crate::Claim::Dead). See [`PgFence::max_claims`](crate::PgFence::max_claims).
+    pub fn max_claims(mut self, n: i64) -> Self {
         self.max_claims = n.max(1);
         self
     }
 
     /// The cap on claims of one job.
-    pub fn max_claims(&self) -> i64 {
+    pub fn get_max_claims(&self) -> i64 {
         self.max_claims
     }
 
     /// Uses another table prefix.
-    pub fn with_schema(mut self, schema: SchemaName) -> Self {
+    pub fn schema(mut self, schema: SchemaName) -> Self {
         self.stmts = Arc::new(Statements::new(&schema, self.guards));
         self.schema = schema;
         self
@@ -190,14 +190,15 @@ impl SqliteFence {
     /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.
     #[cfg(feature = "guard-switches")]
     #[doc(hidden)]
-    pub fn with_guards(mut self, guards: Guards) -> Self {
+    pub fn guards(mut self, guards: Guards) -> Self {
         self.stmts = Arc::new(Statements::new(&self.schema, guards));
         self.guards = guards;
         self
     }
 
     /// The guards in force.
-    pub fn guards(&self) -> Guards {
+    #[doc(hidden)]
+    pub fn get_guards(&self) -> Guards {
         self.guards
     }
 
@@ -207,7 +208,7 @@ impl SqliteFence {
     }
 
     /// The table prefix.
-    pub fn schema(&self) -> &SchemaName {
+    pub fn get_schema(&self) -> &SchemaName {
         &self.schema
     }
 

@@ -126,7 +126,7 @@ async fn connect(cli: &Cli) -> Result<Store, Failure> {
         .unwrap_or_default()
         .to_ascii_lowercase();
     match scheme.as_str() {
-        "postgres" | "postgresql" => Ok(Store::Postgres(PgFence::connect(url).await?.with_schema(cli.schema.clone()))),
+        "postgres" | "postgresql" => Ok(Store::Postgres(PgFence::connect(url).await?.schema(cli.schema.clone()))),
         "sqlite" => {
             // Opening creates a missing file: only `migrate` may do that (a mistyped path would
             // otherwise show an empty, new database).
@@ -140,7 +140,7 @@ async fn connect(cli: &Cli) -> Result<Store, Failure> {
                     file.display()
                 )));
             }
-            Ok(Store::Sqlite(SqliteFence::open(url).await?.with_schema(cli.schema.clone())))
+            Ok(Store::Sqlite(SqliteFence::open(url).await?.schema(cli.schema.clone())))
         }
         _ => Err(Failure::Usage(
             FenceError::UnsupportedScheme {

@@ -149,7 +149,7 @@ pub fn worker_args(queue: &TestQueue, fence: &PgFence, owner: &str, extra: &[&st
         "--queue-url".into(),
         queue.url.clone(),
         "--schema".into(),
-        fence.schema().as_str().to_owned(),
+        fence.get_schema().as_str().to_owned(),
         "--owner".into(),
         owner.to_owned(),
         "--wait".into(),

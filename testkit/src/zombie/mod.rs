@@ -95,10 +95,10 @@ impl AnyFence {
 
 async fn open_fence(backend: Backend, url: &str, schema: &SchemaName, guards: Guards) -> AnyFence {
     match backend {
-        Backend::Postgres => AnyFence::Pg(crate::store::pg_on(schema.clone()).await.with_guards(guards)),
+        Backend::Postgres => AnyFence::Pg(crate::store::pg_on(schema.clone()).await.guards(guards)),
         Backend::Sqlite => {
-            let f = SqliteFence::open(url).await.expect("open sqlite").with_schema(schema.clone());
-            AnyFence::Sqlite(f.with_guards(guards))
+            let f = SqliteFence::open(url).await.expect("open sqlite").schema(schema.clone());
+            AnyFence::Sqlite(f.guards(guards))
         }
     }
 }
