@@ -55,6 +55,11 @@ pub struct Processed {
     /// the fence settles it again); its cause is the broker's typed error (`SqsError`). `None`
     /// when the retrofit makes no broker call itself (the table, the redis list).
     pub broker_error: Option<SourceError>,
+    /// The database confirmed that a newer epoch holds or finished the job (set only by
+    /// [`ListRetrofit::process`](crate::redis::ListRetrofit::process) with [`Disposition::Leave`]):
+    /// that holder has its own copy, so `requeue_popped` may drop this one. A `Leave` from
+    /// anywhere else (a lease lost unconfirmed, a fenced commit) is put back.
+    pub(crate) newer_epoch_confirmed: bool,
 }
 
 /// The fence's side of a [`Processed`].
@@ -179,7 +184,7 @@ impl Processed {
     /// assert!(!released.should_ack());
     /// ```
     pub fn new(disposition: Disposition, detail: Detail) -> Self {
-        Self { disposition, detail, broker_error: None }
+        Self { disposition, detail, broker_error: None, newer_epoch_confirmed: false }
     }
 
     /// True when the delivery should be acknowledged (deleted) now: its result is committed, or

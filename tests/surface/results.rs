@@ -136,6 +136,34 @@ mod redis {
         store::drop_schema(&env.store).await;
     }
 
+    /// Guard for a defect the one-result change opened: `requeue_popped` takes any `Processed`
+    /// now (not only the list retrofit's own answer), and it dropped every `Leave` as "a newer
+    /// epoch holds the job". A `Leave` the database did not confirm — from `Retrofit::process`
+    /// (a lease lost unconfirmed, a fenced commit) or `Processed::new` — may be the only copy of
+    /// a popped item: it must go back to the list. Fails on the old `requeue_popped`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn surface_requeue_popped_puts_back_a_leave_the_database_did_not_confirm() {
+        use brokerfence::redis::client::AsyncCommands;
+        let env = Env::new().await;
+        let list = env.name("surface-leave");
+        let fence = ListRetrofit::new(
+            env.store(),
+            QueueName::new(list.clone()).expect("queue"),
+            SupervisorConfig::new(lease(5)),
+            &env.redis,
+            list.as_str(),
+            ItemKey::Split(b'|'),
+        )
+        .expect("retrofit");
+        let unconfirmed = Processed::new(Disposition::Leave, brokerfence::Detail::Ran(brokerfence::Outcome::Released));
+        fence.requeue_popped(b"only|copy", &unconfirmed).await.expect("requeue");
+        fence.flush(Duration::from_secs(5)).await.expect("flush");
+        let mut conn = env.conn();
+        let items: Vec<Vec<u8>> = conn.lrange(&list, 0, -1).await.expect("LRANGE");
+        assert_eq!(items, vec![b"only|copy".to_vec()], "the popped item was dropped");
+        env.cleanup().await;
+    }
+
     /// The list retrofit's answers for: a committed item, the same item again (a duplicate), a
     /// failed attempt.
     pub(super) async fn outcomes() -> Vec<Processed> {

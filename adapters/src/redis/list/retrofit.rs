@@ -301,7 +301,10 @@ impl ListRetrofit {
             Disposition::Leave => self.settle_unknown(&key, claimed.load(Ordering::SeqCst), &done.detail).await,
             other => other,
         };
-        Processed::new(disposition, done.detail)
+        let newer_epoch_confirmed = disposition == Disposition::Leave;
+        let mut processed = Processed::new(disposition, done.detail);
+        processed.newer_epoch_confirmed = newer_epoch_confirmed;
+        processed
     }
 
     /// The disposition of an item whose attempt ended without a verdict of its own (lease lost,
@@ -347,8 +350,9 @@ impl ListRetrofit {
     /// dead-letters what must not. A popped item has no other copy, so it is pushed back unless the
     /// database settled its job: a confirmed commit or a completed job ([`Disposition::Ack`]), a
     /// dead job ([`Disposition::DeadLetter`], moved to [`dead_stream`](Self::dead_stream)), or a
-    /// newer epoch that holds or finished the job from its own copy ([`Disposition::Leave`], which
-    /// [`process`](Self::process) answers only when the database said so).
+    /// newer epoch that holds or finished the job from its own copy ([`Disposition::Leave`] as
+    /// [`process`](Self::process) answers it, only when the database said so; any other `Leave`
+    /// is put back).
     ///
     /// A retry or hold is pushed back after its delay; everything else — a lease lost or
     /// unconfirmed, a commit fenced with no newer holder, a claim or commit whose fate is
@@ -365,7 +369,10 @@ impl ListRetrofit {
         let (route, delay) = match &done.disposition {
             Disposition::Ack => return Ok(()),
             // The database confirmed a newer epoch: its holder has its own copy of the item.
-            Disposition::Leave => return Ok(()),
+            Disposition::Leave if done.newer_epoch_confirmed => return Ok(()),
+            // A `Leave` the database did not confirm (from `Retrofit::process` or
+            // `Processed::new`): this may be the only copy, so it goes back.
+            Disposition::Leave => (Route::Push, Duration::ZERO),
             Disposition::DeadLetter(reason) => (self.target.dead_letter(reason), Duration::ZERO),
             Disposition::RetryLater(d) | Disposition::Hold(d) => (Route::Push, *d),
             Disposition::Abandon => (Route::Push, Duration::ZERO),
