@@ -23,7 +23,9 @@ fn main() {
 
 #[cfg(not(feature = "redis"))]
 fn main() {
-    eprintln!("redis_produce needs the `redis` feature: cargo run -p brokerfence-examples --features redis --example redis_produce");
+    eprintln!(
+        "redis_produce needs the `redis` feature: cargo run -p brokerfence-examples --features redis --example redis_produce"
+    );
     std::process::exit(2);
 }
 

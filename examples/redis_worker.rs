@@ -34,7 +34,9 @@ fn main() {
 
 #[cfg(not(feature = "redis"))]
 fn main() {
-    eprintln!("redis_worker needs the `redis` feature: cargo run -p brokerfence-examples --features redis --example redis_worker");
+    eprintln!(
+        "redis_worker needs the `redis` feature: cargo run -p brokerfence-examples --features redis --example redis_worker"
+    );
     std::process::exit(2);
 }
 
