@@ -33,7 +33,7 @@
 //!   `JobContext::complete_in`, commit it. Each prints `EVENT tx step=… epoch=N result=ok|fenced|error`.
 //!
 //! ```text
-//! cargo run --example zombie_worker -- --db sqlite:/tmp/zombie.db --queue demo --key job-1 \
+//! cargo run -p brokerfence-examples --example zombie_worker -- --db sqlite:/tmp/zombie.db --queue demo --key job-1 \
 //!     --receiver http://127.0.0.1:8080/effect --plan call,sleep:500
 //! ```
 //!

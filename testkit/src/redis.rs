@@ -1,4 +1,4 @@
-//! Support of the Redis tests (`tests/redis_*.rs`, feature `redis`): the shared Redis and
+//! Support of the Redis tests (`tests/redis/`, feature `redis`): the shared Redis and
 //! PostgreSQL of `localstack/up` (each test on its own random key prefix and its own PostgreSQL
 //! schema), a private `redis-server` a test may kill and restart, in-process consumers, and Redis
 //! commands that ride out a restart.

@@ -9,7 +9,8 @@
 //!   it waited, timed out, and every other job of the worker was cancelled `Unconfirmed`).
 //! - Transactional enqueue: `enqueue_in` / `enqueue_many_in`.
 //!
-//! Run: `cargo test --all-features --test effects_own_tx` (PostgreSQL from `localstack/up`).
+//! Run: `cargo test -p brokerfence-tests --all-features --test effects own_tx::` (PostgreSQL from
+//! `localstack/up`).
 
 #[cfg(feature = "sqs")]
 use brokerfence_testkit::sqs as sqs_support;

@@ -5,8 +5,8 @@
 //! `--max-attempts 2`, never committed and never reported `dropped` (a timeout is a failure, not
 //! a lost lease).
 //!
-//! Run: `cargo test --all-features --test ergonomics_tower_worker` (PostgreSQL from
-//! `localstack/up`; the example is built by `cargo test` with the `tower` feature).
+//! Run: `cargo test --workspace --all-features tower_worker` (PostgreSQL from `localstack/up`;
+//! the test builds the example with the `tower` feature).
 #![cfg(feature = "tower")]
 
 use brokerfence_testkit::store as common;

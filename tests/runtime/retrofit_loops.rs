@@ -10,9 +10,9 @@
 //!
 //! Also: `.fatal()` makes a job dead on its first failure while a plain `?` error is retried;
 //! typed payloads and results (feature `serde`); a tower stack as the handler (feature `tower`);
-//! `Consumer::run_until` on a plain future.
+//! `Consumer::run` stopped by a plain future through its `CancellationToken`.
 //!
-//! Run: `cargo test --all-features --test ergonomics_retrofits` (services from `localstack/up`).
+//! Run: `cargo test --workspace --all-features retrofit_loops` (services from `localstack/up`).
 
 #[cfg(feature = "sqs")]
 use brokerfence_testkit::sqs as sqs_support;

@@ -131,7 +131,8 @@ mod edges {
         drop_schema(&fence).await;
     }
 
-    /// §1 bullet 2 (SQS): `client_from_env` sets an operation and an attempt timeout.
+    /// §1 bullet 2 (SQS): `sqs::client(aws_config::from_env(), SqsTimeouts::default())` sets an
+    /// operation and an attempt timeout.
     /// Guard: the default client never waits forever on a call.
     #[tokio::test]
     async fn edges_client_from_env_sets_operation_timeouts() {
@@ -146,7 +147,7 @@ mod edges {
         assert!(t.connect_timeout().is_some(), "{t:?}");
     }
 
-    /// §1 bullet 2 (SQS): a client built the way `client_from_env` builds it, with short
+    /// §1 bullet 2 (SQS): a client built the way `sqs::client` builds it, with short
     /// timeouts, gives up on a stalled broker (a proxy that stops forwarding) with a typed
     /// timeout within the operation timeout. Guard: no SQS call through such a client hangs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -455,8 +455,8 @@ mod edges {
     }
 
     /// §2 bullet 3, the measured cost of `synchronous = FULL` (a benchmark, not a check: run it
-    /// with `cargo test --workspace --all-features --test edges_store edges_sqlite_durability_cost
-    /// -- --ignored --nocapture`). Rounds alternate FULL and NORMAL (A/B/A/B…), each on a fresh
+    /// with `cargo test --workspace --all-features edges_sqlite_durability_cost -- --ignored
+    /// --nocapture`). Rounds alternate FULL and NORMAL (A/B/A/B…), each on a fresh
     /// file in the system's temp directory: 300 jobs claimed and completed one by one (two commits
     /// each), then 300 more in batches of ten (`claim_batch` + `complete_batch`, two commits per
     /// ten jobs). Prints the median jobs/s of each.

@@ -6,8 +6,8 @@
 //! call. PostgreSQL comes from `DATABASE_URL` (or `localstack/.env`): run `localstack/up` first.
 //! Every scenario uses its own schema / SQLite file; independent scenarios run concurrently.
 //!
-//! Run with `cargo test --all-features --test zombie_proof -- --nocapture` to see the timelines
-//! and the measured figures.
+//! Run with `cargo test --workspace --all-features proof -- --nocapture` to see the timelines and
+//! the measured figures.
 #![cfg(feature = "http")]
 
 use std::time::{Duration, Instant};

@@ -13,7 +13,7 @@
 //!   done, or claims it and commits.
 //!
 //! Either way: exactly one set of business rows, from the epoch the job completed under.
-//! Run: `cargo test --all-features --test effects_zombie_tx -- --nocapture` for the timelines.
+//! Run: `cargo test --workspace --all-features stalled_own_tx -- --nocapture` for the timelines.
 #![cfg(feature = "http")]
 
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! entry point. `brokerfence_testkit::zombie` (where all the rest lives) re-executes the test
 //! binary with only the test `zombie_support::worker_entry` ([`WORKER_ENTRY`]) and the worker's
 //! arguments in [`WORKER_ENV`]; that test then runs `examples/zombie_worker.rs`, compiled in here,
-//! so `cargo test --test …` never runs a stale or missing example binary.
+//! so a test run never runs a stale or missing example binary.
 
 pub use brokerfence_testkit::zombie::*;
 

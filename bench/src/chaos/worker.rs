@@ -234,7 +234,7 @@ pub(crate) async fn worker(o: WorkerOpts) -> Result<(), String> {
     // The harness stalls the same long jobs again and again (a PostgreSQL stall picks the rows its
     // victim runs, and a slow job is nearly always running), far beyond any production rate:
     // neither failures nor takeovers may bury a job here, so both caps are out of reach. The
-    // claims cap itself is tested in tests/store/edges.rs.
+    // claims cap itself is tested in tests/store/edge_cases.rs.
     let retry = RetryPolicy {
         max_attempts: 1000,
         base_backoff: Duration::from_millis(100),

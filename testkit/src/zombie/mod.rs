@@ -6,7 +6,7 @@
 //!
 //! The zombie process is the test binary itself, re-executed in worker mode: its entry point
 //! (`tests/zombie_support/mod.rs`, test `zombie_support::worker_entry`) runs
-//! `examples/zombie_worker.rs`, compiled into the test, so `cargo test --test …` never runs a
+//! `examples/zombie_worker.rs`, compiled into the test, so a test run never runs a
 //! stale or missing example binary. That entry is the one piece that must stay in the test binary.
 
 use std::collections::HashMap;
