@@ -31,7 +31,7 @@ use crate::builder::setters;
 /// If you build your own connections ([`RedisConnections::from_managers`]), give the command
 /// connection a response timeout of about `response` and the blocking one none (or one longer
 /// than your longest block time plus the margin), and pass the same values here with
-/// [`RedisConnections::with_timeouts`].
+/// [`RedisConnections::timeouts`].
 ///
 /// ```
 /// use std::time::Duration;
