@@ -284,9 +284,9 @@ impl LeaseKeys {
     /// vanished with a server restart, a reservation to upgrade). Each key expires after its
     /// lease's remaining time on the database clock. At most two round trips; one in steady state.
     ///
-    /// Made for the heartbeat: the whole call gives up after
-    /// [`hint_timeout`](Self::hint_timeout) of the longest lease (a quarter of the lease at most)
-    /// with [`RedisError::Timeout`]; the next confirmed heartbeat sends the newest renewal.
+    /// Made for the heartbeat: the whole call gives up after the
+    /// [`get_timeout`](Self::get_timeout), at most a quarter of the longest lease
+    /// ([`RedisTimeouts::hint`]), with [`RedisError::Timeout`]; the next confirmed heartbeat sends the newest renewal.
     pub async fn confirm(&self, leases: &[(String, &Lease)]) -> Result<(), RedisError> {
         let longest = leases.iter().map(|(_, l)| l.ttl).max().unwrap_or_default();
         bounded_op("lease key renewal", self.hint_timeout(longest), self.confirm_unbounded(leases)).await
