@@ -108,7 +108,7 @@ pub trait Publisher: Send + Sync {
 /// ```
 /// use std::time::Duration;
 /// let c = brokerfence::outbox::RelayConfig::default().batch(50).idle_wait(Duration::from_millis(20));
-/// assert_eq!(c.batch_size(), 50);
+/// assert_eq!(c.get_batch(), 50);
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct RelayConfig {
@@ -139,7 +139,11 @@ impl RelayConfig {
         pub fn batch(n: u32) { batch = n.max(1) }
     }
     /// Rows per round.
-    pub fn batch_size(&self) -> u32 {
+    ///
+    /// ```
+    /// assert_eq!(brokerfence::outbox::RelayConfig::default().get_batch(), 100);
+    /// ```
+    pub fn get_batch(&self) -> u32 {
         self.batch
     }
     setters! {

@@ -44,6 +44,7 @@ impl LeaseDuration {
     }
 
     /// Milliseconds, as bound into statements.
+    #[doc(hidden)]
     pub fn as_millis_i64(self) -> i64 {
         i64::try_from(self.0.as_millis()).unwrap_or(i64::MAX)
     }

@@ -26,8 +26,9 @@ macro_rules! counters {
         /// ```
         /// use brokerfence::{Counter, Metrics};
         /// let m = Metrics::default();
-        /// m.add(Counter::Claims, 3);
+        /// # m.add(Counter::Claims, 3); // what a supervisor does as it claims
         /// assert_eq!(m.snapshot().claims, 3);
+        /// assert_eq!(m.get(Counter::Claims), 3);
         /// ```
         ///
         /// # Export (feature `metrics`)
@@ -35,7 +36,7 @@ macro_rules! counters {
         /// With the `metrics` feature every counter and the histograms below are also published
         /// through the [`metrics`](https://docs.rs/metrics/0.24) façade, to whatever recorder the
         /// application installed (for example `metrics-exporter-prometheus`). Without the feature
-        /// nothing is exported, [`observe`](Self::observe) does nothing and the `metrics` crate is
+        /// nothing is exported, the histograms are not recorded and the `metrics` crate is
         /// not compiled. Every series carries the labels `queue` (the fence queue) and `source`
         /// (`table`, `sqs`, `redis_stream`, `redis_list`, `middleware`, or what a custom
         /// [`Source`](https://docs.rs/brokerfence/latest/brokerfence/trait.Source.html) reports;
@@ -59,9 +60,12 @@ macro_rules! counters {
         ///
         /// ```
         /// use brokerfence::{Counter, Distribution, Metrics};
+        /// // for `Supervisor::with_metrics`: each claim it counts is also exported as
+        /// // `brokerfence_claims_total{queue="emails",source="table"}`
         /// let m = Metrics::labelled("emails", "table");
-        /// m.incr(Counter::Claims); // also `brokerfence_claims_total{queue="emails",source="table"}`
-        /// m.observe_duration(Distribution::ClaimDuration, std::time::Duration::from_millis(3));
+        /// # m.incr(Counter::Claims);
+        /// # m.observe_duration(Distribution::ClaimDuration, std::time::Duration::from_millis(3));
+        /// assert_eq!(m.get(Counter::Claims), 1);
         /// ```
         #[derive(Debug, Default)]
         pub struct Metrics {
@@ -82,6 +86,7 @@ macro_rules! counters {
 
         impl Metrics {
             /// Adds `n` to a counter.
+            #[doc(hidden)]
             pub fn add(&self, counter: Counter, n: u64) {
                 self.values[counter as usize].fetch_add(n, Ordering::Relaxed);
                 #[cfg(feature = "metrics")]
@@ -89,6 +94,7 @@ macro_rules! counters {
             }
 
             /// Adds one to a counter.
+            #[doc(hidden)]
             pub fn incr(&self, counter: Counter) {
                 self.add(counter, 1);
             }
@@ -169,7 +175,7 @@ counters!(
 );
 
 /// A histogram the `metrics` feature exports (see [`Metrics`] for the names and units). Without
-/// the feature, [`Metrics::observe`] ignores it.
+/// the feature, nothing records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Distribution {
@@ -224,6 +230,7 @@ impl Metrics {
     /// use brokerfence::{Distribution, Metrics};
     /// Metrics::default().observe(Distribution::ClaimStatementJobs, 12.0);
     /// ```
+    #[doc(hidden)]
     pub fn observe(&self, distribution: Distribution, value: f64) {
         #[cfg(feature = "metrics")]
         self.export.histogram(distribution, value);
@@ -238,6 +245,7 @@ impl Metrics {
     /// let started = std::time::Instant::now();
     /// Metrics::default().observe_duration(Distribution::HandlerDuration, started.elapsed());
     /// ```
+    #[doc(hidden)]
     pub fn observe_duration(&self, distribution: Distribution, elapsed: Duration) {
         self.observe(distribution, elapsed.as_secs_f64());
     }

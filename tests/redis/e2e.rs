@@ -396,7 +396,7 @@ async fn reliable_list_end_to_end() {
     let source = ReliableList::new(env.redis.clone(), q, list.as_str(), ItemKey::Split(b'|'))
         .expect("source")
         .block(Duration::from_millis(200));
-    let processing = source.processing_list().to_owned();
+    let processing = source.get_processing().to_owned();
     let c = spawn_consumer(
         source,
         env.store(),
@@ -436,7 +436,7 @@ async fn reliable_list_puts_back_items_whose_lease_lapsed() {
         .expect("source")
         .block(Duration::from_millis(100))
         .reap_every(Duration::from_millis(200), 100);
-    let processing = source.processing_list().to_owned();
+    let processing = source.get_processing().to_owned();
     // A dead worker's leftovers: "orphan" without a lease key, "held" with one that lapses in 2.5 s.
     let _: i64 = client::cmd("LPUSH")
         .arg(&processing)

@@ -698,7 +698,7 @@ mod edges {
         let response = Duration::from_millis(300);
         let timeouts = RedisTimeouts::default().response(response).connect(Duration::from_millis(300));
         let conns = RedisConnections::connect_with(&redis.url(), timeouts).await.expect("connect");
-        let leases = LeaseKeys::new(conns.commands(), "stalled").with_timeout(response);
+        let leases = LeaseKeys::new(conns.commands(), "stalled").timeout(response);
         let stream = StreamSource::new(conns.clone(), QueueName::new("stalled").expect("queue"), "stalled", "g")
             .expect("source")
             .block(Duration::from_millis(100));

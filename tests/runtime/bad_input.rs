@@ -613,7 +613,7 @@ mod redis_sweep {
             .expect("source")
             .key_from(KeyFrom::Field("key".into()))
             .block(Duration::from_millis(200));
-        let dead_stream = source.dead_stream().to_owned();
+        let dead_stream = source.get_dead_letter_stream().to_owned();
         let run = start(source, Arc::clone(&store), Arc::clone(&seen));
         let (g, b, k) = (good.len() as u64, bad.len() as u64, bad_keys.len() as u64);
         run.wait("the Redis sweep", Duration::from_secs(30), |m| m.completions == g && m.dead_letters == b + k).await;

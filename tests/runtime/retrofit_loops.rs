@@ -208,7 +208,7 @@ async fn ergonomics_list_retrofit_in_a_brpop_loop_pg() {
         let mut brpop = client::cmd("BRPOP");
         brpop.arg(&list).arg(block.as_secs());
         let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
-        let popped = tokio::time::timeout(redis.timeouts().blocking(block), read).await.expect("BRPOP bounded");
+        let popped = tokio::time::timeout(redis.get_timeouts().blocking(block), read).await.expect("BRPOP bounded");
         let Some((_, item)) = popped.expect("BRPOP") else { panic!("the list ran dry") };
         popped_count += 1;
         let seq = popped_count; // loop state moved in
@@ -233,7 +233,7 @@ async fn ergonomics_list_retrofit_in_a_brpop_loop_pg() {
     let mut brpop = client::cmd("BRPOP");
     brpop.arg(&list).arg(block.as_secs());
     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
-    let empty = tokio::time::timeout(redis.timeouts().blocking(block), read).await.expect("bounded");
+    let empty = tokio::time::timeout(redis.get_timeouts().blocking(block), read).await.expect("bounded");
     assert!(matches!(empty, Ok(None)), "{empty:?}");
     let _ = std::fs::remove_file(path);
 }

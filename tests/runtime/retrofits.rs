@@ -149,10 +149,11 @@ async fn hardening_item9_a_list_item_is_dead_lettered_once() {
     let first = source.dead_letter_once(delivery.clone(), "job is dead").await.expect("dead-letter");
     let again = source.dead_letter_once(delivery, "job is dead").await.expect("dead-letter again");
     assert_eq!((first, again), (DeadLettered::Moved, DeadLettered::AlreadyMoved));
-    let entries: i64 = client::cmd("XLEN").arg(source.dead_stream()).query_async(&mut env.conn()).await.expect("XLEN");
+    let entries: i64 =
+        client::cmd("XLEN").arg(source.get_dead_letter_stream()).query_async(&mut env.conn()).await.expect("XLEN");
     assert_eq!(entries, 1, "the dead-letter stream holds {entries} entries for one item");
     let processing: i64 =
-        client::cmd("LLEN").arg(source.processing_list()).query_async(&mut env.conn()).await.expect("LLEN");
+        client::cmd("LLEN").arg(source.get_processing()).query_async(&mut env.conn()).await.expect("LLEN");
     assert_eq!(processing, 0);
     env.cleanup().await;
 }

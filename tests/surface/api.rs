@@ -1,7 +1,9 @@
 //! The public API of `brokerfence`, rendered from rustdoc's JSON and compared with
 //! `tests/surface/public-api.txt`: every path a user can name, its kind, and the signature of
-//! every function and method (trait impls by name). A change to the surface changes the listing,
-//! so it shows in review. Re-bless after an intended change:
+//! every function and method, and every trait impl under the type it is for, types and traits
+//! written in full. Items under `#[doc(hidden)]` are listed too, marked so: absent from the docs,
+//! yet a user can name them. A change to the surface changes the listing, so it shows in review.
+//! Re-bless after an intended change:
 //! `BROKERFENCE_BLESS=1 cargo test --workspace --all-features surface`.
 //!
 //! rustdoc's JSON output needs `-Z unstable-options`; the stable toolchain accepts it with
@@ -14,6 +16,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
+
+mod ty;
+use ty::Ty;
 
 const LISTING: &str = "tests/surface/public-api.txt";
 /// The crates whose items `brokerfence` re-exports (their JSON is read too).
@@ -88,7 +93,7 @@ fn rustdoc_json(root: &Path) -> PathBuf {
     }
     cmd.current_dir(root)
         .env("RUSTDOC", &wrapper)
-        .env("RUSTDOCFLAGS", "-Z unstable-options --output-format json")
+        .env("RUSTDOCFLAGS", "-Z unstable-options --output-format json --document-hidden-items")
         .args(["doc", "--workspace", "--lib", "--example", "zombie", "--no-deps", "--all-features", "--target-dir"])
         .arg(&target_dir);
     let shown = format!("{cmd:?}");
@@ -154,45 +159,74 @@ impl Api {
 
     /// The listing, and the items reachable at more than one path.
     fn render(&self) -> (Vec<String>, Vec<String>) {
-        let mut out = Walk { api: self, lines: BTreeSet::new(), seen: BTreeMap::new() };
+        let mut out =
+            Walk { api: self, lines: BTreeSet::new(), seen: BTreeMap::new(), impls: BTreeSet::new(), hidden: false };
         let root = self.crates["brokerfence"].json["root"].to_string();
         out.module(&("brokerfence".to_owned(), root), "brokerfence");
+        for imp in std::mem::take(&mut out.impls) {
+            if let Some(line) = out.trait_impl(&imp) {
+                out.lines.insert(line);
+            }
+        }
         let twice = out.seen.iter().filter(|(_, paths)| paths.len() > 1).map(|(_, paths)| paths.join(" = ")).collect();
         (out.lines.into_iter().collect(), twice)
     }
+}
+
+/// Whether an item carries `#[doc(hidden)]`: absent from the rendered docs, yet callable.
+fn is_hidden(item: &Value) -> bool {
+    item["attrs"].as_array().into_iter().flatten().any(|a| a["other"] == "#[doc(hidden)]")
 }
 
 struct Walk<'a> {
     api: &'a Api,
     lines: BTreeSet<String>,
     seen: BTreeMap<Loc, Vec<String>>,
+    /// Trait impls met on the way, rendered once each after the walk (under their real type).
+    impls: BTreeSet<Loc>,
+    /// Inside a `#[doc(hidden)]` item or re-export: every line is marked.
+    hidden: bool,
 }
 
 impl Walk<'_> {
+    /// Adds a line, marked `#[doc(hidden)]` when it or an item around it is hidden.
+    fn push(&mut self, hidden: bool, line: String) {
+        let mark = if hidden || self.hidden { "#[doc(hidden)] " } else { "" };
+        self.lines.insert(format!("{mark}{line}"));
+    }
+
     fn module(&mut self, loc: &Loc, prefix: &str) {
         let module = self.api.item(loc);
         for id in module["inner"]["module"]["items"].as_array().into_iter().flatten() {
             let child = (loc.0.clone(), id.to_string());
             let item = self.api.item(&child);
+            let outer = self.hidden;
+            self.hidden |= is_hidden(item);
             if let Some(u) = item["inner"].get("use") {
                 let name = u["name"].as_str().unwrap_or("?");
                 match self.api.resolve(&loc.0, &u["id"]) {
                     Ok(target) if u["is_glob"] == true => self.module(&target, prefix),
                     Ok(target) => self.item(&target, &format!("{prefix}::{name}")),
-                    Err(outside) => {
-                        self.lines.insert(format!("pub use {prefix}::{name} = {outside}"));
-                    }
+                    Err(outside) => self.push(false, format!("pub use {prefix}::{name} = {outside}")),
                 }
             } else if let Some(name) = item["name"].as_str() {
                 self.item(&child, &format!("{prefix}::{name}"));
             }
+            self.hidden = outer;
         }
     }
 
     fn item(&mut self, loc: &Loc, path: &str) {
         self.seen.entry(loc.clone()).or_default().push(path.to_owned());
         let item = self.api.item(loc);
-        let ty = Ty { api: self.api, krate: &loc.0 };
+        let outer = self.hidden;
+        self.hidden |= is_hidden(item);
+        self.item_lines(loc, item, path);
+        self.hidden = outer;
+    }
+
+    fn item_lines(&mut self, loc: &Loc, item: &Value, path: &str) {
+        let ty = Ty { api: self.api, krate: &loc.0, names: None };
         let non_exhaustive = if item["attrs"].as_array().into_iter().flatten().any(|a| a == "non_exhaustive") {
             "#[non_exhaustive] "
         } else {
@@ -201,12 +235,12 @@ impl Walk<'_> {
         let (kind, inner) = item["inner"].as_object().and_then(|o| o.iter().next()).expect("an item kind");
         match kind.as_str() {
             "module" => {
-                self.lines.insert(format!("pub mod {path}"));
+                self.push(false, format!("pub mod {path}"));
                 self.module(loc, path);
             }
             "struct" => {
                 let generics = ty.generics(&inner["generics"]);
-                self.lines.insert(format!("{non_exhaustive}pub struct {path}{generics}"));
+                self.push(false, format!("{non_exhaustive}pub struct {path}{generics}"));
                 let kind = &inner["kind"];
                 let fields = kind["plain"]["fields"].as_array().or_else(|| kind["tuple"].as_array());
                 for (i, f) in fields.into_iter().flatten().enumerate() {
@@ -215,13 +249,16 @@ impl Walk<'_> {
                     }
                     let field = self.api.item(&(loc.0.clone(), f.to_string()));
                     let name = field["name"].as_str().map_or_else(|| i.to_string(), str::to_owned);
-                    self.lines.insert(format!("pub {path}::{name}: {}", ty.ty(&field["inner"]["struct_field"])));
+                    self.push(
+                        is_hidden(field),
+                        format!("pub {path}::{name}: {}", ty.ty(&field["inner"]["struct_field"])),
+                    );
                 }
                 self.impls(loc, inner, path);
             }
             "enum" => {
                 let generics = ty.generics(&inner["generics"]);
-                self.lines.insert(format!("{non_exhaustive}pub enum {path}{generics}"));
+                self.push(false, format!("{non_exhaustive}pub enum {path}{generics}"));
                 for v in inner["variants"].as_array().into_iter().flatten() {
                     let variant = self.api.item(&(loc.0.clone(), v.to_string()));
                     let name = variant["name"].as_str().unwrap_or("?");
@@ -255,7 +292,7 @@ impl Walk<'_> {
                     } else {
                         ""
                     };
-                    self.lines.insert(format!("{variant_ne}pub {path}::{name}{shape}"));
+                    self.push(is_hidden(variant), format!("{variant_ne}pub {path}::{name}{shape}"));
                 }
                 self.impls(loc, inner, path);
             }
@@ -263,55 +300,93 @@ impl Walk<'_> {
                 let generics = ty.generics(&inner["generics"]);
                 let bounds = ty.bounds(&inner["bounds"]);
                 let bounds = if bounds.is_empty() { String::new() } else { format!(": {bounds}") };
-                self.lines.insert(format!("pub trait {path}{generics}{bounds}"));
+                self.push(false, format!("pub trait {path}{generics}{bounds}"));
                 for m in inner["items"].as_array().into_iter().flatten() {
                     let member = self.api.item(&(loc.0.clone(), m.to_string()));
                     self.member(&ty, member, path);
                 }
+                for id in inner["implementations"].as_array().into_iter().flatten() {
+                    self.trait_impl_met(&(loc.0.clone(), id.to_string()));
+                }
             }
             "function" => {
-                self.lines.insert(format!("pub {}", ty.function(path, inner)));
+                self.push(false, format!("pub {}", ty.function(path, inner)));
             }
             "constant" => {
-                self.lines.insert(format!("pub const {path}: {}", ty.ty(&inner["type"])));
+                self.push(false, format!("pub const {path}: {}", ty.ty(&inner["type"])));
             }
             "static" => {
-                self.lines.insert(format!("pub static {path}: {}", ty.ty(&inner["type"])));
+                self.push(false, format!("pub static {path}: {}", ty.ty(&inner["type"])));
             }
             "type_alias" => {
                 let generics = ty.generics(&inner["generics"]);
-                self.lines.insert(format!("pub type {path}{generics} = {}", ty.ty(&inner["type"])));
+                self.push(false, format!("pub type {path}{generics} = {}", ty.ty(&inner["type"])));
             }
             "macro" | "proc_macro" => {
-                self.lines.insert(format!("pub macro {path}!"));
+                self.push(false, format!("pub macro {path}!"));
             }
             other => {
-                self.lines.insert(format!("pub {other} {path}"));
+                self.push(false, format!("pub {other} {path}"));
             }
         }
     }
 
-    /// Inherent methods and constants in full; trait impls by name; auto-trait and blanket impls
-    /// left out.
+    /// Inherent methods and constants in full; trait impls kept for [`Walk::trait_impl`].
+    /// rustdoc lists under a type the impls that name it anywhere (`From<&Lease>` for another
+    /// type under `Lease`): inherent members count only under the impl's own `for` type.
     fn impls(&mut self, loc: &Loc, inner: &Value, path: &str) {
-        let ty = Ty { api: self.api, krate: &loc.0 };
+        let ty = Ty { api: self.api, krate: &loc.0, names: None };
         for id in inner["impls"].as_array().into_iter().flatten() {
-            let imp = &self.api.item(&(loc.0.clone(), id.to_string()))["inner"]["impl"];
-            if imp["is_synthetic"] == true || !imp["blanket_impl"].is_null() {
+            let imp_loc = (loc.0.clone(), id.to_string());
+            let imp = &self.api.item(&imp_loc)["inner"]["impl"];
+            if !imp["trait"].is_null() {
+                self.trait_impl_met(&imp_loc);
                 continue;
             }
-            if imp["trait"].is_null() {
-                for m in imp["items"].as_array().into_iter().flatten() {
-                    let member = self.api.item(&(loc.0.clone(), m.to_string()));
-                    if member["visibility"] == "public" {
-                        self.member(&ty, member, path);
-                    }
+            if self.api.resolve(&loc.0, &imp["for"]["resolved_path"]["id"]).as_ref() != Ok(loc) {
+                continue;
+            }
+            for m in imp["items"].as_array().into_iter().flatten() {
+                let member = self.api.item(&(loc.0.clone(), m.to_string()));
+                if member["visibility"] == "public" {
+                    self.member(&ty, member, path);
                 }
-            } else {
-                let neg = if imp["is_negative"] == true { "!" } else { "" };
-                self.lines.insert(format!("impl {neg}{} for {path}", ty.path(&imp["trait"])));
             }
         }
+    }
+
+    /// Keeps a trait impl for the listing; auto-trait and blanket impls are left out, and so are
+    /// the hidden ones a derive adds (`TrivialClone` beside `Clone`: a trait no user can name).
+    fn trait_impl_met(&mut self, loc: &Loc) {
+        let item = self.api.item(loc);
+        let imp = &item["inner"]["impl"];
+        let derived = item["attrs"].as_array().into_iter().flatten().any(|a| a == "automatically_derived");
+        if imp["is_synthetic"] != true && imp["blanket_impl"].is_null() && !(derived && is_hidden(item)) {
+            self.impls.insert(loc.clone());
+        }
+    }
+
+    /// `impl<…> Trait<…> for Type where …`, every type and trait in full; `None` when the impl is
+    /// for a type of ours that no public path names.
+    fn trait_impl(&self, loc: &Loc) -> Option<String> {
+        let item = self.api.item(loc);
+        let imp = &item["inner"]["impl"];
+        let for_id = &imp["for"]["resolved_path"]["id"];
+        if let Ok(target) = self.api.resolve(&loc.0, for_id)
+            && !self.seen.contains_key(&target)
+        {
+            return None;
+        }
+        let ty = Ty { api: self.api, krate: &loc.0, names: Some(&self.seen) };
+        let neg = if imp["is_negative"] == true { "!" } else { "" };
+        let mark = if is_hidden(item) { "#[doc(hidden)] " } else { "" };
+        Some(format!(
+            "{mark}impl{} {neg}{} for {}{}",
+            ty.generics(&imp["generics"]),
+            ty.path(&imp["trait"]),
+            ty.ty(&imp["for"]),
+            ty.where_clause(&imp["generics"])
+        ))
     }
 
     fn member(&mut self, ty: &Ty, member: &Value, path: &str) {
@@ -328,208 +403,6 @@ impl Walk<'_> {
         } else {
             format!("pub {full}")
         };
-        self.lines.insert(line);
-    }
-}
-
-/// Renders types, generics and signatures of one crate's JSON.
-struct Ty<'a> {
-    api: &'a Api,
-    krate: &'a str,
-}
-
-impl Ty<'_> {
-    fn function(&self, path: &str, f: &Value) -> String {
-        let header = &f["header"];
-        let mut s = String::new();
-        for (flag, word) in [("is_const", "const "), ("is_async", "async "), ("is_unsafe", "unsafe ")] {
-            if header[flag] == true {
-                s.push_str(word);
-            }
-        }
-        let inputs: Vec<String> = f["sig"]["inputs"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|pair| {
-                let name = pair[0].as_str().unwrap_or("_");
-                let t = self.ty(&pair[1]);
-                match name {
-                    "self" if t == "Self" => "self".to_owned(),
-                    "self" if t == "&Self" => "&self".to_owned(),
-                    "self" if t == "&mut Self" => "&mut self".to_owned(),
-                    _ => format!("{name}: {t}"),
-                }
-            })
-            .collect();
-        let output = &f["sig"]["output"];
-        let output = if output.is_null() { String::new() } else { format!(" -> {}", self.ty(output)) };
-        let where_clause = self.where_clause(&f["generics"]);
-        format!("{s}fn {path}{}({}){output}{where_clause}", self.generics(&f["generics"]), inputs.join(", "))
-    }
-
-    fn generics(&self, g: &Value) -> String {
-        let params: Vec<String> = g["params"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|p| p["kind"]["type"]["is_synthetic"] != true)
-            .map(|p| {
-                let name = p["name"].as_str().unwrap_or("?").to_owned();
-                let kind = &p["kind"];
-                if let Some(t) = kind.get("type") {
-                    let bounds = self.bounds(&t["bounds"]);
-                    let default =
-                        if t["default"].is_null() { String::new() } else { format!(" = {}", self.ty(&t["default"])) };
-                    if bounds.is_empty() { format!("{name}{default}") } else { format!("{name}: {bounds}{default}") }
-                } else if let Some(c) = kind.get("const") {
-                    format!("const {name}: {}", self.ty(&c["type"]))
-                } else {
-                    name
-                }
-            })
-            .collect();
-        if params.is_empty() { String::new() } else { format!("<{}>", params.join(", ")) }
-    }
-
-    fn where_clause(&self, g: &Value) -> String {
-        let preds: Vec<String> = g["where_predicates"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|p| {
-                if let Some(b) = p.get("bound_predicate") {
-                    format!("{}: {}", self.ty(&b["type"]), self.bounds(&b["bounds"]))
-                } else if let Some(l) = p.get("lifetime_predicate") {
-                    format!("{}: {}", l["lifetime"].as_str().unwrap_or("?"), l["outlives"])
-                } else {
-                    p.to_string()
-                }
-            })
-            .collect();
-        if preds.is_empty() { String::new() } else { format!(" where {}", preds.join(", ")) }
-    }
-
-    fn bounds(&self, bounds: &Value) -> String {
-        let parts: Vec<String> = bounds
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|b| {
-                if let Some(t) = b.get("trait_bound") {
-                    let modifier = if t["modifier"] == "maybe" { "?" } else { "" };
-                    format!("{modifier}{}", self.path(&t["trait"]))
-                } else if let Some(l) = b.get("outlives") {
-                    l.as_str().unwrap_or("?").to_owned()
-                } else {
-                    b.to_string()
-                }
-            })
-            .collect();
-        parts.join(" + ")
-    }
-
-    /// A path to a type or trait: its name (the last segment of where it is defined) and its
-    /// generic arguments.
-    fn path(&self, p: &Value) -> String {
-        let written = p["path"].as_str().unwrap_or("?");
-        let name = self.api.crates[self.krate].json["paths"]
-            .get(p["id"].to_string())
-            .and_then(|d| d["path"].as_array())
-            .and_then(|segments| segments.last())
-            .and_then(Value::as_str)
-            .unwrap_or_else(|| written.rsplit("::").next().unwrap_or(written));
-        format!("{name}{}", self.args(&p["args"]))
-    }
-
-    fn args(&self, args: &Value) -> String {
-        if args.is_null() {
-            return String::new();
-        }
-        if let Some(a) = args.get("angle_bracketed") {
-            let mut parts: Vec<String> = a["args"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|arg| {
-                    if let Some(t) = arg.get("type") {
-                        self.ty(t)
-                    } else if let Some(l) = arg.get("lifetime") {
-                        l.as_str().unwrap_or("?").to_owned()
-                    } else if let Some(c) = arg.get("const") {
-                        c["expr"].as_str().unwrap_or("?").to_owned()
-                    } else {
-                        "_".to_owned()
-                    }
-                })
-                .collect();
-            for c in a["constraints"].as_array().into_iter().flatten() {
-                let name = c["name"].as_str().unwrap_or("?");
-                if let Some(t) = c["binding"].get("equality").and_then(|e| e.get("type")) {
-                    parts.push(format!("{name} = {}", self.ty(t)));
-                } else if let Some(b) = c["binding"].get("constraint") {
-                    parts.push(format!("{name}: {}", self.bounds(b)));
-                }
-            }
-            if parts.is_empty() { String::new() } else { format!("<{}>", parts.join(", ")) }
-        } else if let Some(p) = args.get("parenthesized") {
-            let inputs: Vec<String> = p["inputs"].as_array().into_iter().flatten().map(|t| self.ty(t)).collect();
-            let output = if p["output"].is_null() { String::new() } else { format!(" -> {}", self.ty(&p["output"])) };
-            format!("({}){output}", inputs.join(", "))
-        } else {
-            "(..)".to_owned()
-        }
-    }
-
-    fn ty(&self, t: &Value) -> String {
-        let Some((kind, v)) = t.as_object().and_then(|o| o.iter().next()) else {
-            return t.as_str().unwrap_or("_").to_owned();
-        };
-        match kind.as_str() {
-            "resolved_path" => self.path(v),
-            "dyn_trait" => {
-                let traits: Vec<String> =
-                    v["traits"].as_array().into_iter().flatten().map(|p| self.path(&p["trait"])).collect();
-                let lifetime = v["lifetime"].as_str().map(|l| format!(" + {l}")).unwrap_or_default();
-                format!("dyn {}{lifetime}", traits.join(" + "))
-            }
-            "generic" | "primitive" => v.as_str().unwrap_or("?").to_owned(),
-            "tuple" => {
-                let parts: Vec<String> = v.as_array().into_iter().flatten().map(|t| self.ty(t)).collect();
-                format!("({})", parts.join(", "))
-            }
-            "slice" => format!("[{}]", self.ty(v)),
-            "array" => format!("[{}; {}]", self.ty(&v["type"]), v["len"].as_str().unwrap_or("?")),
-            "impl_trait" => format!("impl {}", self.bounds(v)),
-            "infer" => "_".to_owned(),
-            "raw_pointer" => {
-                format!("*{} {}", if v["is_mutable"] == true { "mut" } else { "const" }, self.ty(&v["type"]))
-            }
-            "borrowed_ref" => {
-                let lifetime = v["lifetime"].as_str().map(|l| format!("{l} ")).unwrap_or_default();
-                let mutable = if v["is_mutable"] == true { "mut " } else { "" };
-                format!("&{lifetime}{mutable}{}", self.ty(&v["type"]))
-            }
-            "qualified_path" => {
-                let name = v["name"].as_str().unwrap_or("?");
-                let self_ty = self.ty(&v["self_type"]);
-                if v["trait"].is_null() {
-                    format!("{self_ty}::{name}")
-                } else {
-                    format!("<{self_ty} as {}>::{name}", self.path(&v["trait"]))
-                }
-            }
-            "function_pointer" => {
-                let inputs: Vec<String> =
-                    v["sig"]["inputs"].as_array().into_iter().flatten().map(|pair| self.ty(&pair[1])).collect();
-                let output = if v["sig"]["output"].is_null() {
-                    String::new()
-                } else {
-                    format!(" -> {}", self.ty(&v["sig"]["output"]))
-                };
-                format!("fn({}){output}", inputs.join(", "))
-            }
-            other => format!("<{other}>"),
-        }
+        self.push(is_hidden(member), line);
     }
 }

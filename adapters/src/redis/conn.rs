@@ -64,7 +64,7 @@ impl RedisConnections {
     /// use brokerfence::redis::{RedisConnections, RedisTimeouts};
     /// let timeouts = RedisTimeouts::default().response(Duration::from_millis(500));
     /// let redis = RedisConnections::connect_with("redis://127.0.0.1:6379", timeouts).await?;
-    /// assert_eq!(redis.timeouts().get_response(), Duration::from_millis(500));
+    /// assert_eq!(redis.get_timeouts().get_response(), Duration::from_millis(500));
     /// # Ok(()) }
     /// ```
     ///
@@ -205,7 +205,7 @@ impl RedisConnections {
     }
 
     /// Uses connections you built yourself, with the default [`RedisTimeouts`] (change them with
-    /// [`with_timeouts`](Self::with_timeouts)). `blocking` must not time out responses sooner than
+    /// [`timeouts`](Self::timeouts)). `blocking` must not time out responses sooner than
     /// the block time of the source that uses it plus the margin.
     pub fn from_managers(commands: ConnectionManager, blocking: ConnectionManager) -> Self {
         Self { commands: commands.into(), blocking: blocking.into(), timeouts: RedisTimeouts::default() }
@@ -213,11 +213,21 @@ impl RedisConnections {
 
     setters! {
         /// The timeouts the sources built on these connections apply.
-        pub fn with_timeouts(timeouts: RedisTimeouts) { timeouts = timeouts }
+        pub fn timeouts(timeouts: RedisTimeouts) { timeouts = timeouts }
     }
 
-    /// The timeouts.
-    pub fn timeouts(&self) -> RedisTimeouts {
+    /// The timeouts the sources built on these connections apply.
+    ///
+    /// ```no_run
+    /// # async fn demo(commands: brokerfence::redis::client::aio::ConnectionManager) {
+    /// use std::time::Duration;
+    /// use brokerfence::redis::{RedisConnections, RedisTimeouts};
+    /// let redis = RedisConnections::from_managers(commands.clone(), commands)
+    ///     .timeouts(RedisTimeouts::default().response(Duration::from_millis(500)));
+    /// assert_eq!(redis.get_timeouts().get_response(), Duration::from_millis(500));
+    /// # }
+    /// ```
+    pub fn get_timeouts(&self) -> RedisTimeouts {
         self.timeouts
     }
 

@@ -55,7 +55,7 @@ pub(crate) fn millis(d: Duration) -> u64 {
 /// process set, so that a settled delivery can release its key by compare-and-set.
 ///
 /// Every method is one round trip however many keys it is given, and sends nothing for none.
-/// Each call gives up after the [`timeout`](Self::timeout) with [`RedisError::Timeout`];
+/// Each call gives up after the [`get_timeout`](Self::get_timeout) with [`RedisError::Timeout`];
 /// [`confirm`](Self::confirm), made for the heartbeat, within a quarter of the lease at most.
 ///
 /// ```no_run
@@ -102,31 +102,48 @@ impl LeaseKeys {
     /// The lease keys of a source on `conns`, anchored on `anchor` (the key it reads) and bounded
     /// by the connections' response timeout.
     pub(crate) fn of_source(conns: &RedisConnections, anchor: &str) -> Self {
-        Self::new(conns.commands(), anchor).with_timeout(conns.timeouts().get_response())
+        Self::new(conns.commands(), anchor).timeout(conns.get_timeouts().get_response())
     }
 
     /// Sets the response timeout of every call (default 2 s, the default
     /// [`RedisTimeouts::get_response`]), for this value and every clone of it (a
     /// [`LeaseKeyHook`] built from it included).
-    pub fn with_timeout(self, timeout: Duration) -> Self {
+    ///
+    /// ```
+    /// # fn demo(redis: brokerfence::redis::RedisConnections) {
+    /// use std::time::Duration;
+    /// use brokerfence::redis::LeaseKeys;
+    /// let leases = LeaseKeys::new(redis.commands(), "orders").timeout(Duration::from_millis(500));
+    /// assert_eq!(leases.get_timeout(), Duration::from_millis(500));
+    /// # }
+    /// ```
+    pub fn timeout(self, timeout: Duration) -> Self {
         self.set_timeout(timeout);
         self
     }
 
-    /// Like [`with_timeout`](Self::with_timeout), through a shared reference.
-    pub fn set_timeout(&self, timeout: Duration) {
+    /// Like [`timeout`](Self::timeout), through a shared reference.
+    pub(crate) fn set_timeout(&self, timeout: Duration) {
         self.timeout_ms.store(millis(timeout), Ordering::Relaxed);
     }
 
-    /// The response timeout of every call.
-    pub fn timeout(&self) -> Duration {
+    /// The response timeout of every call (2 s unless [`timeout`](Self::timeout) set another).
+    ///
+    /// ```
+    /// # fn demo(redis: brokerfence::redis::RedisConnections) {
+    /// use std::time::Duration;
+    /// let leases = brokerfence::redis::LeaseKeys::new(redis.commands(), "orders");
+    /// assert_eq!(leases.get_timeout(), Duration::from_secs(2));
+    /// # }
+    /// ```
+    pub fn get_timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
     }
 
     /// The bound of a call made for the heartbeat of leases of `lease`: the timeout, at most a
     /// quarter of the lease ([`RedisTimeouts::hint`]).
-    pub fn hint_timeout(&self, lease: Duration) -> Duration {
-        RedisTimeouts::default().response(self.timeout()).hint(lease)
+    pub(crate) fn hint_timeout(&self, lease: Duration) -> Duration {
+        RedisTimeouts::default().response(self.get_timeout()).hint(lease)
     }
 
     /// The anchor key.
@@ -140,7 +157,7 @@ impl LeaseKeys {
     }
 
     /// How many keys this process holds a token for.
-    pub fn held_count(&self) -> usize {
+    pub(crate) fn held_count(&self) -> usize {
         self.held.lock().map(|h| h.len()).unwrap_or(0)
     }
 
@@ -171,7 +188,7 @@ impl LeaseKeys {
     /// The value of `key` (its holder's token), for inspection.
     pub async fn holder(&self, key: &str) -> Result<Option<String>, RedisError> {
         let mut conn = self.conn.clone();
-        bounded("GET", self.timeout(), ::redis::cmd("GET").arg(key).query_async::<Option<String>>(&mut conn)).await
+        bounded("GET", self.get_timeout(), ::redis::cmd("GET").arg(key).query_async::<Option<String>>(&mut conn)).await
     }
 
     /// Acquires lease keys: `(key, token, epoch)` each, expiring after `ttl`. A key held by an older
@@ -189,7 +206,7 @@ impl LeaseKeys {
             inv.arg(*e);
         }
         let mut conn = self.conn.clone();
-        let v: ::redis::Value = bounded("EVALSHA acquire", self.timeout(), inv.invoke_async(&mut conn)).await?;
+        let v: ::redis::Value = bounded("EVALSHA acquire", self.get_timeout(), inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA acquire", e))?;
         let out: Vec<Acquired> = codes
             .into_iter()
@@ -221,7 +238,7 @@ impl LeaseKeys {
             inv.key(k.as_str()).arg(t.as_str());
         }
         let mut conn = self.conn.clone();
-        let v: ::redis::Value = bounded("EVALSHA renew", self.timeout(), inv.invoke_async(&mut conn)).await?;
+        let v: ::redis::Value = bounded("EVALSHA renew", self.get_timeout(), inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA renew", e))?;
         Ok(codes
             .into_iter()
@@ -249,7 +266,7 @@ impl LeaseKeys {
             inv.key(k.as_str()).arg(t.as_str());
         }
         let mut conn = self.conn.clone();
-        let v: ::redis::Value = bounded("EVALSHA release", self.timeout(), inv.invoke_async(&mut conn)).await?;
+        let v: ::redis::Value = bounded("EVALSHA release", self.get_timeout(), inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA release", e))?;
         Ok(codes.into_iter().map(|c| c == 1).collect())
     }
@@ -267,9 +284,9 @@ impl LeaseKeys {
     /// vanished with a server restart, a reservation to upgrade). Each key expires after its
     /// lease's remaining time on the database clock. At most two round trips; one in steady state.
     ///
-    /// Made for the heartbeat: the whole call gives up after
-    /// [`hint_timeout`](Self::hint_timeout) of the longest lease (a quarter of the lease at most)
-    /// with [`RedisError::Timeout`]; the next confirmed heartbeat sends the newest renewal.
+    /// Made for the heartbeat: the whole call gives up after the
+    /// [`get_timeout`](Self::get_timeout), at most a quarter of the longest lease
+    /// ([`RedisTimeouts::hint`]), with [`RedisError::Timeout`]; the next confirmed heartbeat sends the newest renewal.
     pub async fn confirm(&self, leases: &[(String, &Lease)]) -> Result<(), RedisError> {
         let longest = leases.iter().map(|(_, l)| l.ttl).max().unwrap_or_default();
         bounded_op("lease key renewal", self.hint_timeout(longest), self.confirm_unbounded(leases)).await

@@ -59,7 +59,7 @@ impl RedisPublisher {
     }
 
     fn limit(&self) -> Duration {
-        self.conns.timeouts().get_response()
+        self.conns.get_timeouts().get_response()
     }
 }
 

@@ -12,7 +12,7 @@ use crate::builder::setters;
 /// - `connect` (default 2 s): to (re)connect, on both connections.
 /// - `response` (default 2 s): for the answer to a short command (acks, dead letters, reads that
 ///   do not block, the reaper). It is also the response timeout of the command connection that
-///   [`RedisConnections::connect`] builds.
+///   [`RedisConnections::connect`](super::RedisConnections::connect) builds.
 /// - Hint calls made for the heartbeat (the stream's `XCLAIM … JUSTID` with its lease keys, the
 ///   lease-key renewals of [`LeaseKeyHook`](super::LeaseKeyHook)) get
 ///   [`hint`](Self::hint)`(lease)`: `response`, but at most a quarter of the lease, so that even a
@@ -28,10 +28,11 @@ use crate::builder::setters;
 /// answers again (a paused server works through what it was sent); every call this adapter makes
 /// is safe to run late (compare-and-set scripts, idempotent acks, claims that check the lease key).
 ///
-/// If you build your own connections ([`RedisConnections::from_managers`]), give the command
+/// If you build your own connections
+/// ([`RedisConnections::from_managers`](super::RedisConnections::from_managers)), give the command
 /// connection a response timeout of about `response` and the blocking one none (or one longer
 /// than your longest block time plus the margin), and pass the same values here with
-/// [`RedisConnections::with_timeouts`].
+/// [`RedisConnections::timeouts`](super::RedisConnections::timeouts).
 ///
 /// ```
 /// use std::time::Duration;

@@ -36,15 +36,18 @@ pub fn http_client() -> aws_sdk_sqs::config::SharedHttpClient {
 ///
 /// **Bringing your own client?** Set an operation timeout and an operation attempt timeout on it
 /// (`TimeoutConfig::builder().operation_timeout(..).operation_attempt_timeout(..)`, as
-/// [`SqsTimeouts::timeout_config`] builds them): the attempt timeout above your receive wait time,
-/// the operation timeout a small multiple of it. The source bounds its own calls either way.
+/// [`client`] sets them): the attempt timeout above your receive wait time, the operation
+/// timeout a small multiple of it. The source bounds its own calls either way.
 ///
-/// ```
+/// ```no_run
+/// # async fn demo() {
 /// use std::time::Duration;
-/// let t = brokerfence::sqs::SqsTimeouts::default().attempt(Duration::from_secs(22));
-/// let c = t.timeout_config();
-/// assert_eq!(c.operation_attempt_timeout(), Some(Duration::from_secs(22)));
-/// assert_eq!(c.operation_timeout(), Some(Duration::from_secs(60)));
+/// use brokerfence::sqs::{SqsTimeouts, aws_config, client};
+/// let timeouts = SqsTimeouts::default().attempt(Duration::from_secs(22));
+/// let sqs = client(aws_config::from_env(), timeouts).await;
+/// let attempt = sqs.config().timeout_config().and_then(|t| t.operation_attempt_timeout());
+/// assert_eq!(attempt, Some(Duration::from_secs(22)));
+/// # }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SqsTimeouts {
@@ -66,7 +69,7 @@ impl SqsTimeouts {
     }
 
     /// The SDK's timeout configuration for these values.
-    pub fn timeout_config(&self) -> TimeoutConfig {
+    pub(crate) fn timeout_config(&self) -> TimeoutConfig {
         TimeoutConfig::builder()
             .connect_timeout(self.connect)
             .operation_attempt_timeout(self.attempt)
@@ -325,5 +328,13 @@ mod tests {
         assert_eq!(visibility_secs(Duration::from_millis(1)), 1);
         assert_eq!(visibility_secs(Duration::from_secs(3)), 3);
         assert_eq!(visibility_secs(Duration::from_secs(100_000)), 43_200);
+    }
+
+    #[test]
+    fn timeouts_become_the_sdk_timeout_config() {
+        let t = SqsTimeouts::default().attempt(Duration::from_secs(22));
+        let c = t.timeout_config();
+        assert_eq!(c.operation_attempt_timeout(), Some(Duration::from_secs(22)));
+        assert_eq!(c.operation_timeout(), Some(Duration::from_secs(60)));
     }
 }

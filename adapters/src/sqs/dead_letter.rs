@@ -33,15 +33,7 @@ const DELETE_PAUSES: Duration = Duration::from_millis(600);
 /// beyond the first (a retry's visibility is clamped to 12 h, so SQS hands the message out again,
 /// counting a receive, before the backoff ends). Returns (receives for the attempts, with
 /// `headroom` added).
-///
-/// ```
-/// use std::time::Duration;
-/// let policy = brokerfence::RetryPolicy { max_attempts: 5, base_backoff: Duration::from_secs(1), max_backoff: Duration::from_secs(300) };
-/// assert_eq!(brokerfence::sqs::receives_needed(&policy, 3), (5, 8));
-/// let long = brokerfence::RetryPolicy { max_attempts: 2, base_backoff: Duration::from_secs(30 * 3600), max_backoff: Duration::from_secs(30 * 3600) };
-/// assert_eq!(brokerfence::sqs::receives_needed(&long, 0), (4, 4)); // 2 attempts + 2 more for a 30 h wait
-/// ```
-pub fn receives_needed(retry: &RetryPolicy, headroom: u32) -> (u32, u32) {
+pub(crate) fn receives_needed(retry: &RetryPolicy, headroom: u32) -> (u32, u32) {
     let attempts = retry.max_attempts.clamp(1, i64::from(u32::MAX / 2));
     let max_visibility = super::config::MAX_VISIBILITY.as_secs();
     let mut receives: u64 = 0;
@@ -108,7 +100,7 @@ impl SqsSource {
     /// `maxReceiveCount` of them, whatever the database says. Besides one receive per attempt,
     /// a job costs a receive for every `Hold` (it was received while another worker held it),
     /// every takeover (a holder stalled and its visibility ran out), and every 12 h of a retry
-    /// backoff beyond the first (see [`receives_needed`]). So the rule is
+    /// backoff beyond the first (a retry's visibility is clamped to 12 h). So the rule is
     ///
     /// `maxReceiveCount ≥ receives for max_attempts (with backoffs) + headroom`
     ///
@@ -362,4 +354,26 @@ fn truncate(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use fence::RetryPolicy;
+
+    use super::receives_needed;
+
+    #[test]
+    fn receives_needed_counts_attempts_long_backoffs_and_headroom() {
+        let policy = RetryPolicy {
+            max_attempts: 5,
+            base_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(300),
+        };
+        assert_eq!(receives_needed(&policy, 3), (5, 8));
+        let day = Duration::from_secs(30 * 3600);
+        let long = RetryPolicy { max_attempts: 2, base_backoff: day, max_backoff: day };
+        assert_eq!(receives_needed(&long, 0), (4, 4)); // 2 attempts + 2 more for a 30 h wait
+    }
 }

@@ -66,7 +66,7 @@ pub use config::{
 // The SDK's HTTP client (rustls on ring), for the repository's own tests and harnesses.
 #[doc(hidden)]
 pub use config::http_client;
-pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE, receives_needed};
+pub use dead_letter::{REASON_ATTRIBUTE, SOURCE_MESSAGE_ID_ATTRIBUTE};
 pub use delivery::SqsDelivery;
 pub use error::{SqsError, error_chain};
 pub use key::KeyStrategy;

@@ -244,6 +244,7 @@ impl SqsSource {
     /// }
     /// # }
     /// ```
+    #[doc(hidden)]
     pub fn incoming(&self, delivery: SqsDelivery) -> Incoming<SqsDelivery> {
         let config = &self.inner.config;
         match config.key.key_of(delivery.message(), config.fifo) {

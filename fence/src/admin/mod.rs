@@ -120,7 +120,7 @@ pub enum AdminError {
     BrokerJobs {
         /// The queue.
         queue: QueueName,
-        /// Some of them (at most [`BROKER_KEYS_SHOWN`]), by key.
+        /// Some of them (at most 10), by key.
         keys: Vec<JobKey>,
         /// How many there are.
         count: u64,
@@ -128,7 +128,7 @@ pub enum AdminError {
 }
 
 /// How many keys an [`AdminError::BrokerJobs`] names.
-pub const BROKER_KEYS_SHOWN: usize = 10;
+pub(crate) const BROKER_KEYS_SHOWN: usize = 10;
 
 /// `a, b, c` and how many more.
 fn key_list(keys: &[JobKey], count: u64) -> String {

@@ -293,7 +293,7 @@ impl PgFence {
 
     /// Renews leases on `pool` (reserved capacity: give it connections the main pool cannot use
     /// up, with the fence's planner settings and time limits that fit the lease, see
-    /// [`PgTimeouts::apply_heartbeat`]).
+    /// [`PgTimeouts::heartbeat_statement`] and [`PgTimeouts::heartbeat_lock`]).
     pub fn heartbeat_pool(mut self, pool: PgPool) -> Self {
         self.heartbeat_pool = pool;
         self

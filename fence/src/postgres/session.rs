@@ -99,7 +99,10 @@ impl PgTimeouts {
     }
 
     /// `options` with the heartbeat connections' limits added as startup options.
-    pub fn apply_heartbeat(&self, options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+    pub(crate) fn apply_heartbeat(
+        &self,
+        options: sqlx::postgres::PgConnectOptions,
+    ) -> sqlx::postgres::PgConnectOptions {
         options.options([
             ("statement_timeout", pg_ms(self.heartbeat_statement)),
             ("lock_timeout", pg_ms(self.heartbeat_lock)),

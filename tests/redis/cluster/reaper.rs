@@ -38,7 +38,7 @@ async fn cluster_found_two_reapers_put_an_orphan_back_once() {
     let queue = QueueName::new("mail").expect("queue");
     let reaper = |_: &str| ReliableList::new(env.redis.clone(), queue.clone(), list.as_str(), ItemKey::Split(b'|'));
     let (a, b) = (reaper("a").expect("source a"), reaper("b").expect("source b"));
-    let processing = a.processing_list().to_owned();
+    let processing = a.get_processing().to_owned();
     // A worker took the item and died before reserving its lease key: an orphan.
     let _: i64 =
         client::cmd("LPUSH").arg(&processing).arg("k1|body").query_async(&mut env.conn()).await.expect("LPUSH");
@@ -74,7 +74,7 @@ async fn cluster_found_an_abandoned_item_is_not_put_back_again_by_a_reaper() {
     let queue = QueueName::new("mail").expect("queue");
     let source = || ReliableList::new(env.redis.clone(), queue.clone(), list.as_str(), ItemKey::Split(b'|'));
     let (a, w) = (source().expect("reaper a"), source().expect("worker w"));
-    let processing = a.processing_list().to_owned();
+    let processing = a.get_processing().to_owned();
     let _: i64 = client::cmd("LPUSH").arg(&list).arg("k2|body").query_async(&mut env.conn()).await.expect("LPUSH");
     let ctx = ReceiveContext { owner: Owner::new("w").expect("owner"), lease: lease(3) };
     let delivery = match w.receive(1, &ctx).await.expect("receive").pop() {

@@ -267,7 +267,7 @@ async fn cluster_reliable_list_end_to_end() {
     let list = env.name("mail");
     let queue = QueueName::new(list.as_str()).expect("queue");
     let first = reliable_list(worker_conns(&env).await, &list);
-    let (processing, dead) = (first.processing_list().to_owned(), first.dead_stream().to_owned());
+    let (processing, dead) = (first.get_processing().to_owned(), first.get_dead_letter_stream().to_owned());
     let orphan_lease = first.leases().key(&queue, &JobKey::new("orphan").expect("key"));
     let slot = cluster.slot_of(&list).await;
     for key in [&processing, &dead, &orphan_lease] {
@@ -668,7 +668,7 @@ async fn cluster_slot_migrated_mid_run_with_workers_running() {
     }
     let processing = {
         let source = reliable_list(worker_conns(&env).await, &list);
-        let processing = source.processing_list().to_owned();
+        let processing = source.get_processing().to_owned();
         consumers.push(spawn_consumer(source, env.store(), "la", consumer_config(3, 4), handler.clone()));
         processing
     };

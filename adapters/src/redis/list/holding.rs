@@ -100,7 +100,7 @@ impl Target {
     /// One bounded call that sends `item`.
     pub(super) async fn send(&self, item: &[u8], route: &Route) -> Result<(), RedisError> {
         let mut conn = self.redis.commands();
-        let limit = self.leases.timeout();
+        let limit = self.leases.get_timeout();
         match route {
             Route::Push => {
                 let mut lpush = ::redis::cmd("LPUSH");

@@ -85,7 +85,7 @@ struct ListState {
 /// use brokerfence::{LeaseDuration, QueueName, SupervisorConfig};
 /// let redis = RedisConnections::connect("redis://127.0.0.1:6379").await?;
 /// let source = ReliableList::new(redis, QueueName::new("mail")?, "mail", ItemKey::Split(b'|'))?;
-/// assert_eq!(source.processing_list(), "{mail}:processing");
+/// assert_eq!(source.get_processing(), "{mail}:processing");
 /// let consumer = Consumer::new(source, store, ConsumerConfig::new(SupervisorConfig::new(LeaseDuration::from_secs(30)?)));
 /// consumer.run(|ctx: brokerfence::JobContext| async move { Ok(ctx.payload().to_vec()) }, brokerfence::shutdown_signal()).await?;
 /// # Ok(()) }
@@ -162,13 +162,13 @@ impl ReliableList {
         &self.list
     }
 
-    /// The processing list.
-    pub fn processing_list(&self) -> &str {
+    /// The processing list (default `{list}:processing`).
+    pub fn get_processing(&self) -> &str {
         &self.processing
     }
 
-    /// The dead-letter stream.
-    pub fn dead_stream(&self) -> &str {
+    /// The dead-letter stream (default `{list}:dead`).
+    pub fn get_dead_letter_stream(&self) -> &str {
         &self.dead
     }
 
@@ -178,7 +178,7 @@ impl ReliableList {
     }
 
     fn response(&self) -> Duration {
-        self.conns.timeouts().get_response()
+        self.conns.get_timeouts().get_response()
     }
 
     fn lease_key_of(&self, item: &[u8]) -> String {
@@ -252,7 +252,7 @@ impl ReliableList {
                 .arg("RIGHT")
                 .arg("LEFT")
                 .arg(format!("{:.3}", self.block.as_secs_f64()));
-            let limit = self.conns.timeouts().blocking(self.block);
+            let limit = self.conns.get_timeouts().blocking(self.block);
             let v: Value = bounded("BLMOVE", limit, blmove.query_async(&mut self.conns.blocking())).await?;
             items.extend(reply::bytes(v));
         }

@@ -53,7 +53,7 @@ use super::holding::{CloseOnDrop, DEFAULT_HOLDING, FIRST_PAUSE, Holding, Route, 
 ///     let mut brpop = brokerfence::redis::client::cmd("BRPOP");
 ///     brpop.arg("mail").arg(block.as_secs());
 ///     let read = brpop.query_async::<Option<(String, Vec<u8>)>>(&mut conn);
-///     let item = match tokio::time::timeout(redis.timeouts().blocking(block), read).await {
+///     let item = match tokio::time::timeout(redis.get_timeouts().blocking(block), read).await {
 ///         Ok(Ok(Some((_, item)))) => item,
 ///         Ok(Ok(None)) | Err(_) => continue,
 ///         Ok(Err(e)) => {
@@ -145,7 +145,7 @@ impl ListRetrofit {
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
     /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))?
     ///     .holding_capacity(64);
-    /// assert_eq!(fence.held(), 0);
+    /// # drop(fence);
     /// # Ok(()) }
     /// ```
     pub fn holding_capacity(mut self, capacity: usize) -> Self {
@@ -157,6 +157,7 @@ impl ListRetrofit {
     }
 
     /// Popped items held now: waiting for a retry's delay to pass, or for Redis to take them.
+    #[doc(hidden)]
     pub fn held(&self) -> usize {
         self.holding.len()
     }
@@ -182,7 +183,7 @@ impl ListRetrofit {
 
     /// The response timeout of this fence's Redis calls (default 2 s): lease keys, the push back
     /// and the dead letter of [`requeue_popped`](Self::requeue_popped) (each try of them). The heartbeat's lease-key
-    /// renewals get at most a quarter of the lease ([`LeaseKeys::hint_timeout`]). A call that
+    /// renewals get at most a quarter of the lease ([`RedisTimeouts::hint`](crate::redis::RedisTimeouts::hint)). A call that
     /// times out fails with [`RedisError::Timeout`]. Use the value of your connection's response
     /// timeout, or lower.
     ///
@@ -194,7 +195,7 @@ impl ListRetrofit {
     /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30)?);
     /// let fence = ListRetrofit::new(store, QueueName::new("mail")?, config, &redis, "mail", ItemKey::Split(b'|'))?
     ///     .command_timeout(Duration::from_millis(500));
-    /// assert_eq!(fence.leases().timeout(), Duration::from_millis(500));
+    /// assert_eq!(fence.leases().get_timeout(), Duration::from_millis(500));
     /// # Ok(()) }
     /// ```
     pub fn command_timeout(self, timeout: Duration) -> Self {

@@ -20,7 +20,7 @@ use super::{KeyFrom, State, StreamDelivery, StreamSource};
 
 impl StreamSource {
     pub(super) fn response(&self) -> Duration {
-        self.conns.timeouts().get_response()
+        self.conns.get_timeouts().get_response()
     }
 
     pub(super) fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> Option<T> {
@@ -137,7 +137,7 @@ impl StreamSource {
         }
         cmd.arg("STREAMS").arg(&self.stream).arg(">");
         let (mut conn, limit) = if block {
-            (self.conns.blocking(), self.conns.timeouts().blocking(self.block))
+            (self.conns.blocking(), self.conns.get_timeouts().blocking(self.block))
         } else {
             (self.conns.commands(), self.response())
         };
@@ -247,7 +247,7 @@ impl StreamSource {
         for (_, l, _) in &newest {
             inv.arg(l.epoch);
         }
-        let limit = self.conns.timeouts().hint(longest);
+        let limit = self.conns.get_timeouts().hint(longest);
         let mut conn = self.conns.commands();
         let v: Value = bounded("EVALSHA stream extend", limit, inv.invoke_async(&mut conn)).await?;
         let codes = reply::ints(v).map_err(|e| RedisError::reply("EVALSHA stream extend", e))?;

@@ -95,7 +95,7 @@ struct State {
 ///     .key_from(KeyFrom::Field("order_id".into()))
 ///     .max_deliveries(5)
 ///     .block(Duration::from_secs(2));
-/// assert_eq!(source.dead_stream(), "{orders}:dead");
+/// assert_eq!(source.get_dead_letter_stream(), "{orders}:dead");
 /// # Ok(()) }
 /// ```
 pub struct StreamSource {
@@ -204,8 +204,8 @@ impl StreamSource {
         &self.group
     }
 
-    /// The dead-letter stream key.
-    pub fn dead_stream(&self) -> &str {
+    /// The dead-letter stream key (default `{stream}:dead`).
+    pub fn get_dead_letter_stream(&self) -> &str {
         &self.dead
     }
 
