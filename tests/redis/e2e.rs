@@ -560,7 +560,7 @@ async fn list_retrofit_in_a_brpop_loop() {
     let slow = observed.iter().find(|(k, _, _)| k == "r-0").expect("slow");
     assert!(slow.2 > 2000, "lease key renewed by the heartbeat: pttl {} ms after 1.6 s of a 3 s lease", slow.2);
     assert!(env.keys(&format!("{{{list}}}:lease:*")).await.is_empty(), "lease keys released");
-    let dead = xrange(&mut conn, fence.dead_stream()).await;
+    let dead = xrange(&mut conn, fence.get_dead_letter_stream()).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(field_of(&dead[0].1, "item").as_deref(), Some("garbage"));
     assert_eq!(fence.retrofit().metrics().snapshot().completions, 3);

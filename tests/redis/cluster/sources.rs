@@ -373,7 +373,7 @@ async fn cluster_list_retrofit_in_a_brpop_loop() {
         ItemKey::Split(b'|'),
     )
     .expect("retrofit");
-    assert_eq!(cluster.slot_of(fence.dead_stream()).await, cluster.slot_of(&list).await);
+    assert_eq!(cluster.slot_of(fence.get_dead_letter_stream()).await, cluster.slot_of(&list).await);
     for item in ["r-0|slow", "r-1|a", "r-2|b", "r-1|a", "garbage", "r-3|flaky"] {
         lpush(&env, &list, item).await;
     }
@@ -446,7 +446,7 @@ async fn cluster_list_retrofit_in_a_brpop_loop() {
         assert_eq!((job.state, job.epoch), (JobState::Completed, epoch), "{key}");
     }
     assert!(lease_keys_left(&cluster, &list).await.is_empty(), "lease keys released");
-    let dead = xrange(&mut env.conn(), fence.dead_stream()).await;
+    let dead = xrange(&mut env.conn(), fence.get_dead_letter_stream()).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(field_of(&dead[0].1, "item").as_deref(), Some("garbage"));
     assert_eq!(llen(&env, &list).await, 0);

@@ -219,7 +219,7 @@ impl ListRetrofit {
     }
 
     /// The dead-letter stream (`{list}:dead`).
-    pub fn dead_stream(&self) -> &str {
+    pub fn get_dead_letter_stream(&self) -> &str {
         &self.dead
     }
 
@@ -350,7 +350,7 @@ impl ListRetrofit {
     /// For a loop that popped `item` destructively (`BRPOP`): puts back what must run again and
     /// dead-letters what must not. A popped item has no other copy, so it is pushed back unless the
     /// database settled its job: a confirmed commit or a completed job ([`Disposition::Ack`]), a
-    /// dead job ([`Disposition::DeadLetter`], moved to [`dead_stream`](Self::dead_stream)), or a
+    /// dead job ([`Disposition::DeadLetter`], moved to [`get_dead_letter_stream`](Self::get_dead_letter_stream)), or a
     /// newer epoch that holds or finished the job from its own copy ([`Disposition::Leave`] as
     /// [`process`](Self::process) answers it, only when the database said so; any other `Leave`
     /// is put back).
