@@ -59,6 +59,7 @@ pub struct Processed {
     /// [`ListRetrofit::process`](crate::redis::ListRetrofit::process) with [`Disposition::Leave`]):
     /// that holder has its own copy, so `requeue_popped` may drop this one. A `Leave` from
     /// anywhere else (a lease lost unconfirmed, a fenced commit) is put back.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) newer_epoch_confirmed: bool,
 }
 

@@ -100,22 +100,8 @@ pub fn build(kind: Kind, name: &str) -> Result<PathBuf, String> {
     // <target>/<profile>/deps/<test binary>
     let profile_dir = exe.parent().and_then(Path::parent).ok_or("the test binary lies in no target/<profile>/deps")?;
     let target_dir = profile_dir.parent().ok_or("the test binary lies in no target directory")?;
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = std::process::Command::new(&cargo);
+    let mut cmd = cargo();
     cmd.current_dir(workspace_root()).arg("build");
-    // What cargo set for this test process describes the test, not the shell the build came
-    // from. Build scripts depend on some of these names (ring: `rerun-if-env-changed` on
-    // `CARGO_PKG_NAME`, …), so left in, this build saw other values than `cargo test` did and ran
-    // them again, rebuilding ring, rustls and sqlx here and once more at the next `cargo test`.
-    for (key, _) in std::env::vars_os() {
-        let Some(key) = key.to_str() else { continue };
-        let set_by_cargo = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_EXE_"].iter().any(|p| key.starts_with(p))
-            || ["CARGO_CRATE_NAME", "CARGO_BIN_NAME", "CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"]
-                .contains(&key);
-        if set_by_cargo {
-            cmd.env_remove(key);
-        }
-    }
     if cfg!(feature = "docker") {
         cmd.arg("--workspace");
     } else {
@@ -151,6 +137,26 @@ pub fn build(kind: Kind, name: &str) -> Result<PathBuf, String> {
 }
 
 /// The workspace root (this crate's parent directory).
+/// A `cargo` command (the one running the tests, else the one on `PATH`) for a build started from
+/// a test, without the variables cargo set for the test process. Those describe the test, not
+/// the shell the build came from; build scripts depend on some of them (ring:
+/// `rerun-if-env-changed` on `CARGO_PKG_NAME`, …), so left in, the build saw other values than
+/// `cargo test` did and ran them again, rebuilding ring, rustls and sqlx here and once more at the
+/// next `cargo test`.
+pub fn cargo() -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        let set_by_cargo = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_EXE_"].iter().any(|p| key.starts_with(p))
+            || ["CARGO_CRATE_NAME", "CARGO_BIN_NAME", "CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"]
+                .contains(&key);
+        if set_by_cargo {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
 fn workspace_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new(".."))
 }

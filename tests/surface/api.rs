@@ -13,7 +13,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde_json::Value;
 
@@ -75,19 +74,8 @@ fn rustdoc_json(root: &Path) -> PathBuf {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod the wrapper");
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    // What cargo set for this test process describes the test, not a build: left in, build
-    // scripts that watch some of these names would run again (see testkit/src/programs.rs).
-    for (key, _) in std::env::vars_os() {
-        let Some(key) = key.to_str() else { continue };
-        let set_by_cargo = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_EXE_"].iter().any(|p| key.starts_with(p))
-            || ["CARGO_CRATE_NAME", "CARGO_BIN_NAME", "CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"]
-                .contains(&key);
-        if set_by_cargo {
-            cmd.env_remove(key);
-        }
-    }
+    // Without the variables cargo set for this test process (see `programs::cargo`).
+    let mut cmd = brokerfence_testkit::programs::cargo();
     if let Ok(rustdoc) = std::env::var("RUSTDOC") {
         cmd.env("SURFACE_RUSTDOC", rustdoc);
     }
