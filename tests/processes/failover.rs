@@ -572,6 +572,37 @@ async fn failover_pgbouncer_time_limits_hold_per_transaction() {
     common::drop_schema(&fence).await;
 }
 
+/// Defect (CI at 4494902): `migrate` through a transaction-mode pooler asked whether a migration
+/// was recorded outside a transaction, as an extended-protocol query: sqlx parses it (one
+/// `Sync`), then binds it (another), and PgBouncer may hand the bind to another server
+/// connection, which has no such statement ("unnamed prepared statement does not exist"). The
+/// test's PgBouncer hands out its server connections in turn (`server_round_robin`), with two of
+/// them open before `migrate`, so a statement split across server connections fails every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_migrate_through_pgbouncer_whose_server_connections_rotate() {
+    use sqlx::Connection as _;
+    let (_bouncer, url) = bouncer("extra_float_digits").await;
+    // Two server connections open (two transactions at once), then idle in the pooler.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect through PgBouncer");
+        sqlx::raw_sql("BEGIN; SELECT 1").execute(&mut conn).await.expect("begin");
+        held.push(conn);
+    }
+    for mut conn in held {
+        sqlx::raw_sql("COMMIT").execute(&mut conn).await.expect("commit");
+    }
+    for round in 0..2 {
+        let schema = common::unique_schema();
+        let fence = fence_at(&url, &schema, Guards::default()).await;
+        assert_eq!(fence.get_pooler(), Pooler::Transaction);
+        fence.migrate().await.unwrap_or_else(|e| panic!("migrate through PgBouncer (round {round}): {e}"));
+        fence.migrate().await.expect("migrate again: nothing to do");
+        fence.check_schema().await.expect("migrated");
+        common::drop_schema(&fence).await;
+    }
+}
+
 /// (f) The CLI through PgBouncer: `migrate` and `status` with the pooler's URL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_cli_migrate_and_status_through_pgbouncer() {

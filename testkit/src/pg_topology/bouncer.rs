@@ -38,7 +38,7 @@ pub struct PgBouncer {
 }
 
 impl PgBouncer {
-    /// pool_mode as given ("transaction" or "session"); `ignore_startup_parameters` as given (e.g. "extra_float_digits", which is what sqlx users set; pass "" for none); auth_type = trust with an auth_file listing `users` (password ""; `postgres` is always added, for the admin console), one `[databases]` entry `* = host=127.0.0.1 port=<upstream port>`, `server_reset_query = DISCARD ALL` only in session mode, pool 20, 500 clients, log to a file in its temp dir. Waits until it accepts a TCP connection.
+    /// pool_mode as given ("transaction" or "session"); `ignore_startup_parameters` as given (e.g. "extra_float_digits", which is what sqlx users set; pass "" for none); auth_type = trust with an auth_file listing `users` (password ""; `postgres` is always added, for the admin console), one `[databases]` entry `* = host=127.0.0.1 port=<upstream port>`, `server_reset_query = DISCARD ALL` only in session mode, server connections handed out in turn (`server_round_robin = 1`: a statement split across two transactions of a client lands on another server connection, as on a busy pooler), pool 20, 500 clients, log to a file in its temp dir. Waits until it accepts a TCP connection.
     pub async fn start(
         upstream: SocketAddr,
         pool_mode: &str,
@@ -182,6 +182,7 @@ fn ini(dir: &Path, upstream: SocketAddr, port: u16, pool_mode: &str, ignore_star
          server_login_retry = 1\n\
          server_connect_timeout = 3\n\
          query_wait_timeout = 30\n\
+         server_round_robin = 1\n\
          logfile = {dir}/pgbouncer.log\n\
          pidfile = {dir}/pgbouncer.pid\n",
         host = upstream.ip(),

@@ -140,7 +140,13 @@ impl PgFence {
     /// One migration, step by step, unless it is recorded already; recorded with its last step.
     async fn apply(&self, conn: &mut PgConnection, m: &PgMigration) -> Result<()> {
         let s = self.schema.as_str();
-        if self.recorded(&mut *conn, m.version).await? {
+        // In a transaction: behind a transaction-mode pooler a statement with parameters outside
+        // one is parsed and bound in two round trips, which the pooler may send to two server
+        // sessions ("unnamed prepared statement does not exist").
+        let mut tx = conn.begin().await?;
+        let recorded = self.recorded(&mut tx, m.version).await?;
+        tx.commit().await?;
+        if recorded {
             return Ok(());
         }
         let last = m.steps.len().saturating_sub(1);
@@ -434,7 +440,28 @@ impl PgFence {
     /// over). Session settings, as there is no transaction to scope them: reset after, and the
     /// connection is not handed back to the pool (`close_on_drop`), so no other user of the pool
     /// sees them.
+    ///
+    /// Behind a transaction-mode pooler no session setting stays on one server session, and a
+    /// statement sent as parse and bind may reach two: the statement goes alone as one simple
+    /// query, under the server's own limits, and the migration's `give_up_after` bounds it from
+    /// this side (a build given up on is left invalid, and the next `migrate` builds it again).
     async fn outside_tx(&self, conn: &mut PgConnection, m: &PgMigration, sql: &str) -> Result<()> {
+        if self.route.is_pooled() {
+            let migration_error = |source| FenceError::Migration { version: m.version, name: m.name, source };
+            return match tokio::time::timeout(
+                self.migration.give_up_after,
+                sqlx::raw_sql(AssertSqlSafe(sql.to_owned())).execute(&mut *conn),
+            )
+            .await
+            {
+                Ok(done) => done.map(drop).map_err(migration_error),
+                Err(_) => Err(FenceError::StatementTimeout(format!(
+                    "migration {} ({}): `{sql}` did not finish within give_up_after ({:?}) behind a \
+                     transaction-mode pooler",
+                    m.version, m.name, self.migration.give_up_after
+                ))),
+            };
+        }
         let limit = pg_ms(self.migration.give_up_after).to_string();
         sqlx::query(
             "SELECT set_config('lock_timeout', $1, false), set_config('statement_timeout', $1, false), \
