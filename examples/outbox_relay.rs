@@ -64,8 +64,8 @@ enum Command {
         /// Milliseconds to wait inside the transaction, before the commit
         #[arg(long, value_name = "MS", default_value = "0", value_parser = common::millis)]
         in_tx_delay: Duration,
-        /// Milliseconds to wait when the queue is empty
-        #[arg(long, value_name = "MS", default_value = "100", value_parser = common::millis)]
+        /// Milliseconds between polls of an idle queue when no wake-up comes
+        #[arg(long, value_name = "MS", default_value = "1000", value_parser = common::millis)]
         idle_wait: Duration,
         #[command(flatten)]
         common: Common,

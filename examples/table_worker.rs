@@ -39,8 +39,8 @@ struct Args {
     /// The queue (a name in the fence's jobs table)
     #[arg(long, value_name = "NAME", required = true)]
     queue: Option<String>,
-    /// Milliseconds to wait when the queue is empty
-    #[arg(long, value_name = "MS", default_value = "100", value_parser = common::millis)]
+    /// Milliseconds between polls of an idle queue when no wake-up comes
+    #[arg(long, value_name = "MS", default_value = "1000", value_parser = common::millis)]
     idle_wait: Duration,
     #[command(flatten)]
     common: Common,

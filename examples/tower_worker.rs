@@ -43,8 +43,8 @@ struct Args {
     /// Milliseconds one attempt may take (tower's TimeoutLayer) before it fails
     #[arg(long, value_name = "MS", default_value = "5000", value_parser = common::millis)]
     timeout: Duration,
-    /// Milliseconds to wait when the queue is empty
-    #[arg(long, value_name = "MS", default_value = "100", value_parser = common::millis)]
+    /// Milliseconds between polls of an idle queue when no wake-up comes
+    #[arg(long, value_name = "MS", default_value = "1000", value_parser = common::millis)]
     idle_wait: Duration,
     #[command(flatten)]
     common: Common,

@@ -130,7 +130,8 @@ pub use fence::{
     Backend, BoxError, Claim, ClaimedJob, Counter, DEFAULT_SCHEMA, DbTime, Distribution, FailOutcome, FenceError,
     FenceStore, FencedConnection, Heartbeat, IntoJobResult, JobContext, JobError, JobKey, JobRecord, JobResultExt,
     JobState, Lease, LeaseDuration, LeaseHook, LossReason, MAX_KEY_BYTES, MAX_NAME_BYTES, MIN_LEASE, Metrics,
-    MetricsSnapshot, Outcome, Owner, QueueName, Result, RetryPolicy, SchemaName, Supervisor, SupervisorConfig,
+    MetricsSnapshot, Outcome, Owner, QueueName, Result, RetryPolicy, SchemaName, Supervisor, SupervisorConfig, Wake,
+    Wakeups,
 };
 
 #[cfg(feature = "serde")]

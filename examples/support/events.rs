@@ -160,6 +160,12 @@ impl FenceStore for EventStore {
     async fn db_now(&self) -> fence::Result<DbTime> {
         self.0.db_now().await
     }
+    fn wakeups(&self, queue: &brokerfence::QueueName) -> brokerfence::Wakeups {
+        self.0.wakeups(queue)
+    }
+    async fn next_due(&self, queue: &brokerfence::QueueName) -> brokerfence::Result<Option<std::time::Duration>> {
+        self.0.next_due(queue).await
+    }
 
     fn backend(&self) -> brokerfence::Backend<'_> {
         self.0.backend()

@@ -47,6 +47,7 @@ mod schema;
 mod sqlite;
 mod store;
 mod supervisor;
+mod wake;
 pub mod wire;
 
 // What `brokerfence` re-exports at its root. Items of the public modules (`admin`, `epoch`,
@@ -69,6 +70,7 @@ pub use schema::{DEFAULT_SCHEMA, SchemaName};
 pub use sqlite::{ReclaimReport, SqliteDurability, SqliteFence};
 pub use store::{Backend, FenceStore};
 pub use supervisor::{JobContext, LeaseHook, LossReason, Outcome, Supervisor, SupervisorConfig};
+pub use wake::{Wake, Wakeups};
 
 // The modules' items under short paths, for this crate's own code.
 pub(crate) use retention::{PruneReport, Retention};

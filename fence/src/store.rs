@@ -107,6 +107,38 @@ pub trait FenceStore: Send + Sync + 'static {
         n: u32,
     ) -> Result<Vec<ClaimedJob>>;
 
+    /// Wake-ups for the consumers of `queue` (see [`Wakeups`](crate::Wakeups)): a consumer
+    /// with nothing to claim waits for one instead of asking again and again. The default has
+    /// none (a consumer then only polls); a store that wraps another delegates this call.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
+    /// let wakeups = store.wakeups(&brokerfence::QueueName::new("emails")?);
+    /// println!("notifications arrive: {}", wakeups.is_listening());
+    /// # Ok(()) }
+    /// ```
+    fn wakeups(&self, queue: &QueueName) -> crate::Wakeups {
+        let _ = queue;
+        crate::Wakeups::none()
+    }
+
+    /// How long until the earliest job of `queue` that is waiting to become due (a retry's
+    /// backoff) is due, on the database clock; `None` when no job waits. A job due now is not
+    /// counted (a claim takes it, or another transaction holds it). The default answers `None`;
+    /// a store that wraps another delegates this call.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
+    /// if let Some(after) = store.next_due(&brokerfence::QueueName::new("emails")?).await? {
+    ///     println!("the next retry is due in {after:?}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    async fn next_due(&self, queue: &QueueName) -> Result<Option<std::time::Duration>> {
+        let _ = queue;
+        Ok(None)
+    }
+
     /// Renews every given lease still matching (key, owner, epoch, running) in one statement.
     async fn heartbeat(&self, leases: &[Lease], lease: LeaseDuration) -> Result<Heartbeat>;
 

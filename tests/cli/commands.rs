@@ -636,6 +636,12 @@ async fn ergonomics_admin_refuses_a_store_without_a_concrete_backend() {
         async fn db_now(&self) -> brokerfence::Result<brokerfence::DbTime> {
             self.0.db_now().await
         }
+        fn wakeups(&self, queue: &brokerfence::QueueName) -> brokerfence::Wakeups {
+            self.0.wakeups(queue)
+        }
+        async fn next_due(&self, queue: &brokerfence::QueueName) -> brokerfence::Result<Option<std::time::Duration>> {
+            self.0.next_due(queue).await
+        }
         fn backend(&self) -> brokerfence::Backend<'_> {
             brokerfence::Backend::Other("opaque")
         }

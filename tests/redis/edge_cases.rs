@@ -135,6 +135,12 @@ mod edges {
         async fn db_now(&self) -> brokerfence::Result<DbTime> {
             self.inner.db_now().await
         }
+        fn wakeups(&self, queue: &brokerfence::QueueName) -> brokerfence::Wakeups {
+            self.inner.wakeups(queue)
+        }
+        async fn next_due(&self, queue: &brokerfence::QueueName) -> brokerfence::Result<Option<std::time::Duration>> {
+            self.inner.next_due(queue).await
+        }
         fn backend(&self) -> brokerfence::Backend<'_> {
             brokerfence::Backend::Other("faulty-postgres")
         }
@@ -522,7 +528,7 @@ mod edges {
     }
 
     fn receive_ctx(owner: &str) -> ReceiveContext {
-        ReceiveContext { owner: Owner::new(owner).expect("owner"), lease: lease(3) }
+        ReceiveContext { owner: Owner::new(owner).expect("owner"), lease: lease(3), shutdown: Default::default() }
     }
 
     /// The one delivery a receive returned.

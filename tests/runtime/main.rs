@@ -11,12 +11,14 @@
 //! | [`retrofit_loops`] | the retrofits in a user's own loop |
 //! | [`retrofits`] | nothing popped is lost, dead letters once, the schema check, a panicking handler |
 //! | [`ergonomics`] | `anyhow` in handlers, errors that name the API, small errors |
+//! | [`latency`] | wake-ups instead of polls: after the commit only, timers for retries, a killed listener, PgBouncer, SQLite, the idle cost |
 //! | [`observability`] | counters and histograms through the `metrics` façade |
 
 // A module that needs more features than its line here says gates itself with `#![cfg(…)]`.
 mod bad_input;
 mod edge_cases;
 mod ergonomics;
+mod latency;
 mod observability;
 mod retrofit_loops;
 #[cfg(all(feature = "redis", feature = "sqs"))]

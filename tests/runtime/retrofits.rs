@@ -139,7 +139,11 @@ async fn hardening_item9_a_list_item_is_dead_lettered_once() {
         .expect("source")
         .block(Duration::from_millis(50));
     lpush(&env, &list, "k-1|body").await;
-    let ctx = ReceiveContext { owner: Owner::new("dead-once").expect("owner"), lease: lease(5) };
+    let ctx = ReceiveContext {
+        owner: Owner::new("dead-once").expect("owner"),
+        lease: lease(5),
+        shutdown: Default::default(),
+    };
     let mut got = source.receive(10, &ctx).await.expect("receive");
     let delivery = match got.pop() {
         Some(Incoming::Unclaimed { delivery, .. }) => delivery,

@@ -33,7 +33,8 @@ mod edges {
 
     /// Receives through `source` until one delivery comes (or panics after `within`).
     async fn receive_one(source: &SqsSource, lease: LeaseDuration, within: Duration) -> Incoming<SqsDelivery> {
-        let ctx = ReceiveContext { owner: Owner::new("edges-receiver").expect("owner"), lease };
+        let ctx =
+            ReceiveContext { owner: Owner::new("edges-receiver").expect("owner"), lease, shutdown: Default::default() };
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let mut got = source.receive(1, &ctx).await.expect("receive");
@@ -118,7 +119,8 @@ mod edges {
             .expect_err("stalled");
         assert!(matches!(e, SqsError::Timeout { .. }), "{e:?}");
         assert!(started.elapsed() < Duration::from_millis(1800), "took {:?}", started.elapsed());
-        let ctx = ReceiveContext { owner: Owner::new("bound").expect("owner"), lease: secs(3) };
+        let ctx =
+            ReceiveContext { owner: Owner::new("bound").expect("owner"), lease: secs(3), shutdown: Default::default() };
         let started = Instant::now();
         let e = tokio::time::timeout(Duration::from_secs(10), bounded.receive(1, &ctx))
             .await

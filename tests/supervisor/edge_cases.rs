@@ -137,6 +137,12 @@ mod edges {
         async fn db_now(&self) -> Result<DbTime> {
             self.inner.db_now().await
         }
+        fn wakeups(&self, queue: &brokerfence::QueueName) -> brokerfence::Wakeups {
+            self.inner.wakeups(queue)
+        }
+        async fn next_due(&self, queue: &brokerfence::QueueName) -> brokerfence::Result<Option<std::time::Duration>> {
+            self.inner.next_due(queue).await
+        }
         fn backend(&self) -> brokerfence::Backend<'_> {
             brokerfence::Backend::Other("held-postgres")
         }

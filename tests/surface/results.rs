@@ -126,7 +126,11 @@ mod redis {
             StreamSource::new(env.redis.clone(), QueueName::new("surface").expect("queue"), env.name("s"), "g")
                 .expect("source");
         redis.kill().await;
-        let ctx = ReceiveContext { owner: Owner::new("surface").expect("owner"), lease: lease(3) };
+        let ctx = ReceiveContext {
+            owner: Owner::new("surface").expect("owner"),
+            lease: lease(3),
+            shutdown: Default::default(),
+        };
         let got = tokio::time::timeout(Duration::from_secs(20), source.receive(10, &ctx))
             .await
             .expect("a receive on a stopped Redis answers");

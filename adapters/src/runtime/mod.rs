@@ -56,6 +56,10 @@ pub struct ReceiveContext {
     pub owner: Owner,
     /// The lease length.
     pub lease: fence::LeaseDuration,
+    /// Cancelled when the consumer stops: a receive that waits for deliveries to come (an idle
+    /// table queue) returns what it has at once. (A receive that does not look at it is still
+    /// given the grace period to finish, and what it returns is given back.)
+    pub shutdown: CancellationToken,
 }
 
 /// A consumer: one worker (one owner) reading one source.

@@ -59,7 +59,11 @@ impl<S: Source> Consumer<S> {
         shutdown: &CancellationToken,
         batch: usize,
     ) -> Result<(), SourceError> {
-        let ctx = ReceiveContext { owner: self.supervisor.owner().clone(), lease: self.config.supervisor.lease() };
+        let ctx = ReceiveContext {
+            owner: self.supervisor.owner().clone(),
+            lease: self.config.supervisor.lease(),
+            shutdown: shutdown.clone(),
+        };
         let mut backoff = Backoff::default();
         loop {
             // While claims fail (database unreachable), slow down instead of piling up deliveries.

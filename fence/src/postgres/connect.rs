@@ -17,6 +17,7 @@ use crate::error::Result;
 use crate::guards::Guards;
 use crate::schema::SchemaName;
 use crate::store::default_max_claims;
+use crate::wake::{Hub, ListenSpec};
 
 impl PgTimeouts {
     /// The pool of reserved heartbeat connections: opened on first use (then kept while in use, like any pool's), each with
@@ -130,7 +131,7 @@ impl PgFence {
         let mut fence = Self::new(pool).heartbeat_pool(heartbeat_pool);
         fence.route = route;
         fence.locator = locator;
-        Ok(fence)
+        Ok(fence.with_new_hub())
     }
 
     /// Tells a fence built on your own pool ([`new`](Self::new)) that a transaction-mode pooler
@@ -152,6 +153,42 @@ impl PgFence {
         self.route = match pooler {
             Pooler::Transaction => Route::pooled(&PgTimeouts::default(), watch),
             _ => Route::direct(watch),
+        };
+        self.with_new_hub()
+    }
+
+    /// Whether consumers of this fence's table queues are woken by PostgreSQL notifications
+    /// (default `true`): one connection of the pool (shared by this fence's clones) listens
+    /// (`LISTEN`) for the notifications every enqueue, release and retry sends when its
+    /// transaction commits, so an idle consumer claims within milliseconds instead of at its
+    /// next poll. Behind a transaction-mode pooler ([`Pooler::Transaction`]) nothing listens,
+    /// whatever this says: `LISTEN` does not work there. With `false` (or behind a pooler) only
+    /// enqueues through this process's fence wake its consumers; the others wait for their poll
+    /// (`TableQueue::idle_wait`, 1 s by default). Notifications are sent either way.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// let fence = brokerfence::PgFence::connect("postgres://postgres@127.0.0.1/test").await?.listen(false);
+    /// assert!(!fence.get_listen());
+    /// # Ok(()) }
+    /// ```
+    pub fn listen(mut self, on: bool) -> Self {
+        self.listen = on;
+        self.with_new_hub()
+    }
+
+    /// Whether this fence's consumers listen for notifications (see [`listen`](Self::listen)):
+    /// `false` when told so or behind a transaction-mode pooler.
+    pub fn get_listen(&self) -> bool {
+        self.listen && !self.route.is_pooled()
+    }
+
+    /// A wake-up hub for the current schema, pool and route (clones made after this share it).
+    fn with_new_hub(mut self) -> Self {
+        self.wake = if self.get_listen() {
+            Hub::listening(ListenSpec { pool: self.pool.clone(), channel: crate::wake::channel(self.schema.as_str()) })
+        } else {
+            Hub::local()
         };
         self
     }
@@ -233,7 +270,10 @@ impl PgFence {
             cursors: Arc::new(ClaimCursors::new(DEFAULT_RESCAN)),
             route: Route::direct(watch),
             locator: None,
+            listen: true,
+            wake: Hub::local(),
         }
+        .with_new_hub()
     }
 
     /// Caps the claims of one job at `n` (at least 1; default 20,
@@ -304,7 +344,7 @@ impl PgFence {
         self.stmts = Arc::new(Statements::new(&schema, self.guards));
         self.cursors = Arc::new(ClaimCursors::new(self.cursors.rescan()));
         self.schema = schema;
-        self
+        self.with_new_hub()
     }
 
     /// TEST ONLY (feature `guard-switches`): runs with some guards switched off.

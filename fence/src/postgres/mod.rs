@@ -63,6 +63,10 @@ pub struct PgFence {
     route: route::Route,
     /// Follows the primary of a multi-host target (none for one host).
     locator: Option<Arc<locate::Locator>>,
+    /// Whether consumers listen for notifications ([`listen`](Self::listen)).
+    listen: bool,
+    /// The wake-ups of this fence's consumers (shared by its clones).
+    wake: Arc<crate::wake::Hub>,
 }
 
 /// How [`PgFence::migrate`](crate::FenceStore::migrate) waits for its locks.
@@ -219,14 +223,23 @@ impl PgFence {
     ) -> Result<u64> {
         let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
         let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
-        let done = sqlx::query(sql(&self.stmts.enqueue))
+        let (inserted, _notified): (i64, i64) = sqlx::query_as(sql(&self.stmts.enqueue))
             .persistent(self.persistent())
             .bind(queue.as_str().to_owned())
             .bind(keys)
             .bind(payloads)
-            .execute(exec)
+            .fetch_one(exec)
             .await?;
-        Ok(done.rows_affected())
+        Ok(u64::try_from(inserted).unwrap_or(0))
+    }
+
+    /// Wakes this process's consumers of `queue` after a write of this fence committed, when no
+    /// notification will (nothing listens: behind a pooler, `listen(false)`, or the listener is
+    /// reconnecting). With the listener up, the notification wakes every process alike.
+    pub(super) fn wake_here(&self, queue: &QueueName, delay: std::time::Duration) {
+        if !self.wake.is_listening() {
+            self.wake.wake(queue.as_str(), delay);
+        }
     }
 
     pub(super) async fn fenced_write<'c, E, F>(

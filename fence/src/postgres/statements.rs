@@ -8,6 +8,7 @@ use crate::error::{FenceError, Result};
 use crate::guards::Guards;
 use crate::lease::Lease;
 use crate::schema::SchemaName;
+use crate::wake;
 
 /// The statements, rendered once for a schema and a set of guards.
 ///
@@ -19,6 +20,7 @@ use crate::schema::SchemaName;
 pub(crate) struct Statements {
     pub(super) claim: Arc<str>,
     pub(super) enqueue: Arc<str>,
+    pub(super) next_due: Arc<str>,
     pub(super) claim_next: Arc<str>,
     pub(super) heartbeat: Arc<str>,
     pub(super) checkpoint: Arc<str>,
@@ -125,6 +127,8 @@ fn capped_claim(owner: &str, lease_end: &str, cap: &str, inc: &str, base: &str, 
 impl Statements {
     pub(crate) fn new(schema: &SchemaName, guards: Guards) -> Self {
         let s = schema.as_str();
+        // The schema's notification channel: lowercase letters, digits, `_` and `.` only.
+        let chan = wake::channel(s);
         let inc = if guards.epoch_increment { "1" } else { "0" };
         let base = if guards.timeline_epochs { TIMELINE_BASE } else { "0" };
         let cas = if guards.commit_cas { CAS } else { NO_CAS };
@@ -188,11 +192,29 @@ impl Statements {
         // Epoch 0 and no floor read: the row's first claim starts above the floor (see
         // `capped_claim`), so an enqueue inside a caller's long transaction holds no floor lock
         // the pruner would wait for (issue #30, item 8).
+        //
+        // The notification (see `crate::wake`) is sent once per statement that inserted a job,
+        // when the enqueuing transaction commits: the consumers listening are woken then, and a
+        // rolled-back enqueue wakes nobody. The `woke` CTE runs because the answer counts it.
+        // Answers (jobs inserted, notifications sent).
         let enqueue = format!(
-            "INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
-             SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
-             FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
-             ON CONFLICT (queue, key) DO NOTHING"
+            "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
+                 SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
+                 FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
+                 ON CONFLICT (queue, key) DO NOTHING RETURNING 1), \
+             n AS (SELECT count(*)::bigint AS n FROM ins), \
+             woke AS (SELECT pg_notify('{chan}', {payload}) FROM n WHERE n.n > 0) \
+             SELECT (SELECT n.n FROM n), (SELECT count(*)::bigint FROM woke)",
+            payload = wake::payload_sql("$1", "0"),
+        );
+        // When the earliest job of a queue waiting to become due is due ($1 queue), in ms from
+        // now: by `jobs_open`, from the first `run_at` after now (running rows, whose `run_at`
+        // is in the past, are not read).
+        let next_due = format!(
+            "SELECT {ra} FROM {s}.jobs t WHERE t.queue = $1 AND t.finished IS NULL \
+             AND t.run_at > (SELECT clock_timestamp()) AND t.state IN ('pending', 'failed') \
+             ORDER BY t.run_at LIMIT 1",
+            ra = ms!("(t.run_at - clock_timestamp())"),
         );
         // One scan of `jobs_open` in `run_at` order takes due jobs and jobs whose lease ran out
         // alike: a running row stays in that index (its claim was a HOT update, migration 8), so
@@ -304,8 +326,13 @@ impl Statements {
                  lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}",
                 delay = "least($9::bigint, $7::bigint * (1::bigint << least(t.failures, 30)::int))",
             ),
-            // The state and the backoff just applied (failures has grown by one here).
-            "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r",
+            // The state and the backoff just applied (failures has grown by one here); a retry
+            // announces when it is due (see `crate::wake`), sent when the transaction commits.
+            &format!(
+                "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r, \
+                 CASE WHEN t.state = 'failed' THEN pg_notify('{chan}', {payload}) END AS woke",
+                payload = wake::payload_sql("t.queue", &ms!("(t.run_at - clock_timestamp())")),
+            ),
         );
         let release = fenced(
             s,
@@ -313,7 +340,7 @@ impl Statements {
                 "UPDATE {s}.jobs t SET state = 'pending', attempts = greatest(t.attempts - 1, 0), \
                  lease_until = NULL, run_at = clock_timestamp(), updated_at = clock_timestamp() WHERE {cas}"
             ),
-            "''::text AS r",
+            &format!("''::text AS r, pg_notify('{chan}', {}) AS woke", wake::payload_sql("t.queue", "0")),
         );
         // A row a claim took whose key `JobKey` refuses (issue #30): dead under the claim's own
         // lease, with the reason ($5). The key CHECK (migration 11) spares dead rows.
@@ -379,6 +406,7 @@ impl Statements {
         Self {
             claim: claim.into(),
             enqueue: enqueue.into(),
+            next_due: next_due.into(),
             claim_next: claim_next.into(),
             heartbeat: heartbeat.into(),
             checkpoint: checkpoint.into(),

@@ -292,6 +292,9 @@ impl FenceStore for PgFence {
             let mut session = self.session(Lane::Main).await?;
             let new = self.enqueue_on(&mut *session, queue, jobs).await?;
             session.done().await?;
+            if new > 0 {
+                self.wake_here(queue, std::time::Duration::ZERO);
+            }
             Ok(new)
         }
         .await;
@@ -469,7 +472,11 @@ impl FenceStore for PgFence {
                 })
                 .await?;
             session.done().await?;
-            fail_outcome(answer.as_deref().unwrap_or_default())
+            let outcome = fail_outcome(answer.as_deref().unwrap_or_default())?;
+            if let FailOutcome::Retry { retry_in } = outcome {
+                self.wake_here(&lease.queue, retry_in);
+            }
+            Ok(outcome)
         }
         .await;
         answer.map_err(|e| self.seen(e))
@@ -479,7 +486,9 @@ impl FenceStore for PgFence {
         let answer: Result<_> = async {
             let mut session = self.session(Lane::Main).await?;
             self.fenced_write(&mut *session, &self.stmts.release, lease, |q| q).await?;
-            session.done().await
+            session.done().await?;
+            self.wake_here(&lease.queue, std::time::Duration::ZERO);
+            Ok(())
         }
         .await;
         answer.map_err(|e| self.seen(e))
@@ -536,6 +545,25 @@ impl FenceStore for PgFence {
             let report = self.prune_all(retention).instrument(span.clone()).await?;
             span.in_scope(|| tracing::info!(?report, elapsed = ?started.elapsed(), "prune run"));
             Ok(report)
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
+    }
+
+    fn wakeups(&self, queue: &QueueName) -> crate::Wakeups {
+        self.wake.subscribe(queue.as_str())
+    }
+
+    async fn next_due(&self, queue: &QueueName) -> Result<Option<std::time::Duration>> {
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let ms: Option<i64> = sqlx::query_scalar(sql(&self.stmts.next_due))
+                .persistent(self.persistent())
+                .bind(queue.as_str().to_owned())
+                .fetch_optional(&mut *session)
+                .await?;
+            session.done().await?;
+            Ok(ms.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
         }
         .await;
         answer.map_err(|e| self.seen(e))

@@ -45,6 +45,8 @@ pub struct SqliteFence {
     guards: Guards,
     pub(crate) stmts: Arc<Statements>,
     max_claims: i64,
+    /// Wakes this store's consumers (and its clones') after its own writes (see `crate::wake`).
+    wake: Arc<crate::wake::Hub>,
 }
 
 /// How far a SQLite commit has reached the disk when it returns (`PRAGMA synchronous` in WAL
@@ -164,7 +166,7 @@ impl SqliteFence {
         let schema = SchemaName::default();
         let guards = Guards::default();
         let stmts = Arc::new(Statements::new(&schema, guards));
-        Self { pool, schema, guards, stmts, max_claims: default_max_claims() }
+        Self { pool, schema, guards, stmts, max_claims: default_max_claims(), wake: crate::wake::Hub::local() }
     }
 
     /// Caps the claims of one job at `n` (at least 1; default 20): a claim that would exceed it
@@ -184,6 +186,7 @@ impl SqliteFence {
     pub fn schema(mut self, schema: SchemaName) -> Self {
         self.stmts = Arc::new(Statements::new(&schema, self.guards));
         self.schema = schema;
+        self.wake = crate::wake::Hub::local();
         self
     }
 

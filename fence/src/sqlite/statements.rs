@@ -107,6 +107,7 @@ pub(crate) struct Statements {
     pub(super) claim: Arc<str>,
     pub(super) claim_seen: Arc<str>,
     pub(super) enqueue: Arc<str>,
+    pub(super) next_due: Arc<str>,
     pub(super) claim_next: Arc<str>,
     pub(super) dead_key: Arc<str>,
     pub(super) heartbeat: Arc<str>,
@@ -163,6 +164,12 @@ impl Statements {
         let claim_seen = format!(
             "SELECT key, state, epoch, owner, lease_until, lease_until - {NOW}, attempts, run_at - {NOW} \
              FROM {s}_jobs WHERE queue = ?1 AND key = ?2"
+        );
+        // When the earliest job of a queue waiting to become due is due ($1 queue), in ms from
+        // now, by the `jobs_due` index.
+        let next_due = format!(
+            "SELECT run_at - {NOW} FROM {s}_jobs WHERE queue = ?1 AND state IN ('pending', 'failed') \
+             AND run_at > {NOW} ORDER BY run_at LIMIT 1"
         );
         let enqueue = format!(
             "INSERT INTO {s}_jobs (queue, key, state, epoch, payload, run_at, created_at, updated_at) \
@@ -238,6 +245,7 @@ impl Statements {
             claim: claim.into(),
             claim_seen: claim_seen.into(),
             enqueue: enqueue.into(),
+            next_due: next_due.into(),
             claim_next: claim_next.into(),
             dead_key: dead_key.into(),
             heartbeat: heartbeat.into(),

@@ -120,6 +120,9 @@ impl FenceStore for SqliteFence {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let inserted = self.enqueue_many_in(&mut tx, queue, jobs).await?;
         tx.commit().await?;
+        if inserted > 0 {
+            self.wake.wake(queue.as_str(), std::time::Duration::ZERO);
+        }
         Ok(inserted)
     }
 
@@ -251,11 +254,29 @@ impl FenceStore for SqliteFence {
                 q.bind(retry).bind(policy.max_attempts).bind(base_ms).bind(error).bind(max_ms)
             })
             .await?;
-        fail_outcome(&answer)
+        let outcome = fail_outcome(&answer)?;
+        if let FailOutcome::Retry { retry_in } = outcome {
+            self.wake.wake(lease.queue.as_str(), retry_in);
+        }
+        Ok(outcome)
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        self.fenced(&self.stmts.release, lease, |q| q).await.map(drop)
+        self.fenced(&self.stmts.release, lease, |q| q).await?;
+        self.wake.wake(lease.queue.as_str(), std::time::Duration::ZERO);
+        Ok(())
+    }
+
+    fn wakeups(&self, queue: &QueueName) -> crate::Wakeups {
+        self.wake.subscribe(queue.as_str())
+    }
+
+    async fn next_due(&self, queue: &QueueName) -> Result<Option<std::time::Duration>> {
+        let ms: Option<i64> = sqlx::query_scalar(sql(&self.stmts.next_due))
+            .bind(queue.as_str().to_owned())
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(ms.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
     }
 
     async fn job(&self, queue: &QueueName, key: &JobKey) -> Result<Option<JobRecord>> {

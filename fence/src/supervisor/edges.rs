@@ -247,6 +247,12 @@ impl FenceStore for SlowStore {
     async fn db_now(&self) -> Result<DbTime> {
         self.inner.db_now().await
     }
+    fn wakeups(&self, queue: &crate::QueueName) -> crate::Wakeups {
+        self.inner.wakeups(queue)
+    }
+    async fn next_due(&self, queue: &crate::QueueName) -> crate::Result<Option<std::time::Duration>> {
+        self.inner.next_due(queue).await
+    }
     fn backend(&self) -> crate::Backend<'_> {
         crate::Backend::Other("slow-sqlite")
     }

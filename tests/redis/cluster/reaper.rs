@@ -76,7 +76,7 @@ async fn cluster_found_an_abandoned_item_is_not_put_back_again_by_a_reaper() {
     let (a, w) = (source().expect("reaper a"), source().expect("worker w"));
     let processing = a.get_processing().to_owned();
     let _: i64 = client::cmd("LPUSH").arg(&list).arg("k2|body").query_async(&mut env.conn()).await.expect("LPUSH");
-    let ctx = ReceiveContext { owner: Owner::new("w").expect("owner"), lease: lease(3) };
+    let ctx = ReceiveContext { owner: Owner::new("w").expect("owner"), lease: lease(3), shutdown: Default::default() };
     let delivery = match w.receive(1, &ctx).await.expect("receive").pop() {
         Some(Incoming::Unclaimed { delivery, .. }) => delivery,
         other => panic!("one unclaimed delivery, got {other:?}"),

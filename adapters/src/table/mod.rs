@@ -2,7 +2,7 @@
 //! no broker is needed. The claim *is* the receive: `claim_next` takes due rows with
 //! `FOR UPDATE SKIP LOCKED` and hands the runtime deliveries that are already claimed.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,9 +12,19 @@ use crate::builder::setters;
 use crate::runtime::ReceiveContext;
 use crate::source::{Incoming, Source, SourceError};
 
+mod idle;
+use idle::Idle;
+
 /// A table-queue source over any [`FenceStore`]: [`PgFence`](fence::PgFence) or
-/// [`SqliteFence`](fence::SqliteFence) alike. Also at `brokerfence::TableQueue` and
-/// `brokerfence::TableQueue`.
+/// [`SqliteFence`](fence::SqliteFence) alike.
+///
+/// When nothing is due, the consumer waits for a wake-up ([`FenceStore::wakeups`]): on
+/// PostgreSQL a notification that an enqueue, release or retry sends when its transaction
+/// commits; on SQLite, or behind a transaction-mode pooler, a write through the same store in
+/// this process. A retry's backoff sets a timer for when it is due. A poll every
+/// [`idle_wait`](Self::idle_wait) (1 s) covers what no wake-up announced (another process's
+/// writes without a listener, a notification lost while the listener reconnected, a lease that
+/// ran out): at most one claim statement per interval while the queue is idle.
 ///
 /// ```no_run
 /// # async fn demo() -> brokerfence::Result<()> {
@@ -32,6 +42,8 @@ pub struct TableQueue {
     store: Arc<dyn FenceStore>,
     queue: QueueName,
     idle_wait: Duration,
+    /// The idle state, made at the first receive and shared by clones made before it.
+    idle: Arc<OnceLock<Idle>>,
 }
 
 impl std::fmt::Debug for TableQueue {
@@ -41,16 +53,31 @@ impl std::fmt::Debug for TableQueue {
 }
 
 impl TableQueue {
-    /// A source for `queue`; when nothing is due it polls again after 100 ms.
+    /// A source for `queue`, woken when jobs become due and polling every second otherwise.
     pub fn new(store: Arc<dyn FenceStore>, queue: QueueName) -> Self {
-        Self { store, queue, idle_wait: Duration::from_millis(100) }
+        Self { store, queue, idle_wait: DEFAULT_IDLE_WAIT, idle: Arc::new(OnceLock::new()) }
     }
 
     setters! {
-        /// How long to wait before asking again when nothing was due.
-        pub fn idle_wait(wait: Duration) { idle_wait = wait }
+        /// The fallback poll: how long an idle consumer waits, when no wake-up comes, before it
+        /// claims again (default 1 s, so an idle consumer sends at most one statement a
+        /// second). Where no wake-ups arrive (another process enqueues, and this one cannot
+        /// listen: behind a transaction-mode pooler, `PgFence::listen(false)`, SQLite) this is
+        /// how long a job may wait to be picked up; shorter costs one statement per interval.
+        ///
+        /// ```no_run
+        /// # fn demo(store: std::sync::Arc<dyn brokerfence::FenceStore>) -> brokerfence::Result<()> {
+        /// use std::time::Duration;
+        /// let q = brokerfence::QueueName::new("emails")?;
+        /// let source = brokerfence::TableQueue::new(store, q).idle_wait(Duration::from_millis(200));
+        /// # let _ = source; Ok(()) }
+        /// ```
+        pub fn idle_wait(wait: Duration) { idle_wait = wait; idle = Arc::new(OnceLock::new()) }
     }
 }
+
+/// The default [`TableQueue::idle_wait`].
+const DEFAULT_IDLE_WAIT: Duration = Duration::from_secs(1);
 
 #[async_trait]
 impl Source for TableQueue {
@@ -76,8 +103,8 @@ impl Source for TableQueue {
     /// Up to 4 `claim_next` statements at once: with 128 places and batches of 64, one claim
     /// statement waiting on the database would otherwise leave every place freed meanwhile idle
     /// until it returns. `FOR UPDATE SKIP LOCKED` keeps concurrent claims off each other's rows.
-    /// An idle queue is polled by as many receives (each waits
-    /// [`idle_wait`](Self::idle_wait) after finding nothing).
+    /// An idle queue is still polled once per [`idle_wait`](TableQueue::idle_wait): the
+    /// receives share one idle state.
     fn receives_in_flight(&self) -> usize {
         4
     }
@@ -97,16 +124,33 @@ impl Source for TableQueue {
         concurrency.saturating_mul(2).min(4 * self.default_batch())
     }
 
+    /// Claims up to `max` due jobs; when none is due, waits (see [`TableQueue`]) and claims
+    /// again, until jobs come or the consumer stops.
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
         let n = u32::try_from(max).unwrap_or(u32::MAX);
-        let jobs = self
-            .store
-            .claim_next(&self.queue, &ctx.owner, ctx.lease, n)
-            .await
-            .map_err(|e| SourceError::Transient(Box::new(e)))?;
-        if jobs.is_empty() {
-            tokio::time::sleep(self.idle_wait).await;
+        let idle = self.idle.get_or_init(|| Idle::new(self.store.wakeups(&self.queue), self.idle_wait));
+        loop {
+            if idle.take_sync() {
+                let due = self.store.next_due(&self.queue).await.map_err(|e| SourceError::Transient(Box::new(e)))?;
+                if let Some(after) = due {
+                    idle.due_in(after);
+                }
+            }
+            let jobs = self
+                .store
+                .claim_next(&self.queue, &ctx.owner, ctx.lease, n)
+                .await
+                .map_err(|e| SourceError::Transient(Box::new(e)))?;
+            if !jobs.is_empty() {
+                if jobs.len() >= max {
+                    idle.pass_on();
+                }
+                return Ok(jobs.into_iter().map(|job| Incoming::Claimed { delivery: (), job }).collect());
+            }
+            idle.polled();
+            if !idle.wait(&ctx.shutdown).await {
+                return Ok(Vec::new());
+            }
         }
-        Ok(jobs.into_iter().map(|job| Incoming::Claimed { delivery: (), job }).collect())
     }
 }

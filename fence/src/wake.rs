@@ -1,0 +1,423 @@
+//! Wake-ups for the idle consumers of a table queue: instead of asking the database again and
+//! again whether a job is due, a consumer waits for a [`Wake`] and claims when one comes.
+//!
+//! Where the wake-ups come from:
+//! - **PostgreSQL**: every statement that makes a job due (an enqueue, a release, a retry, a
+//!   requeue of a dead job) calls `pg_notify` inside its transaction, so the notification is
+//!   sent when that transaction commits and never when it rolls back. One listener connection
+//!   per [`PgFence`](crate::PgFence) (its clones share it) receives them for every queue of the
+//!   schema and wakes that queue's consumers in this process. A retry announces its delay, and
+//!   the consumers set a timer for it. Behind a transaction-mode pooler (where `LISTEN` does not
+//!   work) or with [`PgFence::listen`](crate::PgFence::listen)`(false)` there is no listener:
+//!   only enqueues through this process's fence wake its consumers.
+//! - **SQLite**: an enqueue, release or retry through the store wakes the consumers of the same
+//!   store (and its clones) in this process.
+//!
+//! A wake-up is only a hint: the claim statement decides what is due and who gets it. A lost
+//! notification (the listener connection was cut, another process wrote without a listener
+//! here) delays a job until the consumer's next poll, which every consumer keeps as a fallback
+//! (see `TableQueue::idle_wait`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Why [`Wakeups::wait`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Wake {
+    /// A job of the queue became due (an enqueue, a release or a retry committed), or another
+    /// consumer of the same [`Wakeups`] claimed a full batch and passed the wake-up on.
+    Notified,
+    /// A job announced as due later is due now.
+    Due,
+    /// Notifications may have been missed (the listener connection was lost and replaced):
+    /// claim, and ask for the next due job again ([`FenceStore::next_due`](crate::FenceStore::next_due)).
+    Resync,
+    /// The deadline passed without any of the above.
+    Timeout,
+}
+
+/// A consumer's subscription to the wake-ups of one queue (from
+/// [`FenceStore::wakeups`](crate::FenceStore::wakeups)). Cheap to share behind an `Arc`: the
+/// receive loops of one consumer wait on one subscription, and each wake-up wakes one of them.
+///
+/// ```no_run
+/// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
+/// use std::time::Duration;
+/// use brokerfence::{QueueName, Wake};
+/// let wakeups = store.wakeups(&QueueName::new("emails")?);
+/// let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+/// match wakeups.wait(deadline).await {
+///     Wake::Timeout => println!("nothing announced: poll"),
+///     _ => println!("claim now"),
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Wakeups {
+    sub: Option<Arc<Subscriber>>,
+    hub: Option<Arc<Hub>>,
+}
+
+impl std::fmt::Debug for Wakeups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wakeups").field("listening", &self.is_listening()).finish_non_exhaustive()
+    }
+}
+
+impl Wakeups {
+    /// No wake-ups: [`wait`](Self::wait) only times out (a store that cannot announce jobs).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let w = brokerfence::Wakeups::none();
+    /// assert!(!w.is_listening());
+    /// let now = tokio::time::Instant::now();
+    /// assert_eq!(w.wait(now).await, brokerfence::Wake::Timeout);
+    /// # }
+    /// ```
+    pub fn none() -> Self {
+        Self { sub: None, hub: None }
+    }
+
+    /// Waits until a wake-up comes or `deadline` passes, and says which. Cancellation-safe: a
+    /// wake-up that comes while nobody waits is kept for the next wait.
+    pub async fn wait(&self, deadline: Instant) -> Wake {
+        let (Some(sub), Some(hub)) = (&self.sub, &self.hub) else {
+            tokio::time::sleep_until(deadline).await;
+            return Wake::Timeout;
+        };
+        loop {
+            let generation = hub.generation.load(Ordering::Acquire);
+            if sub.seen.swap(generation, Ordering::AcqRel) != generation {
+                return Wake::Resync;
+            }
+            let due = sub.due();
+            if due.is_some_and(|d| d <= Instant::now()) {
+                sub.take_due();
+                return Wake::Due;
+            }
+            let until = due.map_or(deadline, |d| d.min(deadline));
+            let rearmed = sub.rearm.notified();
+            tokio::select! {
+                () = sub.notify.notified() => {
+                    return if hub.generation.load(Ordering::Acquire) != sub.seen.load(Ordering::Acquire) {
+                        sub.seen.store(hub.generation.load(Ordering::Acquire), Ordering::Release);
+                        Wake::Resync
+                    } else {
+                        Wake::Notified
+                    };
+                }
+                () = rearmed => continue,
+                () = tokio::time::sleep_until(until) => {
+                    if due.is_some_and(|d| d <= Instant::now()) {
+                        sub.take_due();
+                        return Wake::Due;
+                    }
+                    if Instant::now() >= deadline {
+                        return Wake::Timeout;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Passes a wake-up on to another waiter of this subscription (a consumer that claimed a
+    /// full batch: more may be due).
+    pub fn pass_on(&self) {
+        if let Some(sub) = &self.sub {
+            sub.notify.notify_one();
+        }
+    }
+
+    /// Sets a timer: [`wait`](Self::wait) answers [`Wake::Due`] once `after` has passed (the
+    /// earliest of the timers set wins). For the answer of
+    /// [`FenceStore::next_due`](crate::FenceStore::next_due).
+    pub fn due_in(&self, after: Duration) {
+        if let Some(sub) = &self.sub {
+            sub.set_due(Instant::now() + after);
+        }
+    }
+
+    /// Whether notifications arrive from the database now (PostgreSQL with its listener
+    /// connected). `false` for [`none`](Self::none), SQLite (only this process's writes wake)
+    /// and PostgreSQL behind a transaction-mode pooler, or while the listener reconnects.
+    pub fn is_listening(&self) -> bool {
+        self.hub.as_ref().is_some_and(|h| h.listening.load(Ordering::Acquire))
+    }
+}
+
+/// One subscription's state.
+struct Subscriber {
+    /// A job became due (one permit is kept when nobody waits).
+    notify: Notify,
+    /// The due timer changed: waiters look at it again.
+    rearm: Notify,
+    due: Mutex<Option<Instant>>,
+    /// The hub's generation this subscription has seen.
+    seen: AtomicU64,
+}
+
+impl Subscriber {
+    fn due(&self) -> Option<Instant> {
+        *self.due.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn take_due(&self) {
+        *self.due.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn set_due(&self, at: Instant) {
+        let mut due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+        if due.is_none_or(|d| at < d) {
+            *due = Some(at);
+            drop(due);
+            self.rearm.notify_waiters();
+        }
+    }
+}
+
+/// The wake-ups of one store (and its clones): subscriptions per queue, and the listener.
+pub(crate) struct Hub {
+    subs: Mutex<HashMap<String, Vec<Weak<Subscriber>>>>,
+    /// Grows each time the listener (re)connects: subscriptions then answer [`Wake::Resync`].
+    generation: AtomicU64,
+    /// The listener is connected.
+    listening: AtomicBool,
+    /// Whether the listener was started (PostgreSQL with one).
+    started: AtomicBool,
+    #[cfg(feature = "postgres")]
+    listen: Option<ListenSpec>,
+    /// Stops the listener task when the hub goes.
+    stop: CancellationToken,
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// What the PostgreSQL listener listens with.
+#[cfg(feature = "postgres")]
+pub(crate) struct ListenSpec {
+    pub(crate) pool: sqlx::PgPool,
+    pub(crate) channel: String,
+}
+
+impl Hub {
+    /// A hub whose wake-ups come from this process's own writes only.
+    pub(crate) fn local() -> Arc<Self> {
+        Arc::new(Self {
+            subs: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            listening: AtomicBool::new(false),
+            started: AtomicBool::new(false),
+            #[cfg(feature = "postgres")]
+            listen: None,
+            stop: CancellationToken::new(),
+        })
+    }
+
+    /// A hub that also listens on `spec.channel` (started with the first subscription).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn listening(spec: ListenSpec) -> Arc<Self> {
+        Arc::new(Self {
+            subs: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            listening: AtomicBool::new(false),
+            started: AtomicBool::new(false),
+            listen: Some(spec),
+            stop: CancellationToken::new(),
+        })
+    }
+
+    /// A subscription to `queue`'s wake-ups; starts the listener if there is one to start (in
+    /// a tokio runtime).
+    pub(crate) fn subscribe(self: &Arc<Self>, queue: &str) -> Wakeups {
+        let sub = Arc::new(Subscriber {
+            notify: Notify::new(),
+            rearm: Notify::new(),
+            due: Mutex::new(None),
+            seen: AtomicU64::new(self.generation.load(Ordering::Acquire)),
+        });
+        {
+            let mut subs = self.subs.lock().unwrap_or_else(|e| e.into_inner());
+            let list = subs.entry(queue.to_owned()).or_default();
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&sub));
+        }
+        #[cfg(feature = "postgres")]
+        if self.listen.is_some()
+            && tokio::runtime::Handle::try_current().is_ok()
+            && !self.started.swap(true, Ordering::AcqRel)
+        {
+            tokio::spawn(listener::run(Arc::downgrade(self), self.stop.clone()));
+        }
+        Wakeups { sub: Some(sub), hub: Some(Arc::clone(self)) }
+    }
+
+    /// Whether the database's notifications arrive here now.
+    pub(crate) fn is_listening(&self) -> bool {
+        self.listening.load(Ordering::Acquire)
+    }
+
+    /// Wakes the consumers of `queue` in this process: at once (`delay` zero) or with a timer.
+    pub(crate) fn wake(&self, queue: &str, delay: Duration) {
+        let subs: Vec<Arc<Subscriber>> = {
+            let mut map = self.subs.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(list) = map.get_mut(queue) else { return };
+            list.retain(|w| w.strong_count() > 0);
+            list.iter().filter_map(Weak::upgrade).collect()
+        };
+        for sub in subs {
+            if delay.is_zero() {
+                sub.notify.notify_one();
+            } else {
+                sub.set_due(Instant::now() + delay);
+            }
+        }
+    }
+
+    /// A notification's payload, `<delay ms>:<queue>` (see [`payload_sql`]).
+    pub(crate) fn deliver(&self, payload: &str) {
+        match payload.split_once(':') {
+            Some((ms, queue)) => {
+                let delay = ms.parse::<u64>().map(Duration::from_millis).unwrap_or(Duration::ZERO);
+                self.wake(queue, delay);
+            }
+            None => tracing::debug!(payload, "a notification brokerfence did not send: ignored"),
+        }
+    }
+
+    /// The listener (re)connected: every subscription claims and asks for its next due job.
+    pub(crate) fn resync(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let subs: Vec<Arc<Subscriber>> = {
+            let map = self.subs.lock().unwrap_or_else(|e| e.into_inner());
+            map.values().flatten().filter_map(Weak::upgrade).collect()
+        };
+        for sub in subs {
+            sub.notify.notify_one();
+        }
+    }
+}
+
+/// The notification channel of a schema: `<schema>.wake`, or a shortened name with a hash of the
+/// schema when that is longer than PostgreSQL's 63 bytes. Schema names are lowercase ASCII
+/// letters, digits and underscores, so the name needs no quoting as a literal.
+#[cfg(feature = "postgres")]
+pub(crate) fn channel(schema: &str) -> String {
+    let plain = format!("{schema}.wake");
+    if plain.len() <= 63 {
+        return plain;
+    }
+    // FNV-1a: stable across builds and platforms.
+    let hash = schema.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("{}.{hash:016x}.wake", &schema[..40])
+}
+
+/// The SQL expression of a notification's payload for queue `queue` (an SQL expression) due
+/// `delay_ms` (an SQL expression, milliseconds) from now: `<delay ms>:<queue>`.
+#[cfg(feature = "postgres")]
+pub(crate) fn payload_sql(queue: &str, delay_ms: &str) -> String {
+    format!("greatest(0, ({delay_ms})::bigint)::text || ':' || {queue}")
+}
+
+#[cfg(feature = "postgres")]
+mod listener {
+    //! The listener task of a PostgreSQL hub: one connection, `LISTEN` on the schema's channel,
+    //! reconnected with backoff when it is lost.
+
+    use std::sync::Weak;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    use sqlx::postgres::PgListener;
+    use tokio_util::sync::CancellationToken;
+
+    use super::Hub;
+
+    /// The bound on connecting and on `LISTEN`.
+    const CONNECT_LIMIT: Duration = Duration::from_secs(10);
+
+    pub(super) async fn run(hub: Weak<Hub>, stop: CancellationToken) {
+        let mut failures = 0u32;
+        loop {
+            let Some((pool, channel)) =
+                hub.upgrade().and_then(|h| h.listen.as_ref().map(|l| (l.pool.clone(), l.channel.clone())))
+            else {
+                return;
+            };
+            let connected = tokio::select! {
+                () = stop.cancelled() => return,
+                c = tokio::time::timeout(CONNECT_LIMIT, connect(&pool, &channel)) => c,
+            };
+            let mut listener = match connected {
+                Ok(Ok(l)) => l,
+                other => {
+                    failures = failures.saturating_add(1);
+                    let wait = Duration::from_millis(100u64 << failures.min(6)).min(Duration::from_secs(5));
+                    let why = match other {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => format!("no answer within {CONNECT_LIMIT:?}"),
+                    };
+                    tracing::warn!(channel, error = why, retry_in = ?wait, "wake-up listener: cannot listen; consumers poll meanwhile");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(wait) => continue,
+                    }
+                }
+            };
+            failures = 0;
+            match hub.upgrade() {
+                Some(h) => {
+                    h.listening.store(true, Ordering::Release);
+                    // Whatever was committed while nobody listened is claimed now.
+                    h.resync();
+                }
+                None => return,
+            }
+            tracing::debug!(channel, "wake-up listener: listening");
+            loop {
+                let next = tokio::select! {
+                    () = stop.cancelled() => {
+                        let _ = tokio::time::timeout(CONNECT_LIMIT, listener.unlisten_all()).await;
+                        return;
+                    }
+                    n = listener.try_recv() => n,
+                };
+                let Some(h) = hub.upgrade() else { return };
+                match next {
+                    Ok(Some(n)) => h.deliver(n.payload()),
+                    Ok(None) => {
+                        h.listening.store(false, Ordering::Release);
+                        tracing::warn!(
+                            channel,
+                            "wake-up listener: connection lost; reconnecting (consumers poll meanwhile)"
+                        );
+                        break;
+                    }
+                    Err(e) => {
+                        h.listening.store(false, Ordering::Release);
+                        tracing::warn!(channel, error = %e, "wake-up listener failed; reconnecting (consumers poll meanwhile)");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn connect(pool: &sqlx::PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
+        let mut listener = PgListener::connect_with(pool).await?;
+        // A lost connection comes back as `Ok(None)` from `try_recv`, and this task connects again itself.
+        listener.eager_reconnect(false);
+        listener.listen(channel).await?;
+        Ok(listener)
+    }
+}
