@@ -147,7 +147,9 @@ impl RelayConfig {
         self.batch
     }
     setters! {
-        /// Pause after a round that found fewer rows than a batch (default 200 ms).
+        /// After a round that found fewer rows than a batch, how long the relay waits for the
+        /// notification a new row sends when its transaction commits before it looks again
+        /// anyway (default 200 ms; with the fence listening, rows are relayed at once).
         pub fn idle_wait(d: Duration) { idle_wait = d }
 
         /// Bound of each database call: begin, claim, mark, commit (default 5 s).
@@ -362,6 +364,8 @@ impl OutboxRelay {
         let c = self.config;
         let mut backoff = relay_backoff(c);
         let mut sent = 0u64;
+        // An idle relay waits for a row's notification, polling every `idle_wait`.
+        let wakeups = self.fence.outbox_wakeups();
         while !shutdown.is_cancelled() {
             let pause = match self.relay_once().await {
                 Ok(round) => {
@@ -372,7 +376,15 @@ impl OutboxRelay {
                         next_backoff(&mut backoff, c)
                     } else {
                         backoff = relay_backoff(c);
-                        if round.claimed >= c.batch as usize { Duration::ZERO } else { c.idle_wait }
+                        if round.claimed >= c.batch as usize {
+                            Duration::ZERO
+                        } else {
+                            tokio::select! {
+                                _ = shutdown.cancelled() => {}
+                                _ = wakeups.wait(tokio::time::Instant::now() + c.idle_wait) => {}
+                            }
+                            Duration::ZERO
+                        }
                     }
                 }
                 Err(e) => {

@@ -140,9 +140,15 @@ impl PgFence {
                 format!("must be 1..={MAX_DESTINATION_BYTES} bytes without NUL"),
             ));
         }
+        // The relays listening are woken when the caller's transaction commits (`crate::wake`).
         let sql = format!(
-            "INSERT INTO {} (queue, key, epoch, owner, destination, payload) VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
-            table(self)
+            "WITH ins AS (INSERT INTO {} (queue, key, epoch, owner, destination, payload) \
+                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING id), \
+             woke AS (SELECT pg_notify('{}', '{}') FROM ins) \
+             SELECT (SELECT id FROM ins) WHERE (SELECT count(*) FROM woke) >= 0",
+            table(self),
+            crate::wake::channel(self.get_schema().as_str()),
+            crate::wake::OUTBOX_PAYLOAD,
         );
         Ok(sqlx::query_scalar(AssertSqlSafe(sql))
             .persistent(self.persistent())

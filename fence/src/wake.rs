@@ -284,8 +284,12 @@ impl Hub {
         }
     }
 
-    /// A notification's payload, `<delay ms>:<queue>` (see [`payload_sql`]).
+    /// A notification's payload, `<delay ms>:<queue>` (see [`payload_sql`]), or
+    /// [`OUTBOX_PAYLOAD`].
     pub(crate) fn deliver(&self, payload: &str) {
+        if payload == OUTBOX_PAYLOAD {
+            return self.wake(OUTBOX, Duration::ZERO);
+        }
         match payload.split_once(':') {
             Some((ms, queue)) => {
                 let delay = ms.parse::<u64>().map(Duration::from_millis).unwrap_or(Duration::ZERO);
@@ -307,6 +311,13 @@ impl Hub {
         }
     }
 }
+
+/// The subscription key of the outbox relays (no queue name holds a NUL).
+pub(crate) const OUTBOX: &str = "\0outbox";
+
+/// The payload of the notification an outbox row sends when its transaction commits.
+#[cfg(feature = "postgres")]
+pub(crate) const OUTBOX_PAYLOAD: &str = "outbox";
 
 /// The notification channel of a schema: `<schema>.wake`, or a shortened name with a hash of the
 /// schema when that is longer than PostgreSQL's 63 bytes. Schema names are lowercase ASCII

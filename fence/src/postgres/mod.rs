@@ -8,7 +8,7 @@ use sqlx::postgres::{PgConnection, PgPool};
 use crate::error::{FenceError, Result};
 use crate::guards::Guards;
 use crate::key::{JobKey, QueueName};
-use crate::lease::Lease;
+use crate::lease::{DbTime, Lease};
 use crate::schema::SchemaName;
 
 /// Milliseconds since the Unix epoch of a timestamptz expression.
@@ -231,6 +231,45 @@ impl PgFence {
             .fetch_one(exec)
             .await?;
         Ok(u64::try_from(inserted).unwrap_or(0))
+    }
+
+    /// Wake-ups for the outbox relays of this fence (a row written by
+    /// [`outbox_in`](Self::outbox_in) notifies when its transaction commits). For
+    /// `OutboxRelay`.
+    #[doc(hidden)]
+    pub fn outbox_wakeups(&self) -> crate::Wakeups {
+        self.wake.subscribe(crate::wake::OUTBOX)
+    }
+
+    /// [`FenceStore::next_due`](crate::FenceStore::next_due).
+    pub(super) async fn read_next_due(&self, queue: &QueueName) -> Result<Option<std::time::Duration>> {
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let ms: Option<i64> = sqlx::query_scalar(sql(&self.stmts.next_due))
+                .persistent(self.persistent())
+                .bind(queue.as_str().to_owned())
+                .fetch_optional(&mut *session)
+                .await?;
+            session.done().await?;
+            Ok(ms.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
+    }
+
+    /// [`FenceStore::db_now`](crate::FenceStore::db_now).
+    pub(super) async fn read_db_now(&self) -> Result<DbTime> {
+        let answer: Result<_> = async {
+            let mut session = self.session(Lane::Main).await?;
+            let ms: i64 = sqlx::query_scalar(concat!("SELECT ", ms!("clock_timestamp()")))
+                .persistent(self.persistent())
+                .fetch_one(&mut *session)
+                .await?;
+            session.done().await?;
+            Ok(DbTime(ms))
+        }
+        .await;
+        answer.map_err(|e| self.seen(e))
     }
 
     /// Wakes this process's consumers of `queue` after a write of this fence committed, when no

@@ -555,32 +555,11 @@ impl FenceStore for PgFence {
     }
 
     async fn next_due(&self, queue: &QueueName) -> Result<Option<std::time::Duration>> {
-        let answer: Result<_> = async {
-            let mut session = self.session(Lane::Main).await?;
-            let ms: Option<i64> = sqlx::query_scalar(sql(&self.stmts.next_due))
-                .persistent(self.persistent())
-                .bind(queue.as_str().to_owned())
-                .fetch_optional(&mut *session)
-                .await?;
-            session.done().await?;
-            Ok(ms.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
-        }
-        .await;
-        answer.map_err(|e| self.seen(e))
+        self.read_next_due(queue).await
     }
 
     async fn db_now(&self) -> Result<DbTime> {
-        let answer: Result<_> = async {
-            let mut session = self.session(Lane::Main).await?;
-            let ms: i64 = sqlx::query_scalar(concat!("SELECT ", ms!("clock_timestamp()")))
-                .persistent(self.persistent())
-                .fetch_one(&mut *session)
-                .await?;
-            session.done().await?;
-            Ok(DbTime(ms))
-        }
-        .await;
-        answer.map_err(|e| self.seen(e))
+        self.read_db_now().await
     }
 
     fn backend(&self) -> crate::Backend<'_> {
