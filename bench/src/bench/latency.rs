@@ -145,6 +145,7 @@ pub async fn run(o: &Opts, url: &str, rates: &[f64], secs: f64) -> Result<(), St
     result
 }
 
+/// Every rate, round and backend, printed as one table.
 async fn measure_all(o: &Opts, backends: &[Backend], rates: &[f64], secs: f64) -> Result<(), String> {
     println!(
         "\n[latency] pickup latency: jobs arrive one at a time, evenly spaced (one enqueue = one transaction each), \

@@ -35,16 +35,17 @@ struct Drain {
 /// A line of a worker, as its parent reads it.
 #[derive(Debug)]
 enum Said {
+    /// Connected; waiting for `go`.
     Ready,
+    /// Its jobs done so far.
     Done(u64),
-    Exit {
-        statements: u64,
-        cpu_ticks: u64,
-    },
+    /// Stopped: its statements and CPU ticks since `go`.
+    Exit { statements: u64, cpu_ticks: u64 },
     /// Its stdout closed.
     Closed,
 }
 
+/// A worker's line, if it is one of the four.
 fn parse_line(line: &str) -> Option<Said> {
     let mut words = line.split_whitespace();
     match words.next()? {
@@ -62,8 +63,11 @@ fn parse_line(line: &str) -> Option<Said> {
 
 /// Where the workers find their queue.
 struct Target<'a> {
+    /// The database URL.
     url: &'a str,
+    /// The schema of both queues (validated).
     schema: &'a str,
+    /// Each job's work.
     work: Duration,
 }
 
@@ -258,10 +262,15 @@ pub async fn run(o: &Opts, url: &str, levels: &[usize], procs: usize) -> Result<
 /// What a worker process is given (the hidden `--worker` flags).
 #[derive(Debug, Clone)]
 pub struct Worker {
+    /// `fenced` or `plain`.
     pub mode: String,
+    /// The schema of the queue (a `SchemaName`).
     pub schema: String,
+    /// The queue to drain.
     pub queue: String,
+    /// Jobs at once in this process.
     pub concurrency: usize,
+    /// Each job's work.
     pub work: Duration,
 }
 
