@@ -12,12 +12,14 @@
 //! fenced drain and one plain drain of `--jobs` jobs (20,000 by default) enqueued first, each job
 //! sleeping `--work-ms` (1 ms). The order alternates round by round (fenced first, then plain
 //! first), so drift on the machine falls on both. Nothing is analyzed: the tables are as a fresh
-//! bulk enqueue leaves them. Printed per concurrency: the median rate of each, the median of the
-//! per-round ratios, PostgreSQL's CPU time per job of each (every `postgres` process in `/proc`)
-//! and the median of its per-round ratios, WAL bytes per job (`pg_current_wal_lsn()`), this
-//! process's own CPU per job (the consumer's side), and the jobs per statement (the fenced
-//! consumer's calls of its store, counted by a wrapper; the plain loop's claims and finishes),
-//! medians too.
+//! bulk enqueue leaves them. A drain's rate counts the time from its start to its last job done
+//! (since issue #33 not the consumer's shutdown after it, which the fenced consumer's idle claims
+//! could lengthen by up to its 100 ms poll); its CPU and WAL count the shutdown too. Printed per
+//! concurrency: the median rate of each, the median of the per-round ratios, PostgreSQL's CPU
+//! time per job of each (every `postgres` process in `/proc`) and the median of its per-round
+//! ratios, WAL bytes per job (`pg_current_wal_lsn()`), this process's own CPU per job (the
+//! consumer's side), and the jobs per statement (the fenced consumer's calls of its store,
+//! counted by a wrapper; the plain loop's claims and finishes), medians too.
 
 use super::*;
 
@@ -36,15 +38,17 @@ struct Drain {
     per_statement: f64,
 }
 
-/// Measures `drain` (which runs until `jobs` are done): its rate, PostgreSQL CPU and WAL per job.
-async fn measured<F: std::future::Future<Output = Result<u64, String>>>(
+/// Measures `drain` (which runs until `jobs` are done and answers its statements and the instant
+/// the last job was done): its rate up to that instant (not counting the shutdown), PostgreSQL
+/// CPU and WAL per job (counting it).
+async fn measured<F: std::future::Future<Output = Result<(u64, Instant), String>>>(
     pool: &sqlx::PgPool,
     jobs: usize,
     drain: F,
 ) -> Result<Drain, String> {
     let (wal0, cpu0, started) = (wal_lsn(pool).await?, CpuSample::now(), Instant::now());
-    let statements = drain.await?;
-    let secs = started.elapsed().as_secs_f64();
+    let (statements, done_at) = drain.await?;
+    let secs = done_at.saturating_duration_since(started).as_secs_f64();
     let cpu1 = CpuSample::now();
     let wal = wal_bytes(pool, &wal0, &wal_lsn(pool).await?).await?;
     let n = jobs as f64;
@@ -67,7 +71,7 @@ async fn fenced(
     prefetch: Option<usize>,
     jobs: usize,
     work: Duration,
-) -> Result<u64, String> {
+) -> Result<(u64, Instant), String> {
     let lease = LeaseDuration::from_secs(30).map_err(|e| e.to_string())?;
     let counting = Counting::new(store.clone());
     let shared: Arc<dyn FenceStore> = counting.clone();
@@ -92,10 +96,11 @@ async fn fenced(
     let done =
         wait_until("the fenced drain", Duration::from_secs(600), || metrics.snapshot().completions >= jobs as u64)
             .await;
+    let done_at = Instant::now();
     stop.cancel();
     run.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
     done?;
-    Ok(counting.total())
+    Ok((counting.total(), done_at))
 }
 
 /// The comparison, printed as a table.

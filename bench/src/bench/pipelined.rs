@@ -260,8 +260,8 @@ async fn run_jobs(
 }
 
 /// A drain of the plain queue: runs the loop until `jobs` are done (or it fails; at most 600 s).
-/// Answers its statements.
-pub(crate) async fn drain(looped: PlainLoop, jobs: usize) -> Result<u64, String> {
+/// Answers its statements and the instant the last job was done (before the loop's shutdown).
+pub(crate) async fn drain(looped: PlainLoop, jobs: usize) -> Result<(u64, Instant), String> {
     let (stop, done) = (CancellationToken::new(), Arc::new(AtomicU64::new(0)));
     let run = tokio::spawn({
         let (stop, done) = (stop.clone(), Arc::clone(&done));
@@ -271,11 +271,12 @@ pub(crate) async fn drain(looped: PlainLoop, jobs: usize) -> Result<u64, String>
         done.load(Ordering::Relaxed) >= jobs as u64 || run.is_finished()
     })
     .await;
+    let done_at = Instant::now();
     stop.cancel();
     let statements = run.await.map_err(|e| e.to_string())??;
     reached?;
     match done.load(Ordering::Relaxed) {
-        n if n >= jobs as u64 => Ok(statements),
+        n if n >= jobs as u64 => Ok((statements, done_at)),
         n => Err(format!("the plain drain stopped after {n} of {jobs} jobs")),
     }
 }
