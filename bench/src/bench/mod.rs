@@ -21,7 +21,14 @@
 //! handler-owned commit, `JobContext::complete_in` in the handler's transaction, with the
 //! runtime's grouped commit: the median of `--rounds` paired rounds), `--defaults [--levels
 //! 16,64,128]` (only the table queue at its defaults against a plain SKIP LOCKED loop, with
-//! PostgreSQL CPU and WAL bytes per job: see `bench/defaults.rs`).
+//! PostgreSQL CPU and WAL bytes per job: see `bench/defaults.rs`; the plain loop pipelines, see
+//! `bench/pipelined.rs`), `--processes P [--levels 128]` (the same comparison with each level's
+//! concurrency split across P worker processes, 1 × L against P × L/P: see
+//! `bench/processes.rs`), `--latency [--rates 10,100,1000] [--latency-secs 5]` (pickup latency of
+//! jobs arriving one at a time at each rate, on PostgreSQL direct, PostgreSQL with
+//! `?pooler=transaction` and SQLite: see `bench/latency.rs`). `--processes` runs this program
+//! again as its workers, with the hidden flags `--worker fenced|plain --worker-schema S
+//! --worker-queue Q` (and `--concurrency`, `--work-ms`, `--database-url`).
 //! PostgreSQL from `DATABASE_URL`, Redis from `REDIS_URL`, SQS from the AWS environment (all fall
 //! back to `localstack/.env`). A benchmark, not a test: it prints figures and asserts nothing.
 
@@ -40,9 +47,12 @@ use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
 mod defaults;
+mod latency;
 mod measure;
+mod pipelined;
 #[cfg(any(feature = "sqs", feature = "redis"))]
 mod plain;
+mod processes;
 #[cfg(feature = "redis")]
 mod redis_bench;
 #[cfg(feature = "sqs")]
@@ -80,6 +90,13 @@ struct Opts {
     defaults: Option<Vec<usize>>,
     /// `--prefetch` for the fenced consumer of --defaults (`None`: the source's default).
     defaults_prefetch: Option<usize>,
+    /// `--processes`: the --defaults comparison with each level split across this many
+    /// worker processes.
+    processes: Option<usize>,
+    /// `--latency`: pickup latency at these rates (jobs per second), for this many seconds each.
+    latency: Option<(Vec<f64>, f64)>,
+    /// `--worker`: this process is a worker of `--processes`.
+    worker: Option<processes::Worker>,
     /// `--database-url` or the environment's (an error to report when there is neither).
     database_url: Result<String, String>,
     /// `--redis-url` or the environment's, if any.
@@ -133,6 +150,29 @@ struct Cli {
     /// claims ahead) [default: the table queue's own]
     #[arg(long, value_name = "N")]
     prefetch: Option<usize>,
+    /// Only the --defaults comparison with each level of --levels split across P worker
+    /// processes (1 × L against P × L/P, fenced and plain); jobs default to 20000, rounds to 3
+    #[arg(long, value_name = "P", value_parser = at_least_one)]
+    processes: Option<usize>,
+    /// Only the pickup latency of the table queue (jobs arriving one at a time at each of
+    /// --rates) on PostgreSQL, PostgreSQL with ?pooler=transaction, and SQLite; rounds default to 3
+    #[arg(long)]
+    latency: bool,
+    /// Arrival rates for --latency, jobs per second, comma separated
+    #[arg(long, value_name = "LIST", default_value = "10,100,1000", value_delimiter = ',')]
+    rates: Vec<f64>,
+    /// Seconds of arrivals per rate and round for --latency
+    #[arg(long, value_name = "S", default_value = "5")]
+    latency_secs: f64,
+    /// A worker process of --processes: fenced or plain (internal)
+    #[arg(long, value_name = "MODE", hide = true)]
+    worker: Option<String>,
+    /// The worker's schema (internal)
+    #[arg(long, value_name = "S", hide = true, default_value = "")]
+    worker_schema: String,
+    /// The worker's queue (internal)
+    #[arg(long, value_name = "Q", hide = true, default_value = "")]
+    worker_queue: String,
 }
 
 fn parse_opts() -> Result<Opts, clap::Error> {
@@ -142,7 +182,7 @@ fn parse_opts() -> Result<Opts, clap::Error> {
         sources: c.sources.split(',').map(str::to_owned).collect(),
         jobs: c.jobs.unwrap_or(if c.quick {
             3_000
-        } else if c.defaults {
+        } else if c.defaults || c.processes.is_some() {
             20_000
         } else {
             30_000
@@ -155,7 +195,7 @@ fn parse_opts() -> Result<Opts, clap::Error> {
         broker_concurrency: c.broker_concurrency,
         rounds: c.rounds.rounds.unwrap_or(if c.quick {
             1
-        } else if c.defaults {
+        } else if c.defaults || c.processes.is_some() || c.latency {
             3
         } else {
             2
@@ -166,7 +206,16 @@ fn parse_opts() -> Result<Opts, clap::Error> {
         redis_url: c.redis.redis_url_if_any(),
         quick: c.quick,
         own_commit_only: c.own_commit_only,
-        defaults: c.defaults.then_some(c.levels),
+        worker: c.worker.map(|mode| processes::Worker {
+            mode,
+            schema: c.worker_schema,
+            queue: c.worker_queue,
+            concurrency: c.common.concurrency.unwrap_or(64),
+            work: c.load.work(1),
+        }),
+        processes: c.processes,
+        latency: c.latency.then_some((c.rates, c.latency_secs)),
+        defaults: (c.defaults || c.processes.is_some()).then_some(c.levels),
         defaults_prefetch: c.prefetch,
     })
 }
@@ -186,6 +235,14 @@ pub fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(w) = &opts.worker {
+        let result = opts.database_url.clone().map(|url| rt.block_on(processes::worker(&url, w)));
+        if let Err(e) = result.and_then(|r| r) {
+            eprintln!("bench worker: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if let Err(e) = rt.block_on(bench(opts)) {
         eprintln!("bench: {e}");
         std::process::exit(1);
@@ -194,9 +251,17 @@ pub fn main() {
 
 async fn bench(o: Opts) -> Result<(), String> {
     let url = o.database_url.clone()?;
-    if let Some(levels) = &o.defaults {
+    if o.defaults.is_some() || o.latency.is_some() {
         println!("brokerfence bench — {}; load average at start {}", machine(), loadavg());
-        let result = defaults::run(&o, &url, levels).await;
+        if cfg!(debug_assertions) {
+            println!("  [DEBUG BUILD: use --release for figures]");
+        }
+        let result = match (&o.latency, &o.defaults, o.processes) {
+            (Some((rates, secs)), _, _) => latency::run(&o, &url, rates, *secs).await,
+            (None, Some(levels), Some(p)) => processes::run(&o, &url, levels, p).await,
+            (None, Some(levels), None) => defaults::run(&o, &url, levels).await,
+            (None, None, _) => Ok(()),
+        };
         println!("\nload average at the end {} (other work on the machine skews the figures)", loadavg());
         return result;
     }
