@@ -267,6 +267,12 @@ impl FenceStore for Counting {
     async fn db_now(&self) -> fence::Result<DbTime> {
         self.timed("db_now", self.inner.db_now()).await
     }
+    fn wakeups(&self, queue: &QueueName) -> brokerfence::Wakeups {
+        self.inner.wakeups(queue)
+    }
+    async fn next_due(&self, queue: &QueueName) -> fence::Result<Option<std::time::Duration>> {
+        self.timed("next_due", self.inner.next_due(queue)).await
+    }
 
     fn backend(&self) -> fence::Backend<'_> {
         self.inner.backend()
