@@ -190,6 +190,7 @@ pub(crate) struct Hub {
     /// The listener is connected.
     listening: AtomicBool,
     /// Whether the listener was started (PostgreSQL with one).
+    #[cfg(feature = "postgres")]
     started: AtomicBool,
     #[cfg(feature = "postgres")]
     listen: Option<ListenSpec>,
@@ -217,6 +218,7 @@ impl Hub {
             subs: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             listening: AtomicBool::new(false),
+            #[cfg(feature = "postgres")]
             started: AtomicBool::new(false),
             #[cfg(feature = "postgres")]
             listen: None,
@@ -263,6 +265,7 @@ impl Hub {
     }
 
     /// Whether the database's notifications arrive here now.
+    #[cfg(feature = "postgres")]
     pub(crate) fn is_listening(&self) -> bool {
         self.listening.load(Ordering::Acquire)
     }
@@ -286,6 +289,7 @@ impl Hub {
 
     /// A notification's payload, `<delay ms>:<queue>` (see [`payload_sql`]), or
     /// [`OUTBOX_PAYLOAD`].
+    #[cfg(feature = "postgres")]
     pub(crate) fn deliver(&self, payload: &str) {
         if payload == OUTBOX_PAYLOAD {
             return self.wake(OUTBOX, Duration::ZERO);
@@ -300,6 +304,7 @@ impl Hub {
     }
 
     /// The listener (re)connected: every subscription claims and asks for its next due job.
+    #[cfg(feature = "postgres")]
     pub(crate) fn resync(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
         let subs: Vec<Arc<Subscriber>> = {
@@ -313,6 +318,7 @@ impl Hub {
 }
 
 /// The subscription key of the outbox relays (no queue name holds a NUL).
+#[cfg(feature = "postgres")]
 pub(crate) const OUTBOX: &str = "\0outbox";
 
 /// The payload of the notification an outbox row sends when its transaction commits.

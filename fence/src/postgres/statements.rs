@@ -331,7 +331,7 @@ impl Statements {
             &format!(
                 "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r, \
                  CASE WHEN t.state = 'failed' THEN pg_notify('{chan}', {payload}) END AS woke",
-                payload = wake::payload_sql("t.queue", &ms!("(t.run_at - clock_timestamp())")),
+                payload = wake::payload_sql("t.queue", ms!("(t.run_at - clock_timestamp())")),
             ),
         );
         let release = fenced(

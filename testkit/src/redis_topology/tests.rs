@@ -55,6 +55,10 @@ async fn cluster_starts_and_migrates_a_slot() {
     cluster.migrate_slot(slot, source).await;
     assert_eq!(cluster.index_for_slot(slot).await, source, "migrate_slot moves it back");
     assert_eq!(owner.cmd::<Option<String>>(&["GET", "{job}:a"]).await.as_deref(), Some("1"));
+    // The keys moved back reach the source's replica asynchronously: wait for it before the kill
+    // (under load the replica was seen promoted without `{job}:a`).
+    let acked = owner.cmd::<i64>(&["WAIT", "1", "5000"]).await;
+    assert!(acked >= 1, "the source's replica acknowledged its writes ({acked})");
 
     let t2 = Instant::now();
     cluster.kill_node(source).await;
