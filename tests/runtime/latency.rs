@@ -53,8 +53,21 @@ struct Running {
 
 impl Running {
     fn start(store: Arc<dyn FenceStore>, queue: &QueueName, idle_wait: Duration, policy: RetryPolicy) -> Self {
+        Self::start_with(store, queue, idle_wait, policy, 30, 16)
+    }
+
+    /// With a lease of `lease_secs` and `concurrency` handlers.
+    fn start_with(
+        store: Arc<dyn FenceStore>,
+        queue: &QueueName,
+        idle_wait: Duration,
+        policy: RetryPolicy,
+        lease_secs: u64,
+        concurrency: usize,
+    ) -> Self {
         let source = TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(idle_wait);
-        let config = ConsumerConfig::new(SupervisorConfig::new(common::lease(30)).retry(policy)).concurrency(16);
+        let config = ConsumerConfig::new(SupervisorConfig::new(common::lease(lease_secs)).retry(policy))
+            .concurrency(concurrency);
         let consumer = Consumer::new(source, store, config);
         let (stop, starts) = (CancellationToken::new(), Starts::default());
         let handler = {
@@ -239,14 +252,15 @@ impl FenceStore for Counting {
 }
 
 /// A rolled-back enqueue wakes nobody (no claim follows it), and an idle consumer, with its
-/// default poll (1 s) and four receive loops, sends at most one statement a second; a
-/// committed enqueue is still claimed at once.
+/// default poll (1 s) and four receive loops (concurrency 128: 384 places in batches of 64, at
+/// most 4 receives), sends at most one statement a second; a committed enqueue is still claimed
+/// at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latency_a_rolled_back_enqueue_claims_nothing_and_an_idle_consumer_sends_one_statement_a_second() {
     let fence = common::pg().await;
     let q = queue("rollback");
     let counting = Counting::new(Arc::new(fence.clone()));
-    let running = Running::start(counting.clone(), &q, Duration::from_secs(1), RetryPolicy::default());
+    let running = Running::start_with(counting.clone(), &q, Duration::from_secs(1), RetryPolicy::default(), 30, 128);
     wait_for_listener(&fence, &[]).await;
     tokio::time::sleep(Duration::from_millis(1_500)).await;
 
@@ -304,9 +318,10 @@ async fn latency_consumers_of_many_queues_share_one_listener() {
     common::drop_schema(&fence).await;
 }
 
-/// A killed listener connection is replaced; a job enqueued (by another process's fence, so no
-/// in-process wake-up) while it was gone is picked up within the poll's bound; once the new
-/// listener is there, jobs are picked up by wake-ups again, well inside the poll.
+/// A killed listener connection is replaced; a job enqueued (by another fence, so no in-process
+/// wake-up) while it was gone is picked up within the poll's bound (in practice sooner: the new
+/// listener's resync claims at once); once the new listener is there, jobs are picked up by
+/// wake-ups again, well inside the poll.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latency_a_killed_listener_is_replaced_and_the_poll_covers_the_gap() {
     let fence = common::pg().await;
@@ -347,10 +362,10 @@ async fn latency_a_killed_listener_is_replaced_and_the_poll_covers_the_gap() {
     common::drop_schema(&fence).await;
 }
 
-/// A retry due in 200 ms starts within 20 ms of being due (median of 5; each at most 100 ms
+/// A retry due in 200 ms starts within 20 ms of being due (median of 5; each at most 150 ms
 /// late): the retry's notification carries its delay and the consumer sets a timer. "Due" is
-/// counted from the moment the handler returned its error plus the backoff, which is before the
-/// database set `run_at`: the lateness measured includes the `fail` statement. PostgreSQL
+/// counted from the moment the handler started plus the backoff, which is before the database
+/// set `run_at`: the lateness measured includes the handler and the `fail` statement. PostgreSQL
 /// (the notification) and SQLite (the in-process wake-up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latency_a_job_due_in_200_ms_starts_within_20_ms_of_being_due() {
@@ -377,10 +392,37 @@ async fn latency_a_job_due_in_200_ms_starts_within_20_ms_of_being_due() {
         }
         late.sort();
         assert!(late[2] <= Duration::from_millis(20), "{backend}: median lateness {:?}: {late:?}", late[2]);
-        assert!(late[4] <= Duration::from_millis(100), "{backend}: {late:?}");
+        assert!(late[4] <= Duration::from_millis(150), "{backend}: {late:?}");
         running.stop().await;
     }
     common::drop_schema(&pg).await;
+}
+
+/// Defect (review of this change): a claim made after an idle wait got a deadline counted from
+/// before the wait, so a job enqueued after the consumer idled longer than its lease was lost at
+/// once (cancelled before it ran, claimed again and again until dead). A 3 s lease, 5 s idle:
+/// the job runs once and completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_a_job_claimed_after_an_idle_wait_longer_than_the_lease_runs_once() {
+    let fence = common::pg().await;
+    let q = queue("long-idle");
+    let running = Running::start_with(Arc::new(fence.clone()), &q, Duration::from_secs(30), RetryPolicy::default(), 3, 16);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    fence.enqueue(&q, &common::key("after-idle"), b"p").await.expect("enqueue");
+    running.starts.wait("after-idle", 1, Duration::from_secs(5)).await.expect("started");
+    let until = Instant::now() + Duration::from_secs(10);
+    let record = loop {
+        let record = fence.job(&q, &common::key("after-idle")).await.expect("job").expect("row");
+        if record.state == brokerfence::JobState::Completed || Instant::now() >= until {
+            break record;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(record.state, brokerfence::JobState::Completed, "{record:?}");
+    assert_eq!(record.attempts, 1, "{record:?}");
+    assert_eq!(running.starts.of("after-idle").len(), 1);
+    running.stop().await;
+    common::drop_schema(&fence).await;
 }
 
 /// SQLite: an enqueue through the store (or a clone) wakes its consumers in this process at
@@ -427,10 +469,15 @@ async fn latency_behind_pgbouncer_in_transaction_mode_it_works_by_polling() {
         let started = running.starts.wait(&key, 1, Duration::from_secs(10)).await.expect("started by the poll");
         assert!(started.duration_since(sent) < poll + Duration::from_millis(600), "{:?}", started.duration_since(sent));
     }
+    running.stop().await;
+    // An enqueue through the same fence wakes its consumers in this process (the poll is 30 s).
+    let q = queue("bounced-here");
+    let running = Running::start(Arc::new(pooled.clone()), &q, Duration::from_secs(30), RetryPolicy::default());
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let sent = Instant::now();
     pooled.enqueue(&q, &common::key("here"), b"p").await.expect("enqueue through the pooler");
     let started = running.starts.wait("here", 1, Duration::from_secs(10)).await.expect("started");
-    assert!(started.duration_since(sent) < Duration::from_millis(300), "{:?}", started.duration_since(sent));
+    assert!(started.duration_since(sent) < Duration::from_millis(500), "{:?}", started.duration_since(sent));
     running.stop().await;
     let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {} CASCADE", direct.get_schema().as_str())))
         .execute(direct.pool())

@@ -37,6 +37,11 @@ impl Idle {
         self.sync.swap(false, Ordering::AcqRel)
     }
 
+    /// `next_due` failed: ask again after the next claim.
+    pub(super) fn ask_again(&self) {
+        self.sync.store(true, Ordering::Release);
+    }
+
     /// The answer of `next_due`: the wait ends when that job is due.
     pub(super) fn due_in(&self, after: Duration) {
         self.wakeups.due_in(after + DUE_MARGIN);
@@ -52,19 +57,19 @@ impl Idle {
         *self.next_poll.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now() + self.poll;
     }
 
-    /// Waits until it is worth claiming again (`true`), or the consumer stops (`false`).
-    pub(super) async fn wait(&self, shutdown: &CancellationToken) -> bool {
+    /// Waits until it is worth claiming again, or the consumer stops.
+    pub(super) async fn wait(&self, shutdown: &CancellationToken) {
         loop {
             let deadline = *self.next_poll.lock().unwrap_or_else(|e| e.into_inner());
             let wake = tokio::select! {
-                () = shutdown.cancelled() => return false,
+                () = shutdown.cancelled() => return,
                 w = self.wakeups.wait(deadline) => w,
             };
             match wake {
-                Wake::Notified => return true,
+                Wake::Notified => return,
                 Wake::Due | Wake::Resync => {
                     self.sync.store(true, Ordering::Release);
-                    return true;
+                    return;
                 }
                 _ => {
                     // The poll: the first loop past the deadline claims, the others wait on.
@@ -72,7 +77,7 @@ impl Idle {
                     let now = Instant::now();
                     if now >= *next {
                         *next = now + self.poll;
-                        return true;
+                        return;
                     }
                 }
             }

@@ -42,7 +42,8 @@ pub struct TableQueue {
     store: Arc<dyn FenceStore>,
     queue: QueueName,
     idle_wait: Duration,
-    /// The idle state, made at the first receive and shared by clones made before it.
+    /// The idle state, made at the first receive and shared by every clone (a clone given its
+    /// own `idle_wait` gets its own).
     idle: Arc<OnceLock<Idle>>,
 }
 
@@ -124,33 +125,38 @@ impl Source for TableQueue {
         concurrency.saturating_mul(2).min(4 * self.default_batch())
     }
 
-    /// Claims up to `max` due jobs; when none is due, waits (see [`TableQueue`]) and claims
-    /// again, until jobs come or the consumer stops.
+    /// Claims up to `max` due jobs; when none is due, waits (see [`TableQueue`]) and answers
+    /// nothing, so that the runtime asks again at once: each claim is its own receive, and a
+    /// claimed job's deadline counts from the receive that claimed it, never from before an idle
+    /// wait (a claim after a wait longer than the lease would otherwise start past its deadline).
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<()>>, SourceError> {
         let n = u32::try_from(max).unwrap_or(u32::MAX);
         let idle = self.idle.get_or_init(|| Idle::new(self.store.wakeups(&self.queue), self.idle_wait));
-        loop {
-            if idle.take_sync() {
-                let due = self.store.next_due(&self.queue).await.map_err(|e| SourceError::Transient(Box::new(e)))?;
-                if let Some(after) = due {
-                    idle.due_in(after);
+        let jobs = self
+            .store
+            .claim_next(&self.queue, &ctx.owner, ctx.lease, n)
+            .await
+            .map_err(|e| SourceError::Transient(Box::new(e)))?;
+        if jobs.len() >= max {
+            // More may be due: another receive loop claims too.
+            idle.pass_on();
+        }
+        if idle.take_sync() {
+            match self.store.next_due(&self.queue).await {
+                Ok(Some(after)) => idle.due_in(after),
+                Ok(None) => {}
+                Err(e) => {
+                    idle.ask_again();
+                    if jobs.is_empty() {
+                        return Err(SourceError::Transient(Box::new(e)));
+                    }
                 }
-            }
-            let jobs = self
-                .store
-                .claim_next(&self.queue, &ctx.owner, ctx.lease, n)
-                .await
-                .map_err(|e| SourceError::Transient(Box::new(e)))?;
-            if !jobs.is_empty() {
-                if jobs.len() >= max {
-                    idle.pass_on();
-                }
-                return Ok(jobs.into_iter().map(|job| Incoming::Claimed { delivery: (), job }).collect());
-            }
-            idle.polled();
-            if !idle.wait(&ctx.shutdown).await {
-                return Ok(Vec::new());
             }
         }
+        if jobs.is_empty() {
+            idle.polled();
+            idle.wait(&ctx.shutdown).await;
+        }
+        Ok(jobs.into_iter().map(|job| Incoming::Claimed { delivery: (), job }).collect())
     }
 }
