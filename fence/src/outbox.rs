@@ -144,11 +144,12 @@ impl PgFence {
         let sql = format!(
             "WITH ins AS (INSERT INTO {} (queue, key, epoch, owner, destination, payload) \
                  VALUES ($1, $2, $3, $4, $5, $6) RETURNING id), \
-             woke AS (SELECT pg_notify('{}', '{}') FROM ins) \
+             woke AS (SELECT pg_notify('{}', '{}') FROM ins WHERE {}) \
              SELECT (SELECT id FROM ins) WHERE (SELECT count(*) FROM woke) >= 0",
             table(self),
             crate::wake::channel(self.get_schema().as_str()),
             crate::wake::OUTBOX_PAYLOAD,
+            self.get_notify(),
         );
         Ok(sqlx::query_scalar(AssertSqlSafe(sql))
             .persistent(self.persistent())

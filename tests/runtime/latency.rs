@@ -406,7 +406,8 @@ async fn latency_a_job_due_in_200_ms_starts_within_20_ms_of_being_due() {
 async fn latency_a_job_claimed_after_an_idle_wait_longer_than_the_lease_runs_once() {
     let fence = common::pg().await;
     let q = queue("long-idle");
-    let running = Running::start_with(Arc::new(fence.clone()), &q, Duration::from_secs(30), RetryPolicy::default(), 3, 16);
+    let running =
+        Running::start_with(Arc::new(fence.clone()), &q, Duration::from_secs(30), RetryPolicy::default(), 3, 16);
     tokio::time::sleep(Duration::from_secs(5)).await;
     fence.enqueue(&q, &common::key("after-idle"), b"p").await.expect("enqueue");
     running.starts.wait("after-idle", 1, Duration::from_secs(5)).await.expect("started");
@@ -422,6 +423,31 @@ async fn latency_a_job_claimed_after_an_idle_wait_longer_than_the_lease_runs_onc
     assert_eq!(record.attempts, 1, "{record:?}");
     assert_eq!(running.starts.of("after-idle").len(), 1);
     running.stop().await;
+    common::drop_schema(&fence).await;
+}
+
+/// `PgFence::notify(false)`: its enqueues wake its own process's consumers at once, and send no
+/// notification, so a consumer of another fence (listening, polling every 30 s) does not see
+/// them until its poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_a_fence_told_not_to_notify_wakes_only_its_own_consumers() {
+    let fence = common::pg().await;
+    let quiet = common::pg_on(fence.get_schema().clone()).await.notify(false);
+    assert!(!quiet.get_notify());
+    let (elsewhere, here) = (queue("elsewhere"), queue("here"));
+    let other = Running::start(Arc::new(fence.clone()), &elsewhere, Duration::from_secs(30), RetryPolicy::default());
+    let own = Running::start(Arc::new(quiet.clone()), &here, Duration::from_secs(30), RetryPolicy::default());
+    wait_for_listener(&fence, &[]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    quiet.enqueue(&elsewhere, &common::key("unannounced"), b"p").await.expect("enqueue");
+    let sent = Instant::now();
+    quiet.enqueue(&here, &common::key("own"), b"p").await.expect("enqueue");
+    let started = own.starts.wait("own", 1, Duration::from_secs(5)).await.expect("its own consumer woke");
+    assert!(started.duration_since(sent) < Duration::from_millis(300), "{:?}", started.duration_since(sent));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(other.starts.of("unannounced").is_empty(), "a fence with notify(false) woke another fence's consumer");
+    other.stop().await;
+    own.stop().await;
     common::drop_schema(&fence).await;
 }
 

@@ -183,13 +183,39 @@ impl PgFence {
         self.listen && !self.route.is_pooled()
     }
 
+    /// Whether the fence's writes that make a job due send a notification (default `true`; see
+    /// [`listen`](Self::listen)). The fence's own `enqueue`, `enqueue_many`, retries and
+    /// releases announce their jobs after their commit, from a task of their own that gathers
+    /// them into one statement committed without waiting for its flush. The transactional forms
+    /// ([`enqueue_in`](Self::enqueue_in), [`enqueue_many_in`](Self::enqueue_many_in),
+    /// `outbox_in`) call `pg_notify` inside the caller's transaction, which costs that
+    /// transaction PostgreSQL's notification lock: from its commit until it ends, which
+    /// includes the commit's flush, no other notifying transaction of the cluster commits, and
+    /// such a transaction cannot `PREPARE TRANSACTION`. `false` sends nothing: consumers in
+    /// other processes then find jobs at their poll; this process's consumers are still woken.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> brokerfence::Result<()> {
+    /// let fence = brokerfence::PgFence::connect("postgres://postgres@127.0.0.1/test").await?.notify(false);
+    /// assert!(!fence.get_notify());
+    /// # Ok(()) }
+    /// ```
+    pub fn notify(mut self, on: bool) -> Self {
+        self.notify = on;
+        self.with_new_hub()
+    }
+
+    /// Whether the fence's writes send notifications (see [`notify`](Self::notify)).
+    pub fn get_notify(&self) -> bool {
+        self.notify
+    }
+
     /// A wake-up hub for the current schema, pool and route (clones made after this share it).
     fn with_new_hub(mut self) -> Self {
-        self.wake = if self.get_listen() {
-            Hub::listening(ListenSpec { pool: self.pool.clone(), channel: crate::wake::channel(self.schema.as_str()) })
-        } else {
-            Hub::local()
-        };
+        let channel = crate::wake::channel(self.schema.as_str());
+        let listen = self.get_listen().then(|| ListenSpec { pool: self.pool.clone(), channel: channel.clone() });
+        let announce = self.notify.then(|| (self.pool.clone(), channel, self.route.is_pooled()));
+        self.wake = Hub::postgres(listen, announce);
         self
     }
 
@@ -271,6 +297,7 @@ impl PgFence {
             route: Route::direct(watch),
             locator: None,
             listen: true,
+            notify: true,
             wake: Hub::local(),
         }
         .with_new_hub()

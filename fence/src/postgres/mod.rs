@@ -65,6 +65,8 @@ pub struct PgFence {
     locator: Option<Arc<locate::Locator>>,
     /// Whether consumers listen for notifications ([`listen`](Self::listen)).
     listen: bool,
+    /// Whether writes that make a job due notify ([`notify`](Self::notify)).
+    notify: bool,
     /// The wake-ups of this fence's consumers (shared by its clones).
     wake: Arc<crate::wake::Hub>,
 }
@@ -212,18 +214,22 @@ impl PgFence {
         queue: &QueueName,
         jobs: &[(JobKey, Vec<u8>)],
     ) -> Result<u64> {
-        self.enqueue_on(&mut *conn, queue, jobs).await
+        self.enqueue_on(&mut *conn, queue, jobs, true).await
     }
 
+    /// The enqueue statement on `exec`: in the caller's transaction (`in_tx`, which notifies
+    /// at its commit) or the fence's own (which announces after its commit).
     pub(super) async fn enqueue_on<'c>(
         &self,
         exec: impl sqlx::PgExecutor<'c>,
         queue: &QueueName,
         jobs: &[(JobKey, Vec<u8>)],
+        in_tx: bool,
     ) -> Result<u64> {
         let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
         let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
-        let (inserted, _notified): (i64, i64) = sqlx::query_as(sql(&self.stmts.enqueue))
+        let stmt = if in_tx && self.notify { &self.stmts.enqueue_notify } else { &self.stmts.enqueue };
+        let (inserted, _notified): (i64, i64) = sqlx::query_as(sql(stmt))
             .persistent(self.persistent())
             .bind(queue.as_str().to_owned())
             .bind(keys)
@@ -272,13 +278,10 @@ impl PgFence {
         answer.map_err(|e| self.seen(e))
     }
 
-    /// Wakes this process's consumers of `queue` after a write of this fence committed, when no
-    /// notification will (nothing listens: behind a pooler, `listen(false)`, or the listener is
-    /// reconnecting). With the listener up, the notification wakes every process alike.
+    /// After a write of this fence committed that made a job of `queue` due after `delay`:
+    /// wakes this process's consumers and announces the job to the others (see `crate::wake`).
     pub(super) fn wake_here(&self, queue: &QueueName, delay: std::time::Duration) {
-        if !self.wake.is_listening() {
-            self.wake.wake(queue.as_str(), delay);
-        }
+        self.wake.committed(queue.as_str(), delay);
     }
 
     pub(super) async fn fenced_write<'c, E, F>(

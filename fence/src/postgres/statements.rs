@@ -20,6 +20,7 @@ use crate::wake;
 pub(crate) struct Statements {
     pub(super) claim: Arc<str>,
     pub(super) enqueue: Arc<str>,
+    pub(super) enqueue_notify: Arc<str>,
     pub(super) next_due: Arc<str>,
     pub(super) claim_next: Arc<str>,
     pub(super) heartbeat: Arc<str>,
@@ -192,12 +193,20 @@ impl Statements {
         // Epoch 0 and no floor read: the row's first claim starts above the floor (see
         // `capped_claim`), so an enqueue inside a caller's long transaction holds no floor lock
         // the pruner would wait for (issue #30, item 8).
-        //
-        // The notification (see `crate::wake`) is sent once per statement that inserted a job,
-        // when the enqueuing transaction commits: the consumers listening are woken then, and a
-        // rolled-back enqueue wakes nobody. The `woke` CTE runs because the answer counts it.
-        // Answers (jobs inserted, notifications sent).
+        // Answers (jobs inserted, 0). The fence's own enqueue announces the jobs after its commit
+        // (`crate::wake`); an enqueue in the caller's transaction uses `enqueue_notify`.
         let enqueue = format!(
+            "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
+                 SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
+                 FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
+                 ON CONFLICT (queue, key) DO NOTHING RETURNING 1) \
+             SELECT count(*)::bigint, 0::bigint FROM ins"
+        );
+        // The same inside the caller's transaction, with the notification (see `crate::wake`):
+        // sent once per statement that inserted a job, when the caller's transaction commits,
+        // so a rolled-back enqueue wakes nobody. The `woke` CTE runs because the answer counts
+        // it. Answers (jobs inserted, notifications sent).
+        let enqueue_notify = format!(
             "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
                  SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
                  FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
@@ -326,13 +335,8 @@ impl Statements {
                  lease_until = NULL, updated_at = clock_timestamp() WHERE {cas}",
                 delay = "least($9::bigint, $7::bigint * (1::bigint << least(t.failures, 30)::int))",
             ),
-            // The state and the backoff just applied (failures has grown by one here); a retry
-            // announces when it is due (see `crate::wake`), sent when the transaction commits.
-            &format!(
-                "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r, \
-                 CASE WHEN t.state = 'failed' THEN pg_notify('{chan}', {payload}) END AS woke",
-                payload = wake::payload_sql("t.queue", ms!("(t.run_at - clock_timestamp())")),
-            ),
+            // The state and the backoff just applied (failures has grown by one here).
+            "t.state || ':' || least($9::bigint, $7::bigint * (1::bigint << least(t.failures - 1, 30)::int))::text AS r",
         );
         let release = fenced(
             s,
@@ -340,7 +344,7 @@ impl Statements {
                 "UPDATE {s}.jobs t SET state = 'pending', attempts = greatest(t.attempts - 1, 0), \
                  lease_until = NULL, run_at = clock_timestamp(), updated_at = clock_timestamp() WHERE {cas}"
             ),
-            &format!("''::text AS r, pg_notify('{chan}', {}) AS woke", wake::payload_sql("t.queue", "0")),
+            "''::text AS r",
         );
         // A row a claim took whose key `JobKey` refuses (issue #30): dead under the claim's own
         // lease, with the reason ($5). The key CHECK (migration 11) spares dead rows.
@@ -406,6 +410,7 @@ impl Statements {
         Self {
             claim: claim.into(),
             enqueue: enqueue.into(),
+            enqueue_notify: enqueue_notify.into(),
             next_due: next_due.into(),
             claim_next: claim_next.into(),
             heartbeat: heartbeat.into(),

@@ -290,7 +290,7 @@ impl FenceStore for PgFence {
     async fn enqueue_many(&self, queue: &QueueName, jobs: &[(JobKey, Vec<u8>)]) -> Result<u64> {
         let answer: Result<_> = async {
             let mut session = self.session(Lane::Main).await?;
-            let new = self.enqueue_on(&mut *session, queue, jobs).await?;
+            let new = self.enqueue_on(&mut *session, queue, jobs, false).await?;
             session.done().await?;
             if new > 0 {
                 self.wake_here(queue, std::time::Duration::ZERO);
