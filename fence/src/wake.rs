@@ -2,16 +2,19 @@
 //! again whether a job is due, a consumer waits for a [`Wake`] and claims when one comes.
 //!
 //! Where the wake-ups come from:
-//! - **PostgreSQL**: every statement that makes a job due (an enqueue, a release, a retry, a
-//!   requeue of a dead job) calls `pg_notify` inside its transaction, so the notification is
+//! - **PostgreSQL**: the fence's own writes that make a job due (an enqueue, a release, a
+//!   retry) are announced with `pg_notify` after they committed, by one task per fence that
+//!   gathers them (`announce`); a transactional enqueue (`enqueue_in`, `enqueue_many_in`,
+//!   `outbox_in`) calls `pg_notify` inside the caller's transaction, so the notification is
 //!   sent when that transaction commits and never when it rolls back. One listener connection
 //!   per [`PgFence`](crate::PgFence) (its clones share it) receives them for every queue of the
 //!   schema and wakes that queue's consumers in this process. A retry announces its delay, and
 //!   the consumers set a timer for it. Behind a transaction-mode pooler (where `LISTEN` does not
 //!   work) or with [`PgFence::listen`](crate::PgFence::listen)`(false)` there is no listener:
-//!   only enqueues through this process's fence wake its consumers.
+//!   only the fence's own writes in this process wake its consumers. An admin requeue of a dead
+//!   job sends nothing (the poll finds it).
 //! - **SQLite**: an enqueue, release or retry through the store wakes the consumers of the same
-//!   store (and its clones) in this process.
+//!   store (and its clones) in this process; a transactional enqueue does not.
 //!
 //! A wake-up is only a hint: the claim statement decides what is due and who gets it. A lost
 //! notification (the listener connection was cut, another process wrote without a listener

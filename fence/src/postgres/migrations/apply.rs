@@ -444,7 +444,9 @@ impl PgFence {
     /// Behind a transaction-mode pooler no session setting stays on one server session, and a
     /// statement sent as parse and bind may reach two: the statement goes alone as one simple
     /// query, under the server's own limits, and the migration's `give_up_after` bounds it from
-    /// this side (a build given up on is left invalid, and the next `migrate` builds it again).
+    /// this side (a build given up on may still run on the server, which the pooler does not
+    /// cancel: the next `migrate` finds the index valid, or retries its look until the build
+    /// ended and builds it again if it was left invalid).
     async fn outside_tx(&self, conn: &mut PgConnection, m: &PgMigration, sql: &str) -> Result<()> {
         if self.route.is_pooled() {
             let migration_error = |source| FenceError::Migration { version: m.version, name: m.name, source };
