@@ -509,3 +509,71 @@ async fn latency_behind_pgbouncer_in_transaction_mode_it_works_by_polling() {
         .execute(direct.pool())
         .await;
 }
+
+/// Waits up to 10 s for `key` of `q` to be dead.
+async fn wait_dead(store: &dyn FenceStore, q: &QueueName, key: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let row = store.job(q, &common::key(key)).await.expect("job");
+        if row.as_ref().is_some_and(|r| r.state == brokerfence::JobState::Dead) {
+            return;
+        }
+        assert!(Instant::now() < until, "{key} not dead within 10 s: {row:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Guards the wake-up of an operator's requeue: a dead job made pending by `Admin::requeue_dead`
+/// from another process (here another `PgFence`, with its own listener) is picked up by an idle
+/// consumer within milliseconds, not at its next poll (30 s here). Before, the requeue sent no
+/// notification and the job waited for the poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_an_admin_requeue_of_a_dead_job_wakes_idle_consumers() {
+    let fence = common::pg().await;
+    let operator = common::pg_on(fence.get_schema().clone()).await;
+    let q = queue("requeued");
+    let running = Running::start(Arc::new(fence.clone()), &q, Duration::from_secs(30), RetryPolicy::never());
+    wait_for_listener(&fence, &[]).await;
+    fence.enqueue(&q, &common::key("dies"), b"fail").await.expect("enqueue");
+    running.starts.wait("dies", 1, Duration::from_secs(5)).await.expect("first attempt");
+    wait_dead(&fence, &q, "dies").await;
+    // Let the consumer settle into its idle wait.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let admin = brokerfence::admin::Admin::new(&operator).expect("admin");
+    let sent = Instant::now();
+    let report =
+        admin.requeue_dead(&q, brokerfence::admin::Requeue::Keys(vec![common::key("dies")])).await.expect("requeue");
+    assert_eq!(report.requeued.len(), 1, "{report:?}");
+    let started = running.starts.wait("dies", 2, Duration::from_secs(5)).await.expect("the requeued job ran again");
+    assert!(started.duration_since(sent) < Duration::from_millis(500), "{:?}", started.duration_since(sent));
+    running.stop().await;
+    common::drop_schema(&fence).await;
+}
+
+/// The same on SQLite: a requeue through the store (or a clone) wakes its consumers in this
+/// process; `Requeue::AllDead` as well as named keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_sqlite_an_admin_requeue_wakes_consumers_in_this_process() {
+    let lite = common::sqlite().await;
+    let q = queue("lite-requeued");
+    let running = Running::start(Arc::new(lite.clone()), &q, Duration::from_secs(30), RetryPolicy::never());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let admin = brokerfence::admin::Admin::new(&lite).expect("admin");
+    let rounds = [
+        ("dies", brokerfence::admin::Requeue::Keys(vec![common::key("dies")])),
+        ("dies-too", brokerfence::admin::Requeue::AllDead),
+    ];
+    for (key, which) in rounds {
+        // Attempt 1 fails and the job is dead; attempt 2, after the requeue, succeeds.
+        lite.enqueue(&q, &common::key(key), b"fail").await.expect("enqueue");
+        running.starts.wait(key, 1, Duration::from_secs(5)).await.expect("first attempt");
+        wait_dead(&lite, &q, key).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let sent = Instant::now();
+        let report = admin.requeue_dead(&q, which).await.expect("requeue");
+        assert_eq!(report.requeued.len(), 1, "{report:?}");
+        let started = running.starts.wait(key, 2, Duration::from_secs(5)).await.expect("the requeued job ran again");
+        assert!(started.duration_since(sent) < Duration::from_millis(500), "{:?}", started.duration_since(sent));
+    }
+    running.stop().await;
+}

@@ -366,7 +366,9 @@ impl Admin {
     /// requeues them too, for an operator who re-sends their messages. Keys are changed in batches of [`Admin::batch_size`]
     /// rows, each one statement (a short transaction); [`Requeue::AllDead`] works the same way
     /// through the jobs dead when the call started, oldest first. The time limit applies to the
-    /// whole call: a call that runs out of it leaves the batches done so far committed.
+    /// whole call: a call that runs out of it leaves the batches done so far committed. Each
+    /// batch that requeued jobs wakes the queue's idle consumers once it committed (as an
+    /// enqueue does; see [`FenceStore::wakeups`]).
     ///
     /// ```no_run
     /// # async fn demo(admin: brokerfence::admin::Admin) -> Result<(), Box<dyn std::error::Error>> {

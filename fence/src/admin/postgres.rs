@@ -272,6 +272,10 @@ pub(super) async fn requeue(
                     .fetch_all(&mut *tx)
                     .await?;
                 tx.commit().await?;
+                if rows.iter().any(|r| r.1.is_some()) {
+                    // Pending again and due now: idle consumers claim it at once (issue #33).
+                    pg.wake_here(queue, Duration::ZERO);
+                }
                 keyed_outcome(&mut report, rows)?;
             }
         }
@@ -299,6 +303,9 @@ pub(super) async fn requeue(
                     .fetch_all(&mut *tx)
                     .await?;
                 tx.commit().await?;
+                if !rows.is_empty() {
+                    pg.wake_here(queue, Duration::ZERO);
+                }
                 if !absorb_requeued(&mut report, rows, batch)? {
                     break;
                 }

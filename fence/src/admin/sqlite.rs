@@ -219,6 +219,10 @@ pub(super) async fn requeue(
                     rows.push((key, epoch, state));
                 }
                 tx.commit().await?;
+                if rows.iter().any(|r| r.1.is_some()) {
+                    // Pending again and due now: this process's idle consumers claim it at once.
+                    lite.wake_here(queue, std::time::Duration::ZERO);
+                }
                 keyed_outcome(&mut report, rows)?;
             }
         }
@@ -238,6 +242,9 @@ pub(super) async fn requeue(
                     .fetch_all(&mut *tx)
                     .await?;
                 tx.commit().await?;
+                if !rows.is_empty() {
+                    lite.wake_here(queue, std::time::Duration::ZERO);
+                }
                 if !absorb_requeued(&mut report, rows, batch)? {
                     break;
                 }

@@ -280,7 +280,7 @@ impl PgFence {
 
     /// After a write of this fence committed that made a job of `queue` due after `delay`:
     /// wakes this process's consumers and announces the job to the others (see `crate::wake`).
-    pub(super) fn wake_here(&self, queue: &QueueName, delay: std::time::Duration) {
+    pub(crate) fn wake_here(&self, queue: &QueueName, delay: std::time::Duration) {
         self.wake.committed(queue.as_str(), delay);
     }
 

@@ -169,6 +169,12 @@ impl SqliteFence {
         Self { pool, schema, guards, stmts, max_claims: default_max_claims(), wake: crate::wake::Hub::local() }
     }
 
+    /// After a write through this store committed that made a job of `queue` due: wakes the
+    /// consumers of this store (and its clones) in this process (see `crate::wake`).
+    pub(crate) fn wake_here(&self, queue: &QueueName, delay: std::time::Duration) {
+        self.wake.wake(queue.as_str(), delay);
+    }
+
     /// Caps the claims of one job at `n` (at least 1; default 20): a claim that would exceed it
     /// makes the job dead, with the last error "claimed N times without finishing (max_claims =
     /// M)", and answers [`Claim::Dead`](crate::Claim::Dead). See [`PgFence::max_claims`](crate::PgFence::max_claims).
