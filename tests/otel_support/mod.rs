@@ -343,3 +343,73 @@ pub fn render_svg(spans: &[SpanData], system: &str) -> String {
     out.push_str("</svg>\n");
     out
 }
+
+// ---------------------------------------------------------------------------------- consumers
+
+/// A consumer of `source` as `owner`, one job at a time and nothing read ahead (a zombie holds
+/// its only place, so it takes nothing else); its stop token and task.
+pub fn consumer<S: brokerfence::Source>(
+    source: S,
+    store: Arc<dyn FenceStore>,
+    owner: &str,
+    config: brokerfence::SupervisorConfig,
+    handler: impl brokerfence::Handler,
+) -> (tokio_util::sync::CancellationToken, tokio::task::JoinHandle<()>) {
+    let config = brokerfence::ConsumerConfig::new(config).concurrency(1).prefetch(0).grace(Duration::from_millis(500));
+    let consumer = brokerfence::Consumer::with_owner(source, store, Owner::new(owner).expect("owner"), config);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        let _ = consumer.run(handler, token).await;
+    });
+    (stop, task)
+}
+
+/// Stops consumers and waits (bounded) for them.
+pub async fn stop_all(consumers: Vec<(tokio_util::sync::CancellationToken, tokio::task::JoinHandle<()>)>) {
+    for (stop, task) in consumers {
+        stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+    }
+}
+
+/// The zombie's handler: says it started, waits until the new owner committed, calls the
+/// receiver (which must refuse its older epoch) and returns a result that will be fenced.
+pub fn zombie_handler(started: Gate, done: Gate, url: String) -> impl brokerfence::Handler {
+    move |ctx: JobContext| {
+        let (started, done, url) = (started.clone(), done.clone(), url.clone());
+        async move {
+            started.open();
+            done.wait(Duration::from_secs(30)).await;
+            let status = call(&url, &ctx).await?;
+            assert_eq!(status, 409, "the receiver refuses the zombie's older epoch");
+            Ok(b"zombie".to_vec())
+        }
+    }
+}
+
+/// The new owner's handler: calls the receiver (which accepts) and returns its result.
+pub fn owner_handler(url: String) -> impl brokerfence::Handler {
+    move |ctx: JobContext| {
+        let url = url.clone();
+        async move {
+            let status = call(&url, &ctx).await?;
+            assert_eq!(status, 200, "the receiver accepts the new owner");
+            Ok(b"owner".to_vec())
+        }
+    }
+}
+
+/// Waits until job `key` of `queue` is completed (by the new owner), then opens `gate`.
+pub async fn await_commit(store: &dyn FenceStore, queue: &QueueName, key: &str, gate: &Gate) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let row = store.job(queue, &JobKey::new(key).expect("key")).await.expect("job");
+        if row.as_ref().is_some_and(|r| r.state == brokerfence::JobState::Completed) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the new owner never committed: {row:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    gate.open();
+}

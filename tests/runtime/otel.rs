@@ -7,34 +7,19 @@
 #![cfg(feature = "otel")]
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use brokerfence::{
-    Consumer, ConsumerConfig, FenceStore, JobContext, JobState, Owner, QueueName, SupervisorConfig, TableQueue,
-};
+use brokerfence::{FenceStore, JobContext, JobState, QueueName, SupervisorConfig, TableQueue};
 use brokerfence_testkit::store::{drop_schema, job, key, lease, pg, unique};
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::otel_support::{Gate, Stalled, attr, call, capture, check_zombie_trace, receiver, wait_until};
+use crate::otel_support::{
+    Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
+    wait_until, zombie_handler,
+};
 
-/// Starts a consumer of the table queue `queue` on `store` as `owner`.
-fn consumer(
-    store: Arc<dyn FenceStore>,
-    queue: &QueueName,
-    owner: &str,
-    config: SupervisorConfig,
-    handler: impl brokerfence::Handler,
-) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-    let source = TableQueue::new(Arc::clone(&store), queue.clone()).idle_wait(Duration::from_millis(100));
-    let config = ConsumerConfig::new(config).concurrency(1).prefetch(0).grace(Duration::from_millis(500));
-    let consumer = Consumer::with_owner(source, store, Owner::new(owner).expect("owner"), config);
-    let stop = CancellationToken::new();
-    let token = stop.clone();
-    let task = tokio::spawn(async move {
-        let _ = consumer.run(handler, token).await;
-    });
-    (stop, task)
+fn table(store: &Arc<dyn FenceStore>, queue: &QueueName) -> TableQueue {
+    TableQueue::new(Arc::clone(store), queue.clone()).idle_wait(Duration::from_millis(100))
 }
 
 /// The trace of a zombie on the table queue. The producer enqueues inside its span `produce`
@@ -55,53 +40,28 @@ async fn otel_table_queue_traces_a_fenced_zombie_from_enqueue_to_the_receiver() 
     drop(produce);
 
     let (zombie_started, rival_done) = (Gate::default(), Gate::default());
-    let (z_started, z_done, z_url) = (zombie_started.clone(), rival_done.clone(), url.clone());
-    let (zombie_stop, zombie_task) = consumer(
-        Arc::new(Stalled(Arc::clone(&store))),
-        &queue,
+    let stalled: Arc<dyn FenceStore> = Arc::new(Stalled(Arc::clone(&store)));
+    let zombie = consumer(
+        table(&stalled, &queue),
+        stalled,
         "zombie",
         SupervisorConfig::new(lease(3)).without_cancel_on_loss(),
-        move |ctx: JobContext| {
-            let (started, done, url) = (z_started.clone(), z_done.clone(), z_url.clone());
-            async move {
-                started.open();
-                done.wait(Duration::from_secs(30)).await;
-                let status = call(&url, &ctx).await?;
-                assert_eq!(status, 409, "the receiver refuses the zombie's older epoch");
-                Ok(b"zombie".to_vec())
-            }
-        },
+        zombie_handler(zombie_started.clone(), rival_done.clone(), url.clone()),
     );
     zombie_started.wait(Duration::from_secs(10)).await;
     assert!(zombie_started.is_open(), "the zombie never started");
-    let rival_url = url.clone();
-    let (rival_stop, rival_task) =
-        consumer(Arc::clone(&store), &queue, "rival", SupervisorConfig::new(lease(3)), move |ctx: JobContext| {
-            let url = rival_url.clone();
-            async move {
-                let status = call(&url, &ctx).await?;
-                assert_eq!(status, 200, "the receiver accepts the new owner");
-                Ok(b"rival".to_vec())
-            }
-        });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let row = job(&*store, &queue, "job-1").await.expect("row");
-        if row.state == JobState::Completed {
-            assert_eq!(row.epoch, 2);
-            break;
-        }
-        assert!(Instant::now() < deadline, "the new owner never committed: {row:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    rival_done.open();
+    let rival = consumer(
+        table(&store, &queue),
+        Arc::clone(&store),
+        "rival",
+        SupervisorConfig::new(lease(3)),
+        owner_handler(url),
+    );
+    await_commit(&*store, &queue, "job-1", &rival_done).await;
     let q = queue.as_str().to_owned();
     let fenced = || cap.attempts(&q).iter().any(|s| attr(s, "brokerfence.outcome").as_deref() == Some("fenced"));
     wait_until(Duration::from_secs(20), "fenced attempt span", fenced).await;
-    for (stop, task) in [(zombie_stop, zombie_task), (rival_stop, rival_task)] {
-        stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
-    }
+    stop_all(vec![zombie, rival]).await;
     let spans = cap.spans();
     check_zombie_trace(&spans, queue.as_str(), "table");
     drop_schema(&fence).await;
@@ -124,14 +84,16 @@ async fn otel_malformed_traceparent_in_the_table_is_ignored_with_a_warning() {
     .execute(fence.pool())
     .await
     .expect("corrupt the column");
-    let (stop, task) =
-        consumer(Arc::clone(&store), &queue, "w", SupervisorConfig::new(lease(3)), |_ctx: JobContext| async move {
-            Ok(b"ok".to_vec())
-        });
+    let worker = consumer(
+        table(&store, &queue),
+        Arc::clone(&store),
+        "w",
+        SupervisorConfig::new(lease(3)),
+        |_ctx: JobContext| async move { Ok(b"ok".to_vec()) },
+    );
     let q = queue.as_str().to_owned();
     wait_until(Duration::from_secs(20), "the attempt span", || !cap.attempts(&q).is_empty()).await;
-    stop.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+    stop_all(vec![worker]).await;
     let row = job(&*store, &queue, "job-1").await.expect("row");
     assert_eq!((row.state, row.epoch), (JobState::Completed, 1), "the job ran and committed");
     let attempt = &cap.attempts(&q)[0];
