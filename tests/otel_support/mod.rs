@@ -210,10 +210,10 @@ pub async fn call(url: &str, ctx: &JobContext) -> Result<u16, JobError> {
 
 // --------------------------------------------------------------------------------- the checks
 
-/// One fenced-zombie trace, checked: the producer's span `produce`; the zombie's attempt (epoch
-/// 1) its child, outcome `fenced` by the new owner's epoch; the new owner's attempt (epoch 2)
-/// linked to the producer's span, outcome `committed`; the receiver's span a child of the new
-/// owner's attempt. Returns the spans of the picture, in start order.
+/// One fenced-zombie trace, checked: the producer's span `produce`; the zombie's attempt, its
+/// child at epoch 1, outcome `fenced` by the new owner's epoch; the new owner's attempt at epoch
+/// 2, linked to the producer's span, outcome `committed`; the receiver's span, a child of the
+/// new owner's attempt. Returns the spans of the picture, in start order.
 pub fn check_zombie_trace(spans: &[SpanData], queue: &str, system: &str) -> Vec<SpanData> {
     let producer = spans.iter().find(|s| s.name == "produce").expect("the producer's span");
     let attempts: Vec<&SpanData> =

@@ -107,3 +107,77 @@ async fn otel_malformed_traceparent_in_the_table_is_ignored_with_a_warning() {
     );
     drop_schema(&fence).await;
 }
+
+/// Issue #34 item 6, a measurement (asserts nothing): table-queue throughput with an
+/// OpenTelemetry layer (the SDK's in-memory exporter, every span exported) against the same
+/// binary without one, in paired rounds of alternating order. Each round enqueues `JOBS` jobs
+/// (default 2,000; inside a `produce` span when on) and drains them with one consumer
+/// (concurrency 32, 1 ms of async work per job); the rate counts from the consumer's start to
+/// the last commit. Prints each round and the median ratio. See docs/performance.md.
+///
+/// `cargo test --workspace --all-features --test runtime otel_cost -- --ignored --nocapture`
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a measurement: run it with --ignored --nocapture"]
+async fn otel_cost_table_queue_throughput_on_against_off_paired_rounds() {
+    let var = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (rounds, jobs) = (var("ROUNDS", 5), var("JOBS", 2000));
+    let fence = pg().await;
+    let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
+    let mut ratios = Vec::new();
+    for round in 0..rounds {
+        let mut rates = [0.0_f64; 2];
+        let order = if round % 2 == 0 { [true, false] } else { [false, true] };
+        for on in order {
+            let cap = on.then(capture);
+            let _off = (!on).then(|| tracing::subscriber::set_default(tracing_subscriber::registry()));
+            let queue = QueueName::new(unique("otel-cost")).expect("queue");
+            let batch: Vec<_> = (0..jobs).map(|i| (key(&format!("j{i}")), b"x".to_vec())).collect();
+            for chunk in batch.chunks(500) {
+                store.enqueue_many(&queue, chunk).instrument(tracing::info_span!("produce")).await.expect("enqueue");
+            }
+            let started = std::time::Instant::now();
+            let source = table(&store, &queue);
+            let config = brokerfence::ConsumerConfig::new(SupervisorConfig::new(lease(30))).concurrency(32);
+            let consumer = brokerfence::Consumer::new(source, Arc::clone(&store), config);
+            let stop = tokio_util::sync::CancellationToken::new();
+            let token = stop.clone();
+            let task = tokio::spawn(async move {
+                consumer
+                    .run(
+                        |_ctx: JobContext| async move {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            Ok(())
+                        },
+                        token,
+                    )
+                    .await
+            });
+            let schema = fence.get_schema().as_str().to_owned();
+            let count = format!("SELECT count(*) FROM {schema}.jobs WHERE queue = $1 AND state = 'completed'");
+            loop {
+                let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count.clone()))
+                    .bind(queue.as_str())
+                    .fetch_one(fence.pool())
+                    .await
+                    .expect("count");
+                if done as usize >= jobs {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let rate = jobs as f64 / started.elapsed().as_secs_f64();
+            stop.cancel();
+            let _ = task.await;
+            if let Some(cap) = &cap {
+                assert!(cap.attempts(queue.as_str()).len() >= jobs, "every attempt exported");
+            }
+            rates[usize::from(!on)] = rate;
+        }
+        let ratio = rates[0] / rates[1];
+        println!("round {round}: on {:.0} jobs/s, off {:.0} jobs/s, on/off {ratio:.3}", rates[0], rates[1]);
+        ratios.push(ratio);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!("median on/off over {rounds} paired rounds: {:.3} (ratios {ratios:.3?})", ratios[ratios.len() / 2]);
+    drop_schema(&fence).await;
+}
