@@ -77,7 +77,7 @@
 //!
 //! The [`guide`] modules: [handlers](guide::handlers), [SQS](guide::sqs), [Redis](guide::redis),
 //! [side effects](guide::side_effects), [at the edges](guide::edges),
-//! [operations](guide::operations), [the model and the guards](guide::model),
+//! [operations](guide::operations), [tracing](guide::tracing), [the model and the guards](guide::model),
 //! [performance](guide::performance). In the reference: [`ConsumerConfig`] (concurrency,
 //! prefetch, batching, shutdown, retention), [`SupervisorConfig`] and [`JobContext`] (leases,
 //! heartbeats, cancellation), [`FenceStore`] (the statements every store runs), [`wire`] and

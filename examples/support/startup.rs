@@ -35,11 +35,15 @@ pub fn use_colour() -> bool {
 pub fn init_logging(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    use tracing_subscriber::Layer;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(use_colour());
+    // The log filter is the log's own: spans (`--otlp-endpoint`) are exported from level info on,
+    // whatever the log shows.
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(use_colour()).with_filter(filter);
     let service = std::env::args().next().and_then(|p| p.rsplit('/').next().map(str::to_owned)).unwrap_or_default();
-    let _ = tracing_subscriber::registry().with(filter).with(fmt).with(super::otel::layer(&service)).try_init();
+    let spans = super::otel::layer(&service).with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    let _ = tracing_subscriber::registry().with(fmt).with(spans).try_init();
 }
 
 /// Why a worker did not run: refused at start (exit 2: bad input or a schema too old) or failed

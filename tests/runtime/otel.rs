@@ -181,3 +181,95 @@ async fn otel_cost_table_queue_throughput_on_against_off_paired_rounds() {
     println!("median on/off over {rounds} paired rounds: {:.3} (ratios {ratios:.3?})", ratios[ratios.len() / 2]);
     drop_schema(&fence).await;
 }
+
+/// The example programs with `--otlp-endpoint`: `table_produce` stores its span's context with
+/// the jobs and exports the `produce` span; `table_worker` exports the attempts (OTLP over HTTP,
+/// protobuf, to `/v1/traces`) in the producer's trace: its export carries the trace id stored in
+/// the job's row. A collector stand-in records the requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otel_example_producer_and_worker_export_by_otlp_over_http() {
+    use brokerfence_testkit::process::{built_example, run_to_end, signal};
+    type Requests = Arc<std::sync::Mutex<Vec<(String, Vec<u8>)>>>;
+    let got: Requests = Arc::default();
+    let keep = Arc::clone(&got);
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let keep = Arc::clone(&keep);
+            async move {
+                let kind = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+                keep.lock().expect("requests").push((kind, body.to_vec()));
+                ""
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let fence = pg().await;
+    let schema = fence.get_schema().as_str().to_owned();
+    let queue = unique("otel-example");
+    let url = brokerfence_testkit::store::database_url();
+    let common: Vec<String> =
+        ["--queue", &queue, "--schema", &schema, "--database-url", &url, "--otlp-endpoint", &endpoint]
+            .map(str::to_owned)
+            .to_vec();
+    let producer = built_example("table_produce");
+    let args = common.clone();
+    let (code, out, err) = tokio::task::spawn_blocking(move || {
+        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+        args.extend(["--count", "3"]);
+        run_to_end(&producer, &args, &[])
+    })
+    .await
+    .expect("producer");
+    assert_eq!(code, 0, "table_produce: {out}\n{err}");
+    let traceparent: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT traceparent FROM {schema}.jobs WHERE queue = $1 LIMIT 1"
+    )))
+    .bind(&queue)
+    .fetch_one(fence.pool())
+    .await
+    .expect("row");
+    let traceparent = traceparent.expect("the producer stored its context with the job");
+    let trace_hex = traceparent.split('-').nth(1).expect("trace id").to_owned();
+    let trace_id: Vec<u8> =
+        (0..16).map(|i| u8::from_str_radix(&trace_hex[2 * i..2 * i + 2], 16).expect("hex")).collect();
+
+    let mut worker = tokio::process::Command::new(built_example("table_worker"))
+        .args(&common)
+        .args(["--grace", "1000"])
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn table_worker");
+    let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
+    let q = QueueName::new(queue.as_str()).expect("queue");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    for i in 0..3 {
+        loop {
+            let row = job(&*store, &q, &format!("job-{i}")).await;
+            if row.is_some_and(|r| r.state == JobState::Completed) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "job-{i} not completed by table_worker");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    signal(worker.id().expect("pid") as i32, libc::SIGTERM);
+    let status =
+        tokio::time::timeout(Duration::from_secs(20), worker.wait()).await.expect("worker exits").expect("wait");
+    assert!(status.success(), "table_worker: {status}");
+    let requests = got.lock().expect("requests").clone();
+    assert!(requests.iter().all(|(kind, _)| kind == "application/x-protobuf"), "OTLP/HTTP protobuf");
+    let has = |body: &[u8], what: &[u8]| body.windows(what.len()).any(|w| w == what);
+    assert!(requests.iter().any(|(_, b)| has(b, b"produce") && has(b, &trace_id)), "the producer's span");
+    assert!(
+        requests.iter().any(|(_, b)| has(b, b"attempt") && has(b, b"committed") && has(b, &trace_id)),
+        "the worker's attempts, in the producer's trace"
+    );
+    drop_schema(&fence).await;
+}
