@@ -17,8 +17,5 @@ mod edge_cases;
 mod lease;
 #[cfg(feature = "otel")]
 mod otel;
-#[cfg(feature = "otel")]
-#[path = "../otel_support/mod.rs"]
-mod otel_support;
 mod restart;
 mod stalled_worker;

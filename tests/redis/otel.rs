@@ -16,7 +16,7 @@ use brokerfence::{FenceStore, JobContext, JobState, QueueName, SupervisorConfig}
 use brokerfence_testkit::store::lease;
 use redis_support::*;
 
-use crate::otel_support::{
+use brokerfence_testkit::otel::{
     Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
     wait_until, zombie_handler,
 };

@@ -23,9 +23,6 @@ mod latency;
 mod observability;
 #[cfg(feature = "otel")]
 mod otel;
-#[cfg(feature = "otel")]
-#[path = "../otel_support/mod.rs"]
-mod otel_support;
 mod retrofit_loops;
 #[cfg(all(feature = "redis", feature = "sqs"))]
 mod retrofits;

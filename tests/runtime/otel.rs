@@ -13,7 +13,7 @@ use brokerfence::{FenceStore, JobContext, JobState, QueueName, SupervisorConfig,
 use brokerfence_testkit::store::{drop_schema, job, key, lease, pg, unique};
 use tracing::Instrument;
 
-use crate::otel_support::{
+use brokerfence_testkit::otel::{
     Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
     wait_until, zombie_handler,
 };

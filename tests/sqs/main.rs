@@ -12,8 +12,5 @@ mod e2e;
 mod edge_cases;
 #[cfg(feature = "otel")]
 mod otel;
-#[cfg(feature = "otel")]
-#[path = "../otel_support/mod.rs"]
-mod otel_support;
 #[cfg(feature = "sqs")]
 mod sqs;

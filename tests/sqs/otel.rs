@@ -17,7 +17,7 @@ use brokerfence::{FenceStore, JobContext, JobKey, JobState, SupervisorConfig};
 use brokerfence_testkit::store::{drop_schema, lease, pg};
 use sqs_support::{TestQueue, receive_raw, sqs};
 
-use crate::otel_support::{
+use brokerfence_testkit::otel::{
     Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
     wait_until, zombie_handler,
 };

@@ -1,11 +1,10 @@
-//! Issue #34 test support, compiled into the `runtime`, `sqs` and `redis` binaries (feature
-//! `otel`): the OpenTelemetry SDK's in-memory exporter behind a `tracing` subscriber of the test's
+//! OpenTelemetry test support (feature `otel`), for the `otel` tests of the `runtime`, `sqs` and
+//! `redis` binaries: the OpenTelemetry SDK's in-memory exporter behind a `tracing` subscriber of the test's
 //! thread, a store whose heartbeats never reach the database (a zombie), a receiver behind
 //! `EpochGuard`, the checks of one fenced-zombie trace, and its rendering as an SVG picture.
 //!
 //! The subscriber is the default of the test's thread only: run these tests on tokio's
 //! `current_thread` runtime so that every task of the test (consumers, receiver) records into it.
-#![allow(dead_code)] // each binary uses its part
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -163,13 +162,16 @@ impl FenceStore for Stalled {
 pub struct Gate(Arc<tokio::sync::Notify>, Arc<std::sync::atomic::AtomicBool>);
 
 impl Gate {
+    /// Opens it.
     pub fn open(&self) {
         self.1.store(true, std::sync::atomic::Ordering::SeqCst);
         self.0.notify_waiters();
     }
+    /// Whether it is open.
     pub fn is_open(&self) -> bool {
         self.1.load(std::sync::atomic::Ordering::SeqCst)
     }
+    /// Waits until it is open, at most `within`.
     pub async fn wait(&self, within: Duration) {
         let _ = tokio::time::timeout(within, async {
             while !self.is_open() {
@@ -354,10 +356,10 @@ pub fn consumer<S: brokerfence::Source>(
     owner: &str,
     config: brokerfence::SupervisorConfig,
     handler: impl brokerfence::Handler,
-) -> (tokio_util::sync::CancellationToken, tokio::task::JoinHandle<()>) {
+) -> (brokerfence::CancellationToken, tokio::task::JoinHandle<()>) {
     let config = brokerfence::ConsumerConfig::new(config).concurrency(1).prefetch(0).grace(Duration::from_millis(500));
     let consumer = brokerfence::Consumer::with_owner(source, store, Owner::new(owner).expect("owner"), config);
-    let stop = tokio_util::sync::CancellationToken::new();
+    let stop = brokerfence::CancellationToken::new();
     let token = stop.clone();
     let task = tokio::spawn(async move {
         let _ = consumer.run(handler, token).await;
@@ -366,7 +368,7 @@ pub fn consumer<S: brokerfence::Source>(
 }
 
 /// Stops consumers and waits (bounded) for them.
-pub async fn stop_all(consumers: Vec<(tokio_util::sync::CancellationToken, tokio::task::JoinHandle<()>)>) {
+pub async fn stop_all(consumers: Vec<(brokerfence::CancellationToken, tokio::task::JoinHandle<()>)>) {
     for (stop, task) in consumers {
         stop.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
