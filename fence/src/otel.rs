@@ -323,20 +323,24 @@ pub(crate) fn attempt_started(span: &tracing::Span, lease: &Lease) {
     if span.is_disabled() {
         return;
     }
-    let origin = ORIGIN.try_with(Clone::clone).unwrap_or_default();
+    if ORIGIN.try_with(|origin| started(span, lease, origin)).is_err() {
+        started(span, lease, &Origin::default());
+    }
+}
+
+fn started(span: &tracing::Span, lease: &Lease, origin: &Origin) {
     if let Some(trace) = &origin.trace {
         if lease.attempts <= 1 {
-            if let Err(e) = span.set_parent(trace.context()) {
-                tracing::debug!(error = %e, "attempt span: could not set the producer's context as parent");
-            }
+            trace.parent_of(span);
         } else {
             span.add_link(trace.span_context());
         }
     }
     span.set_attribute("messaging.operation.name", "process");
-    span.set_attribute("messaging.message.id", origin.message_id.unwrap_or_else(|| lease.key.to_string()));
+    let id = origin.message_id.as_deref().unwrap_or(lease.key.as_str());
+    span.set_attribute("messaging.message.id", id.to_owned());
     span.set_attribute("brokerfence.epoch", lease.epoch);
-    span.set_attribute("brokerfence.owner", lease.owner.to_string());
+    span.set_attribute("brokerfence.owner", lease.owner.as_str().to_owned());
     span.set_attribute("brokerfence.attempt", lease.attempts);
 }
 

@@ -26,10 +26,22 @@ pub struct Capture {
     _guard: tracing::subscriber::DefaultGuard,
 }
 
-/// Starts capturing (until the returned value is dropped).
+/// Starts capturing (until the returned value is dropped); every span is exported when it ends.
 pub fn capture() -> Capture {
+    capture_with(false)
+}
+
+/// [`capture`], or with `batch` through the SDK's batch processor (its own thread, as in
+/// production) instead of exporting each span as it ends.
+pub fn capture_with(batch: bool) -> Capture {
     let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder().with_simple_exporter(exporter.clone()).build();
+    let builder = SdkTracerProvider::builder();
+    let builder = if batch {
+        builder.with_batch_exporter(exporter.clone())
+    } else {
+        builder.with_simple_exporter(exporter.clone())
+    };
+    let provider = builder.build();
     let tracer = provider.tracer("brokerfence-tests");
     let warnings: Arc<Mutex<Vec<String>>> = Arc::default();
     let subscriber = tracing_subscriber::registry()

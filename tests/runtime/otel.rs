@@ -14,8 +14,8 @@ use brokerfence_testkit::store::{drop_schema, job, key, lease, pg, unique};
 use tracing::Instrument;
 
 use brokerfence_testkit::otel::{
-    Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
-    wait_until, zombie_handler,
+    Gate, Stalled, attr, await_commit, capture, capture_with, check_zombie_trace, consumer, owner_handler, receiver,
+    stop_all, wait_until, zombie_handler,
 };
 
 fn table(store: &Arc<dyn FenceStore>, queue: &QueueName) -> TableQueue {
@@ -121,6 +121,9 @@ async fn otel_malformed_traceparent_in_the_table_is_ignored_with_a_warning() {
 async fn otel_cost_table_queue_throughput_on_against_off_paired_rounds() {
     let var = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let (rounds, jobs) = (var("ROUNDS", 5), var("JOBS", 2000));
+    // OTEL_PROCESSOR=simple exports each span as it ends (as the tests do); else the batch
+    // processor, on its own thread, as a production setup has it.
+    let batch = std::env::var("OTEL_PROCESSOR").map_or(true, |p| p != "simple");
     let fence = pg().await;
     let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
     let mut ratios = Vec::new();
@@ -128,7 +131,7 @@ async fn otel_cost_table_queue_throughput_on_against_off_paired_rounds() {
         let mut rates = [0.0_f64; 2];
         let order = if round % 2 == 0 { [true, false] } else { [false, true] };
         for on in order {
-            let cap = on.then(capture);
+            let cap = on.then(|| capture_with(batch));
             let _off = (!on).then(|| tracing::subscriber::set_default(tracing_subscriber::registry()));
             let queue = QueueName::new(unique("otel-cost")).expect("queue");
             let batch: Vec<_> = (0..jobs).map(|i| (key(&format!("j{i}")), b"x".to_vec())).collect();
@@ -171,6 +174,7 @@ async fn otel_cost_table_queue_throughput_on_against_off_paired_rounds() {
             if let Some(cap) = &cap {
                 assert!(cap.attempts(queue.as_str()).len() >= jobs, "every attempt exported");
             }
+            drop(cap);
             rates[usize::from(!on)] = rate;
         }
         let ratio = rates[0] / rates[1];
