@@ -83,6 +83,10 @@ mod producer {
         /// Redis URL, redis://HOST:PORT (else REDIS_URL, else localstack/.env)
         #[arg(long, value_name = "URL")]
         redis_url: Option<String>,
+        /// Export spans by OTLP over HTTP to http://HOST:PORT; each stream entry carries its
+        /// span's `traceparent` field (needs the `otel` feature)
+        #[arg(long, value_name = "URL", value_parser = common::otel::otlp_endpoint)]
+        otlp_endpoint: Option<String>,
     }
 
     async fn produce(args: Args) -> Result<u64, Failure> {
@@ -105,12 +109,20 @@ mod producer {
             let mut pipe = client::pipe();
             for i in chunk {
                 let body = format!("{} #{i}", args.body);
+                // One trace per stream entry: its `produce` span's context as fields.
+                let trace = match &args.stream {
+                    Some(s) => common::otel::trace_fields(&tracing::info_span!("produce", stream = %s, n = i)),
+                    None => Vec::new(),
+                };
                 match (&args.stream, &args.list, &args.key_prefix) {
                     (Some(s), _, Some(p)) => {
-                        pipe.cmd("XADD").arg(s).arg("*").arg("key").arg(format!("{p}-{i}")).arg("body").arg(body);
+                        let cmd =
+                            pipe.cmd("XADD").arg(s).arg("*").arg("key").arg(format!("{p}-{i}")).arg("body").arg(body);
+                        trace.iter().for_each(|(k, v)| _ = cmd.arg(*k).arg(v));
                     }
                     (Some(s), _, None) => {
-                        pipe.cmd("XADD").arg(s).arg("*").arg("body").arg(body);
+                        let cmd = pipe.cmd("XADD").arg(s).arg("*").arg("body").arg(body);
+                        trace.iter().for_each(|(k, v)| _ = cmd.arg(*k).arg(v));
                     }
                     (None, Some(l), Some(p)) => {
                         pipe.cmd("LPUSH").arg(l).arg(format!("{p}-{i}|{body}"));
@@ -141,6 +153,10 @@ mod producer {
             Ok(a) => a,
             Err(e) => return common::report_cli(&e),
         };
+        if let Err(e) = common::otel::check() {
+            return e.report(PROG);
+        }
+        common::init_logging("warn");
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(r) => r,
             Err(e) => {
@@ -148,7 +164,9 @@ mod producer {
                 return 1;
             }
         };
-        match runtime.block_on(produce(args)) {
+        let done = runtime.block_on(produce(args));
+        common::otel::shutdown();
+        match done {
             Ok(n) => {
                 println!("EVENT produced n={n}");
                 0

@@ -45,6 +45,10 @@ struct Args {
     /// Batches in flight at once (standard queues)
     #[arg(long, value_name = "N", default_value = "8", value_parser = common::at_least_one)]
     in_flight: usize,
+    /// Export spans by OTLP over HTTP to http://HOST:PORT; each message carries its span's
+    /// `traceparent` attribute (needs the `otel` feature)
+    #[arg(long, value_name = "URL", value_parser = common::otel::otlp_endpoint)]
+    otlp_endpoint: Option<String>,
 }
 
 fn parse_args() -> Result<(Args, String), clap::Error> {
@@ -78,6 +82,13 @@ async fn run(args: Args, queue_url: String) -> Result<(), Box<dyn std::error::Er
                     if fifo {
                         entry = entry.message_group_id(&args.group).message_deduplication_id(&id);
                     }
+                    // One trace per message: its `produce` span's context as attributes (SQS
+                    // takes 10 per message; this one has room).
+                    let span = tracing::info_span!("produce", job = %id);
+                    for (name, value) in common::otel::trace_fields(&span) {
+                        let v = MessageAttributeValue::builder().data_type("String").string_value(value).build()?;
+                        entry = entry.message_attributes(name, v);
+                    }
                     entries.push(entry.build()?);
                 }
                 let out = client.send_message_batch().queue_url(queue_url).set_entries(Some(entries)).send().await?;
@@ -109,6 +120,10 @@ fn main() -> ExitCode {
         Ok(a) => a,
         Err(e) => return ExitCode::from(u8::try_from(common::report_cli(&e)).unwrap_or(2)),
     };
+    if let Err(e) = common::otel::check() {
+        return ExitCode::from(u8::try_from(e.report(PROG)).unwrap_or(2));
+    }
+    common::init_logging("warn");
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -116,7 +131,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args, queue_url)) {
+    let done = runtime.block_on(run(args, queue_url));
+    common::otel::shutdown();
+    match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{PROG}: {}", brokerfence::sqs::error_chain(&*e));

@@ -50,6 +50,10 @@ struct Args {
     /// Apply the schema migrations first (else refuse a schema older than this build)
     #[arg(long)]
     migrate: bool,
+    /// Export spans by OTLP over HTTP to http://HOST:PORT; each enqueue statement stores its
+    /// span's trace context with its jobs (needs the `otel` feature)
+    #[arg(long, value_name = "URL", value_parser = common::otel::otlp_endpoint)]
+    otlp_endpoint: Option<String>,
 }
 
 async fn produce(args: Args) -> Result<(), StartError> {
@@ -66,7 +70,8 @@ async fn produce(args: Args) -> Result<(), StartError> {
             let key = JobKey::new(format!("{}-{i}", args.prefix)).map_err(refuse)?;
             jobs.push((key, format!("{} {i}", args.body).into_bytes()));
         }
-        new += store.enqueue_many(&queue, &jobs).await?;
+        let span = tracing::info_span!("produce", queue = %queue, jobs = jobs.len());
+        new += tracing::Instrument::instrument(store.enqueue_many(&queue, &jobs), span).await?;
     }
     common::event("produced", &[("queue", &queue), ("count", &args.count), ("new", &new)]);
     Ok(())

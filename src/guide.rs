@@ -12,6 +12,7 @@
 //! | [`side_effects`] | the handler-owned commit, transactional enqueue, receivers, the outbox |
 //! | [`edges`] | slow brokers and databases, rolling deploys, nothing lost, dead letters, FIFO, chaos |
 //! | [`operations`] | retention, metrics, the CLI, pointing at services, production PostgreSQL and Redis |
+//! | [`tracing`] | OpenTelemetry (feature `otel`): one trace from the producer through the broker to each attempt and receiver |
 //! | [`model`] | what is model-checked, each guard and its test |
 //! | [`performance`] | every figure with the command that reproduces it |
 
@@ -44,6 +45,10 @@ pub mod edges {}
 #[cfg_attr(not(doctest), doc = include_str!("../docs/operations.md"))]
 #[cfg_attr(all(doctest, feature = "postgres"), doc = include_str!("../docs/operations.md"))]
 pub mod operations {}
+
+#[cfg_attr(not(doctest), doc = include_str!("../docs/tracing.md"))]
+#[cfg_attr(all(doctest, feature = "postgres", feature = "sqs", feature = "otel"), doc = include_str!("../docs/tracing.md"))]
+pub mod tracing {}
 
 #[doc = include_str!("../docs/model.md")]
 pub mod model {}

@@ -71,12 +71,13 @@
 //! | `serde` | | `ctx.json::<T>()` and the `Json(T)` result |
 //! | `anyhow` | | `?` on `anyhow::Error` in a handler |
 //! | `metrics` | | counters and histograms through the `metrics` façade |
+//! | `otel` | | [`otel`][otel-mod]: W3C trace context through brokers and the jobs table, attempt spans continuing it |
 //!
 //! ## Where to read next
 //!
 //! The [`guide`] modules: [handlers](guide::handlers), [SQS](guide::sqs), [Redis](guide::redis),
 //! [side effects](guide::side_effects), [at the edges](guide::edges),
-//! [operations](guide::operations), [the model and the guards](guide::model),
+//! [operations](guide::operations), [tracing](guide::tracing), [the model and the guards](guide::model),
 //! [performance](guide::performance). In the reference: [`ConsumerConfig`] (concurrency,
 //! prefetch, batching, shutdown, retention), [`SupervisorConfig`] and [`JobContext`] (leases,
 //! heartbeats, cancellation), [`FenceStore`] (the statements every store runs), [`wire`] and
@@ -115,6 +116,8 @@
            [atomic-guard]: https://docs.rs/brokerfence/latest/brokerfence/http/atomic/struct.AtomicEpochGuard.html\n\
            [http-mod]: https://docs.rs/brokerfence/latest/brokerfence/http/index.html"
 )]
+#![cfg_attr(feature = "otel", doc = "[otel-mod]: otel")]
+#![cfg_attr(not(feature = "otel"), doc = "[otel-mod]: https://docs.rs/brokerfence/latest/brokerfence/otel/index.html")]
 #![cfg_attr(feature = "tower", doc = "[tower-handler]: tower::handler")]
 #![cfg_attr(
     not(feature = "tower"),
@@ -157,6 +160,11 @@ pub use adapters::{
 
 #[doc(inline)]
 pub use fence::{admin, epoch, ledger, retention, wire};
+
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+#[doc(inline)]
+pub use fence::otel;
 
 /// The transactional outbox (PostgreSQL): rows written in the handler's own transaction with the
 /// fenced completion ([`PgFence::outbox_in`]), and the relay that publishes them to a broker.

@@ -176,13 +176,18 @@ impl EpochGuard {
 /// # }
 /// ```
 pub async fn enforce(State(guard): State<EpochGuard>, mut req: Request, next: Next) -> Response {
-    match guard.check(req.headers()).await {
-        Ok(accepted) => {
-            req.extensions_mut().insert(accepted);
-            next.run(req).await
+    // Feature `otel`: a span continuing the sender's trace (`traceparent`); else none.
+    let span = crate::otel::receiver_span(req.headers());
+    let run = async move {
+        match guard.check(req.headers()).await {
+            Ok(accepted) => {
+                req.extensions_mut().insert(accepted);
+                next.run(req).await
+            }
+            Err(refusal) => refusal,
         }
-        Err(refusal) => refusal,
-    }
+    };
+    tracing::Instrument::instrument(run, span).await
 }
 
 fn enforce_boxed(state: State<EpochGuard>, req: Request, next: Next) -> BoxFuture<'static, Response> {

@@ -20,6 +20,7 @@ mod builder;
 mod caught;
 mod disposition;
 mod handler;
+mod otel;
 #[cfg(feature = "postgres")]
 pub mod outbox;
 mod retrofit;

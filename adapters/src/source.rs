@@ -185,6 +185,22 @@ pub trait Source: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The producer's trace context and the broker's message id of a delivery (feature `otel`),
+    /// read off the message: the attempt's span continues that trace. Defaults to none.
+    ///
+    /// ```no_run
+    /// # use brokerfence::Source;
+    /// # fn demo(source: brokerfence::sqs::SqsSource, d: brokerfence::sqs::SqsDelivery) {
+    /// let origin = source.origin(&d);
+    /// println!("{:?}", origin.get_trace());
+    /// # }
+    /// ```
+    #[cfg(feature = "otel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+    fn origin(&self, _delivery: &Self::Delivery) -> fence::otel::Origin {
+        fence::otel::Origin::default()
+    }
+
     /// Receives up to `max` deliveries, waiting a while (long poll) when there are none.
     async fn receive(
         &self,

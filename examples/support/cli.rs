@@ -22,6 +22,8 @@ use brokerfence::{Incoming, ReceiveContext, Source, SourceError};
 mod events;
 #[path = "handler.rs"]
 mod handler;
+#[path = "otel.rs"]
+pub mod otel;
 #[path = "source_events.rs"]
 mod source_events;
 #[path = "startup.rs"]
@@ -118,6 +120,10 @@ pub struct Common {
     /// `metrics` feature)
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+    /// Export spans by OTLP over HTTP to http://HOST:PORT (a collector's port 4318; the path
+    /// /v1/traces is added); needs the `otel` feature
+    #[arg(long, value_name = "URL", value_parser = otel::otlp_endpoint)]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Common {

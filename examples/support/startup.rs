@@ -35,11 +35,15 @@ pub fn use_colour() -> bool {
 pub fn init_logging(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(use_colour())
-        .with_env_filter(filter)
-        .try_init();
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    // The log filter is the log's own: spans (`--otlp-endpoint`) are exported from level info on,
+    // whatever the log shows.
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(use_colour()).with_filter(filter);
+    let service = std::env::args().next().and_then(|p| p.rsplit('/').next().map(str::to_owned)).unwrap_or_default();
+    let spans = super::otel::layer(&service).with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    let _ = tracing_subscriber::registry().with(fmt).with(spans).try_init();
 }
 
 /// Why a worker did not run: refused at start (exit 2: bad input or a schema too old) or failed
@@ -91,15 +95,20 @@ where
         Ok(a) => a,
         Err(e) => return report_cli(&e),
     };
+    if let Err(e) = super::otel::check() {
+        return e.report(prog);
+    }
     init_logging(log_filter);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => return StartError::Failed(format!("cannot start the tokio runtime: {e}")).report(prog),
     };
-    match runtime.block_on(body(args)) {
+    let code = match runtime.block_on(body(args)) {
         Ok(()) => 0,
         Err(e) => e.report(prog),
-    }
+    };
+    super::otel::shutdown();
+    code
 }
 
 /// Brings the store up: migrates with `--migrate`, else checks the schema and refuses to start

@@ -191,6 +191,10 @@ pub struct ClaimedJob {
     pub payload: Vec<u8>,
     /// The last checkpoint of an earlier attempt, if any.
     pub progress: Option<Vec<u8>>,
+    /// The producer's trace context, as `enqueue` stored it (feature `otel`).
+    #[cfg(feature = "otel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+    pub trace: Option<crate::otel::TraceContext>,
 }
 
 /// What one batched heartbeat found.

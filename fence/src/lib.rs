@@ -36,6 +36,8 @@ mod key;
 mod lease;
 pub mod ledger;
 mod metrics;
+#[cfg(feature = "otel")]
+pub mod otel;
 #[cfg(feature = "postgres")]
 pub mod outbox;
 mod own_tx;

@@ -436,3 +436,13 @@ pub(crate) fn claim_outcome(queue: &QueueName, key: &JobKey, owner: &Owner, row:
         },
     })
 }
+
+/// The producer's trace context for the rows an enqueue writes: the current span's
+/// `traceparent` and `tracestate` with the feature `otel` (none outside a traced span), else none.
+pub(crate) fn producer_trace() -> (Option<String>, Option<String>) {
+    #[cfg(feature = "otel")]
+    if let Some(tc) = crate::otel::TraceContext::current() {
+        return (Some(tc.traceparent().to_owned()), tc.tracestate().map(str::to_owned));
+    }
+    (None, None)
+}

@@ -161,8 +161,9 @@ impl FenceStamp {
         self
     }
 
-    /// The (name, encoded value) pairs to send: queue, job, epoch, and the owner when known.
-    /// Use them as HTTP headers or as message attributes.
+    /// The (name, encoded value) pairs to send: queue, job, epoch, and the owner when known; with
+    /// the feature `otel`, also the current span's `traceparent` (and `tracestate`), so the
+    /// receiver continues the trace. Use them as HTTP headers or as message attributes.
     ///
     /// ```
     /// let pairs = brokerfence::wire::FenceStamp::new("q", "100%", 4).to_headers();
@@ -180,6 +181,10 @@ impl FenceStamp {
         if let Some(owner) = &self.owner {
             out.push((OWNER, encode(owner)));
         }
+        // Feature `otel`: the current span's W3C context next to the stamp (inside an attempt,
+        // the attempt's span), so the receiver continues the trace.
+        #[cfg(feature = "otel")]
+        out.extend(crate::otel::TraceContext::current().iter().flat_map(crate::otel::TraceContext::to_headers));
         out
     }
 

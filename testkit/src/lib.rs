@@ -18,6 +18,8 @@
 //!   [`programs`]: the examples and the CLI binary a test runs, built by cargo for the test;
 //!   [`tree`]: the repository's files, for the layout tests;
 //! - [`receiver`] (feature `receiver`): an HTTP receiver that judges epochs with the ledger;
+//! - [`otel`] (feature `otel`): spans in the OpenTelemetry SDK's in-memory exporter, a stalled
+//!   store, the checks and the picture of a fenced zombie's trace;
 //! - [`sqs`] (feature `sqs`), [`redis`] (feature `redis`), [`zombie`] (feature `http`): per
 //!   backend. The root package's features of the same names turn these on for its tests.
 #![warn(missing_docs)]
@@ -25,6 +27,8 @@
 // they hold, and only the items whose use is not obvious carry a doc line.
 
 pub mod localstack;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod pg_topology;
 pub mod process;
 pub mod programs;

@@ -13,6 +13,7 @@
 //! | [`ergonomics`] | `anyhow` in handlers, errors that name the API, small errors |
 //! | [`latency`] | wake-ups instead of polls: after the commit only, timers for retries, a killed listener, PgBouncer, SQLite, the idle cost |
 //! | [`observability`] | counters and histograms through the `metrics` façade |
+//! | [`otel`] | one OpenTelemetry trace from `enqueue` through a fenced zombie to the receiver; a malformed context; its cost |
 
 // A module that needs more features than its line here says gates itself with `#![cfg(…)]`.
 mod bad_input;
@@ -20,6 +21,8 @@ mod edge_cases;
 mod ergonomics;
 mod latency;
 mod observability;
+#[cfg(feature = "otel")]
+mod otel;
 mod retrofit_loops;
 #[cfg(all(feature = "redis", feature = "sqs"))]
 mod retrofits;

@@ -421,6 +421,7 @@ pub async fn enforce_atomic(State(guard): State<AtomicEpochGuard>, req: Request,
         job = %stamp.job,
         epoch = stamp.epoch
     );
+    crate::otel::continue_from(&span, req.headers());
     guard.run(stamp, req, next).instrument(span).await
 }
 

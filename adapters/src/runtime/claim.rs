@@ -107,7 +107,8 @@ impl<S: Source, H: Handler> Shared<S, H> {
                 None if started.insert(key.clone()) => {
                     if let Claim::Claimed(lease) = claim {
                         metrics.incr(Counter::Claims);
-                        self.start(lease, claim_sent, payload, None, held);
+                        let origin = crate::otel::of_delivery(&*self.source, &held.0);
+                        self.start(lease, claim_sent, payload, None, held, origin);
                     }
                 }
                 None => {
@@ -166,6 +167,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
         (delivery, places): Held<S::Delivery>,
+        origin: crate::otel::Origin,
     ) {
         let shared = Arc::clone(self);
         self.tasks.spawn(async move {
@@ -222,6 +224,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
             };
             // The deadline counts from before the claim was asked for, not from when it started.
             let attempt = shared.supervisor.run_claimed_at(lease.clone(), claimed_at, payload, progress, run);
+            let attempt = crate::otel::scope(origin, attempt);
             let outcome = tokio::select! {
                 outcome = attempt => Some(outcome),
                 Ok(()) = not_started => None,

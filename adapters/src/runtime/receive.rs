@@ -225,7 +225,8 @@ impl<S: Source, H: Handler> Shared<S, H> {
                 }
                 Incoming::Claimed { delivery, job } => {
                     self.supervisor.metrics().incr(Counter::Claims);
-                    self.start(job.lease, asked_at, job.payload, job.progress, (delivery, places));
+                    let origin = crate::otel::of_job(&*self.source, &delivery, &job);
+                    self.start(job.lease, asked_at, job.payload, job.progress, (delivery, places), origin);
                 }
                 Incoming::Unclaimed { delivery, key, payload } => unclaimed.push(((delivery, places), key, payload)),
             }

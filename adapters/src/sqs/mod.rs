@@ -57,6 +57,8 @@ mod receive;
 mod retrofit;
 mod source;
 mod state;
+#[cfg(feature = "otel")]
+mod trace;
 
 pub(crate) use config::MAX_BATCH;
 pub use config::{
@@ -76,6 +78,9 @@ pub use retrofit::SqsRetrofit;
 #[doc(hidden)]
 pub use source::CHECK_ATTEMPTS;
 pub use source::SqsSource;
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub use trace::{MAX_MESSAGE_ATTRIBUTES, traced, traced_entry};
 
 /// The AWS configuration loader, re-exported for the same reason.
 pub use aws_config;

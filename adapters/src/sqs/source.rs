@@ -433,6 +433,11 @@ impl Source for SqsSource {
         "sqs"
     }
 
+    #[cfg(feature = "otel")]
+    fn origin(&self, delivery: &SqsDelivery) -> fence::otel::Origin {
+        super::trace::origin(delivery)
+    }
+
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<SqsDelivery>>, SourceError> {
         let span = tracing::debug_span!("sqs_receive", queue = %self.inner.config.fence_queue, max);
         Ok(self.receive_inner(max, ctx).instrument(span).await?)

@@ -229,11 +229,14 @@ impl PgFence {
         let keys: Vec<String> = jobs.iter().map(|(k, _)| k.as_str().to_owned()).collect();
         let payloads: Vec<Vec<u8>> = jobs.iter().map(|(_, p)| p.clone()).collect();
         let stmt = if in_tx && self.notify { &self.stmts.enqueue_notify } else { &self.stmts.enqueue };
+        let (traceparent, tracestate) = crate::store::producer_trace();
         let (inserted, _notified): (i64, i64) = sqlx::query_as(sql(stmt))
             .persistent(self.persistent())
             .bind(queue.as_str().to_owned())
             .bind(keys)
             .bind(payloads)
+            .bind(traceparent)
+            .bind(tracestate)
             .fetch_one(exec)
             .await?;
         Ok(u64::try_from(inserted).unwrap_or(0))

@@ -196,8 +196,8 @@ impl Statements {
         // Answers (jobs inserted, 0). The fence's own enqueue announces the jobs after its commit
         // (`crate::wake`); an enqueue in the caller's transaction uses `enqueue_notify`.
         let enqueue = format!(
-            "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
-                 SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
+            "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at, traceparent, tracestate) \
+                 SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp(), $4, $5 \
                  FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
                  ON CONFLICT (queue, key) DO NOTHING RETURNING 1) \
              SELECT count(*)::bigint, 0::bigint FROM ins"
@@ -207,8 +207,8 @@ impl Statements {
         // so a rolled-back enqueue wakes nobody. The `woke` CTE runs because the answer counts
         // it. Answers (jobs inserted, notifications sent).
         let enqueue_notify = format!(
-            "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at) \
-                 SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp() \
+            "WITH ins AS (INSERT INTO {s}.jobs (queue, key, state, epoch, payload, run_at, traceparent, tracestate) \
+                 SELECT $1, u.k, 'pending', 0, u.p, clock_timestamp(), $4, $5 \
                  FROM unnest($2::text[], $3::bytea[]) AS u(k, p) \
                  ON CONFLICT (queue, key) DO NOTHING RETURNING 1), \
              n AS (SELECT count(*)::bigint AS n FROM ins), \
@@ -247,7 +247,7 @@ impl Statements {
              UPDATE {s}.jobs t SET {capped} \
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
              RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress, \
-                 floor(extract(epoch from t.run_at) * 1000000)::bigint",
+                 floor(extract(epoch from t.run_at) * 1000000)::bigint, t.traceparent, t.tracestate",
             capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc, base, &floor),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),

@@ -155,8 +155,9 @@ impl PgFence {
 }
 
 /// A row of `claim_next`: key, state, epoch, lease_until ms, ttl ms, attempts, payload,
-/// progress, run_at µs.
-type NextRow = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>, i64);
+/// progress, run_at µs, traceparent, tracestate (read with the feature `otel`).
+#[rustfmt::skip]
+type NextRow = (String, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>, i64, Option<String>, Option<String>);
 
 /// key, outcome/state, epoch, owner, lease_until ms, ttl ms, attempts, ms until run_at
 type ClaimRow = (String, String, i64, Option<String>, Option<i64>, Option<i64>, i64, Option<i64>);
@@ -328,7 +329,7 @@ impl FenceStore for PgFence {
             // refuses is made dead with the reason (issue #30): the claim committed, so failing
             // the whole answer left its companions to wait out their lease, claim after claim.
             let mut jobs = Vec::with_capacity(rows.len());
-            for (key, state, epoch, lease_until, ttl, attempts, payload, progress, _) in rows {
+            for (key, state, epoch, lease_until, ttl, attempts, payload, progress, _, _tp, _ts) in rows {
                 if state != "running" {
                     continue;
                 }
@@ -345,6 +346,8 @@ impl FenceStore for PgFence {
                         },
                         payload: payload.unwrap_or_default(),
                         progress,
+                        #[cfg(feature = "otel")]
+                        trace: crate::otel::TraceContext::read(_tp.as_deref(), _ts.as_deref(), "jobs table"),
                     }),
                     Err(e) => self.dead_key(queue, owner, key, epoch, &e).await,
                 }

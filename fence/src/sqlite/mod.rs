@@ -299,11 +299,14 @@ impl SqliteFence {
         jobs: &[(JobKey, Vec<u8>)],
     ) -> Result<u64> {
         let mut inserted = 0;
+        let (traceparent, tracestate) = crate::store::producer_trace();
         for (key, payload) in jobs {
             inserted += sqlx::query(sql(&self.stmts.enqueue))
                 .bind(queue.as_str().to_owned())
                 .bind(key.as_str().to_owned())
                 .bind(payload.clone())
+                .bind(traceparent.clone())
+                .bind(tracestate.clone())
                 .execute(&mut *conn)
                 .await?
                 .rows_affected();

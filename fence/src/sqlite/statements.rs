@@ -79,6 +79,16 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         // and accept an equal epoch from anyone, as before.
         statements: &["ALTER TABLE {s}_ledger ADD COLUMN owner TEXT"],
     },
+    Migration {
+        version: 5,
+        name: "producer trace context",
+        // Issue #34: the producer's W3C trace context (feature `otel`), handed back by
+        // `claim_next`. Nullable columns: the schema text only, no rewrite.
+        statements: &[
+            "ALTER TABLE {s}_jobs ADD COLUMN traceparent TEXT",
+            "ALTER TABLE {s}_jobs ADD COLUMN tracestate TEXT",
+        ],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
@@ -172,15 +182,16 @@ impl Statements {
              AND run_at > {NOW} ORDER BY run_at LIMIT 1"
         );
         let enqueue = format!(
-            "INSERT INTO {s}_jobs (queue, key, state, epoch, payload, run_at, created_at, updated_at) \
-             VALUES (?1, ?2, 'pending', {floor}, ?3, {NOW}, {NOW}, {NOW}) ON CONFLICT (queue, key) DO NOTHING"
+            "INSERT INTO {s}_jobs (queue, key, state, epoch, payload, run_at, created_at, updated_at, traceparent, tracestate) \
+             VALUES (?1, ?2, 'pending', {floor}, ?3, {NOW}, {NOW}, {NOW}, ?4, ?5) ON CONFLICT (queue, key) DO NOTHING"
         );
         let claim_next = format!(
             "UPDATE {s}_jobs SET {capped} \
              WHERE rowid IN (SELECT rowid FROM {s}_jobs WHERE queue = ?1 AND \
                ((state IN ('pending', 'failed') AND run_at <= {NOW}) OR (state = 'running' AND lease_until < {NOW})) \
                ORDER BY state = 'running' DESC, run_at LIMIT ?4) \
-             RETURNING rowid, CAST(key AS BLOB), state, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress",
+             RETURNING rowid, CAST(key AS BLOB), state, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress, \
+               traceparent, tracestate",
             capped = capped_claim("", "?2", &format!("{NOW} + ?3"), "?5", inc),
         );
         // A row `claim_next` took (by rowid, ?1) whose key `JobKey` refuses (issue #30): dead

@@ -135,7 +135,19 @@ impl FenceStore for SqliteFence {
     ) -> Result<Vec<ClaimedJob>> {
         // The key as bytes: a row written around the fence may hold a key that is not even
         // UTF-8, which must not fail the whole claim (issue #30).
-        type Row = (i64, Vec<u8>, String, i64, Option<i64>, Option<i64>, i64, Option<Vec<u8>>, Option<Vec<u8>>);
+        type Row = (
+            i64,
+            Vec<u8>,
+            String,
+            i64,
+            Option<i64>,
+            Option<i64>,
+            i64,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+            Option<String>,
+            Option<String>,
+        );
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
             .bind(queue.as_str().to_owned())
@@ -149,10 +161,12 @@ impl FenceStore for SqliteFence {
         // refuses is made dead with the reason, in the claim's transaction; its companions are
         // handed out.
         let mut jobs = Vec::with_capacity(rows.len());
-        for (rowid, key, state, epoch, lease_until, ttl, attempts, payload, progress) in rows {
+        for (rowid, key, state, epoch, lease_until, ttl, attempts, payload, progress, traceparent, tracestate) in rows {
             if state != "running" {
                 continue;
             }
+            #[cfg(not(feature = "otel"))]
+            let _ = (traceparent, tracestate);
             match JobKey::from_bytes(&key) {
                 Ok(key) => jobs.push(ClaimedJob {
                     lease: Lease {
@@ -166,6 +180,8 @@ impl FenceStore for SqliteFence {
                     },
                     payload: payload.unwrap_or_default(),
                     progress,
+                    #[cfg(feature = "otel")]
+                    trace: crate::otel::TraceContext::read(traceparent.as_deref(), tracestate.as_deref(), "jobs table"),
                 }),
                 Err(e) => {
                     tracing::error!(queue = queue.as_str(), key = ?String::from_utf8_lossy(&key), epoch, error = %e, "claimed a job row whose key is not valid: made dead");

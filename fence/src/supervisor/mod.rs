@@ -266,7 +266,15 @@ impl Supervisor {
             messaging.destination.name = %lease.queue,
             messaging.system = tracing::field::Empty,
         );
-        self.run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler).instrument(span).await
+        #[cfg(feature = "otel")]
+        crate::otel::attempt_started(&span, &lease);
+        let outcome = self
+            .run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler)
+            .instrument(span.clone())
+            .await;
+        #[cfg(feature = "otel")]
+        crate::otel::attempt_finished(&span, &outcome);
+        outcome
     }
 
     async fn run_inner<F, Fut, R>(

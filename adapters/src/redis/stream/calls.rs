@@ -148,7 +148,12 @@ impl StreamSource {
     pub(super) fn decode(&self, entry: RawEntry, deliveries: Option<i64>) -> Incoming<StreamDelivery> {
         let id: Arc<str> = Arc::from(entry.id.as_str());
         let bad = |reason: String| Incoming::Malformed {
-            delivery: StreamDelivery { id: id.clone(), lease_key: None },
+            delivery: StreamDelivery {
+                id: id.clone(),
+                lease_key: None,
+                #[cfg(feature = "otel")]
+                trace: None,
+            },
             reason,
         };
         if let Some(n) = deliveries.filter(|n| *n > self.max_deliveries) {
@@ -181,7 +186,23 @@ impl StreamSource {
             return bad(format!("entry has no `{}` field", self.body_field));
         };
         let lease_key = Some(Arc::from(self.leases.key(&self.queue, &key)));
-        Incoming::Unclaimed { delivery: StreamDelivery { id, lease_key }, key, payload }
+        #[cfg(feature = "otel")]
+        let trace = {
+            let field = |name: &str| entry.field(name).and_then(|v| std::str::from_utf8(v).ok());
+            let read = fence::otel::TraceContext::read(
+                field(fence::otel::TRACEPARENT),
+                field(fence::otel::TRACESTATE),
+                "stream entry",
+            );
+            read.map(Arc::new)
+        };
+        let delivery = StreamDelivery {
+            id,
+            lease_key,
+            #[cfg(feature = "otel")]
+            trace,
+        };
+        Incoming::Unclaimed { delivery, key, payload }
     }
 
     /// `XCLAIM` to this consumer without counting a delivery, with the idle time set so that the

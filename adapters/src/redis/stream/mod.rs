@@ -39,9 +39,25 @@ pub enum KeyFrom {
 pub struct StreamDelivery {
     id: Arc<str>,
     lease_key: Option<Arc<str>>,
+    /// The producer's trace context, from the entry's `traceparent` / `tracestate` fields.
+    #[cfg(feature = "otel")]
+    trace: Option<Arc<fence::otel::TraceContext>>,
 }
 
 impl StreamDelivery {
+    /// The producer's trace context (the entry's `traceparent` / `tracestate` fields).
+    ///
+    /// ```no_run
+    /// # fn demo(d: brokerfence::redis::StreamDelivery) {
+    /// println!("{:?}", d.trace());
+    /// # }
+    /// ```
+    #[cfg(feature = "otel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+    pub fn trace(&self) -> Option<&fence::otel::TraceContext> {
+        self.trace.as_deref()
+    }
+
     /// The entry id.
     pub fn id(&self) -> &str {
         &self.id
@@ -231,6 +247,11 @@ impl Source for StreamSource {
 
     fn queue(&self) -> &QueueName {
         &self.queue
+    }
+
+    #[cfg(feature = "otel")]
+    fn origin(&self, delivery: &StreamDelivery) -> fence::otel::Origin {
+        fence::otel::Origin::new(delivery.trace().cloned()).message_id(delivery.id())
     }
 
     fn check(&self) -> Result<(), SourceError> {

@@ -385,6 +385,17 @@ pub(super) const MIGRATIONS: &[PgMigration] = &[
             Step::Tx(&["ALTER TABLE {s}.jobs VALIDATE CONSTRAINT jobs_key_is_valid"]),
         ],
     },
+    PgMigration {
+        version: 12,
+        name: "producer trace context",
+        // Issue #34: the W3C `traceparent` / `tracestate` of the producer, written by `enqueue`
+        // (feature `otel`) and handed back by `claim_next`, so an attempt continues the
+        // producer's trace. Nullable columns without a default: a catalog change under a lock
+        // held for milliseconds, no rewrite; existing rows have no context.
+        steps: &[Step::Tx(&[
+            "ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS traceparent text, ADD COLUMN IF NOT EXISTS tracestate text",
+        ])],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
