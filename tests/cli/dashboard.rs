@@ -715,3 +715,20 @@ async fn dashboard_supervisor_records_a_takeover_with_its_winner() {
     };
     assert_eq!((counts.claims, counts.commits, counts.fenced + counts.lost), (2, 1, 1), "{counts:?}");
 }
+
+/// Counts stop at `count_limit` and say so; below it they are exact and say that too.
+#[tokio::test]
+async fn dashboard_counts_stop_at_the_limit_and_say_so() {
+    for db in [pg_db().await, sqlite_db().await] {
+        let q = seed(&*db.store).await;
+        let admin = Admin::new(&*db.store).expect("admin");
+        let exact = admin.clone().count_limit(10).overview(Some(&q)).await.expect("overview");
+        let c = exact.queues[0].counts;
+        assert_eq!((c.counts.pending, c.counts.running, c.counts.completed, c.counts.dead), (1, 1, 1, 1));
+        assert!(!c.open_capped && !c.completed_capped && !c.dead_capped, "{c:?}");
+        let capped = admin.count_limit(1).overview(Some(&q)).await.expect("overview");
+        let c = capped.queues[0].counts;
+        assert!(c.open_capped && c.completed_capped && c.dead_capped, "{c:?}");
+        assert!(c.counts.pending + c.counts.running <= 2 && c.counts.completed == 1, "{c:?}");
+    }
+}

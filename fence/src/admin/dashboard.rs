@@ -165,6 +165,8 @@ pub(crate) fn in_flight_job(row: FlightRow) -> Result<InFlightJob, AdminError> {
 pub(crate) struct QueueRead {
     /// (state, n) of the first open jobs.
     pub(crate) open: Vec<(String, i64)>,
+    /// Whether a read of open jobs stopped at the limit.
+    pub(crate) open_capped: bool,
     pub(crate) completed: i64,
     pub(crate) dead: i64,
     pub(crate) oldest_pending_ms: Option<i64>,
@@ -184,13 +186,11 @@ pub(crate) fn queue_overview(
 ) -> Result<QueueOverview, AdminError> {
     let n = |v: i64| u64::try_from(v).unwrap_or(0);
     let mut counts = StateCountsCapped::default();
-    let mut open = 0u64;
     for (state, c) in &read.open {
         counts.counts.add(crate::lease::JobState::parse(state)?, n(*c));
-        open += n(*c);
     }
     let limit64 = u64::from(limit);
-    counts.open_capped = open >= limit64;
+    counts.open_capped = read.open_capped;
     counts.counts.completed = n(read.completed);
     counts.completed_capped = counts.counts.completed >= limit64;
     counts.counts.dead = n(read.dead);

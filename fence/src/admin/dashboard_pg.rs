@@ -152,7 +152,17 @@ pub(super) async fn overview(
             .bind(MINUTES)
             .fetch_all(&mut *tx)
             .await?;
-        reads.push(QueueRead { open, completed: finished[0], dead: finished[1], oldest_pending_ms, running, minutes });
+        // One scan of the open jobs, stopped at the limit.
+        let open_capped = open.iter().map(|(_, n)| *n).sum::<i64>() >= limit;
+        reads.push(QueueRead {
+            open,
+            open_capped,
+            completed: finished[0],
+            dead: finished[1],
+            oldest_pending_ms,
+            running,
+            minutes,
+        });
     }
     tx.commit().await?;
     Ok((now, reads))

@@ -98,8 +98,19 @@ pub(super) async fn overview(
             sqlx::query_as(AssertSqlSafe(running(s))).bind(&q).bind(limit).fetch_all(&mut *tx).await?;
         let minutes: Vec<(i64, i64, i64, i64, i64)> =
             sqlx::query_as(AssertSqlSafe(minutes(s))).bind(&q).bind(MINUTES).fetch_all(&mut *tx).await?;
+        // Two reads (pending and failed by one index, running by another), each stopped at the limit.
+        let waiting: i64 = open.iter().filter(|(s, _)| s != "running").map(|(_, n)| *n).sum();
+        let open_capped = waiting >= limit || open.iter().any(|(s, n)| s == "running" && *n >= limit);
         let open = open.into_iter().filter(|(_, n)| *n > 0).collect();
-        reads.push(QueueRead { open, completed: finished[0], dead: finished[1], oldest_pending_ms, running, minutes });
+        reads.push(QueueRead {
+            open,
+            open_capped,
+            completed: finished[0],
+            dead: finished[1],
+            oldest_pending_ms,
+            running,
+            minutes,
+        });
     }
     tx.commit().await?;
     Ok((now, reads))
