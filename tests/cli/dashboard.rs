@@ -235,8 +235,17 @@ async fn pages_and_endpoints(db: Db) {
 
     let job = get_ok(&server.url(&format!("/job{qs}&key=d1"))).await;
     assert!(job.contains("boom: disk full") && job.contains("4 bytes: &quot;work&quot;"), "{job}");
+    let j = get_json(&server.url(&format!("/api/job{qs}&key=d1"))).await;
+    // `job --json`'s document.
+    assert_eq!(
+        (j["found"].as_bool(), j["state"].as_str(), j["payload"].as_str()),
+        (Some(true), Some("dead"), Some("\"work\"")),
+        "{j}"
+    );
     let (status, _, _) = get(&server.url(&format!("/job{qs}&key=nope"))).await;
     assert_eq!(status, 404);
+    let (status, _, body) = get(&server.url(&format!("/api/job{qs}&key=nope"))).await;
+    assert_eq!(status, 404, "{body}");
     let (status, _, _) = get(&server.url("/in-flight?queue=")).await;
     assert_eq!(status, 200, "an empty filter is every queue");
     let (status, _, body) = get(&server.url(&format!("/dead?queue={}", "x".repeat(300)))).await;

@@ -29,6 +29,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/api/in-flight", get(in_flight_api))
         .route("/api/fences", get(fences_api))
         .route("/api/dead", get(dead_api))
+        .route("/api/job", get(job_api))
         .route("/actions/requeue", post(requeue))
         .route("/actions/prune", post(prune))
         .route("/login", get(login_page).post(login))
@@ -151,18 +152,36 @@ async fn dead_api(State(app): State<Arc<App>>, Query(p): Params) -> Response {
     api(async { Ok(views::dead_list_json(&app.admin.dead_letters(q?.as_ref(), app.list_limit).await?)) }.await)
 }
 
+/// One job: its summary and its row (for the bytes), as `brokerfence job` reads them.
+async fn job_data(
+    app: &App,
+    p: &[(String, String)],
+) -> Result<(brokerfence::admin::JobInfo, Option<brokerfence::JobRecord>), Failure> {
+    let q = queue_param(p)?.ok_or_else(|| Failure(StatusCode::BAD_REQUEST, "no queue given".into()))?;
+    let key = JobKey::new(param(p, "key").unwrap_or_default())
+        .map_err(|e| Failure(StatusCode::BAD_REQUEST, format!("key: {e}")))?;
+    let Some(info) = app.admin.job(&q, &key).await? else {
+        return Err(Failure(StatusCode::NOT_FOUND, format!("no job {key} in queue {q}")));
+    };
+    let record = tokio::time::timeout(app.timeout, app.store.job(&q, &key))
+        .await
+        .map_err(|_| Failure(StatusCode::GATEWAY_TIMEOUT, "reading the job timed out".into()))?
+        .map_err(|e| Failure(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok((info, record))
+}
+
+/// `job --json`'s document.
+async fn job_api(State(app): State<Arc<App>>, Query(p): Params) -> Response {
+    api(async {
+        let (info, record) = job_data(&app, &p).await?;
+        Ok(crate::output::job_json(&info, &crate::output::JobBytes::new(record.as_ref(), false)))
+    }
+    .await)
+}
+
 async fn job(State(app): State<Arc<App>>, Query(p): Params) -> Response {
     let body = async {
-        let q = queue_param(&p)?.ok_or_else(|| Failure(StatusCode::BAD_REQUEST, "no queue given".into()))?;
-        let key = JobKey::new(param(&p, "key").unwrap_or_default())
-            .map_err(|e| Failure(StatusCode::BAD_REQUEST, format!("key: {e}")))?;
-        let Some(info) = app.admin.job(&q, &key).await? else {
-            return Err(Failure(StatusCode::NOT_FOUND, format!("no job {key} in queue {q}")));
-        };
-        let record = tokio::time::timeout(app.timeout, app.store.job(&q, &key))
-            .await
-            .map_err(|_| Failure(StatusCode::GATEWAY_TIMEOUT, "reading the job timed out".into()))?
-            .map_err(|e| Failure(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        let (info, record) = job_data(&app, &p).await?;
         let shown = |b: Option<&Vec<u8>>| b.map(|b| Shown::new(b, false));
         let (payload, progress, result) = (
             shown(record.as_ref().and_then(|r| r.payload.as_ref())),
