@@ -123,7 +123,11 @@ pub struct Retention {
     batch: u32,
     every: Duration,
     pause: Duration,
+    dashboard: Duration,
 }
+
+/// The default [`Retention::dashboard_age`]: 7 days.
+pub const DEFAULT_DASHBOARD_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
 impl Default for Retention {
     fn default() -> Self {
@@ -141,7 +145,27 @@ impl Retention {
             batch: DEFAULT_PRUNE_BATCH,
             every: DEFAULT_PRUNE_EVERY,
             pause: Duration::from_millis(10),
+            dashboard: DEFAULT_DASHBOARD_AGE,
         }
+    }
+
+    /// Age past which the dashboard's activity minutes and fence events are deleted (default
+    /// [`DEFAULT_DASHBOARD_AGE`]); every prune deletes them, whichever queues it names.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use brokerfence::retention::Retention;
+    /// let r = Retention::new().dashboard_age(Duration::from_secs(3600));
+    /// assert_eq!(r.get_dashboard_age(), Duration::from_secs(3600));
+    /// ```
+    pub fn dashboard_age(mut self, age: Duration) -> Self {
+        self.dashboard = age;
+        self
+    }
+
+    /// The [`dashboard_age`](Self::dashboard_age).
+    pub fn get_dashboard_age(&self) -> Duration {
+        self.dashboard
     }
 
     /// Prunes `queue` by `policy`.
@@ -233,12 +257,15 @@ pub struct PruneReport {
     /// (PostgreSQL, 100 ms): a claim of the queue kept it (claims hold it for their short
     /// transaction). Each is also logged as a warning; the run goes on with the next queue.
     pub floor_busy: u64,
+    /// The dashboard's activity minutes and fence events deleted (older than
+    /// [`Retention::dashboard_age`]).
+    pub dashboard: u64,
 }
 
 impl PruneReport {
     /// Rows deleted in all.
     pub fn total(&self) -> u64 {
-        self.completed + self.dead + self.ledger
+        self.completed + self.dead + self.ledger + self.dashboard
     }
 }
 

@@ -230,6 +230,23 @@ pub trait FenceStore: Send + Sync + 'static {
     /// The database clock now, in milliseconds since the Unix epoch.
     async fn db_now(&self) -> Result<crate::DbTime>;
 
+    /// Adds a worker's counts to the current minute and stores its fence events, for the
+    /// dashboard (see [`crate::admin::Activity`]; a [`Supervisor`](crate::Supervisor) calls it
+    /// off the job path). The default stores nothing; a store that wraps another delegates.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &dyn brokerfence::FenceStore) -> brokerfence::Result<()> {
+    /// use brokerfence::admin::{Activity, ActivityCounts};
+    /// let mut activity = Activity::default();
+    /// activity.counts.insert(brokerfence::QueueName::new("emails")?, ActivityCounts { claims: 1, ..Default::default() });
+    /// store.record_activity(&activity).await?;
+    /// # Ok(()) }
+    /// ```
+    async fn record_activity(&self, activity: &crate::admin::Activity) -> Result<()> {
+        let _ = activity;
+        Ok(())
+    }
+
     /// The concrete store behind this one ([`Backend::name`] names it in logs), for statements
     /// that run on the caller's own connection
     /// ([`JobContext::complete_in`](crate::JobContext::complete_in)). A store that wraps another

@@ -181,11 +181,12 @@ async fn end<DB: sqlx::Database>(tx: sqlx::Transaction<'_, DB>, keep: bool) -> R
 }
 
 impl TestStore for PgFence {
-    const MIGRATIONS: i64 = 11;
+    const MIGRATIONS: i64 = PgFence::SCHEMA_VERSION;
     // The outbox (migration 4) is PostgreSQL only; epoch floors are migration 5; migration 6 sets
     // the jobs table's fillfactor; 7 the epoch trigger's WHEN; 8 the indexes of HOT claims; 9 the
-    // epoch trigger after the row.
-    const TABLES: &'static [&'static str] = &["_migrations", "epoch_floors", "jobs", "ledger", "outbox"];
+    // epoch trigger after the row; the dashboard's activity and fence events migration 13.
+    const TABLES: &'static [&'static str] =
+        &["_migrations", "activity", "epoch_floors", "fence_events", "jobs", "ledger", "outbox"];
 
     async fn unmigrated() -> Self {
         pg_unmigrated().await
@@ -268,9 +269,10 @@ fn sqlite_file(fence: &SqliteFence) -> PathBuf {
 }
 
 impl TestStore for SqliteFence {
-    const MIGRATIONS: i64 = 4;
-    // Epoch floors are migration 3.
-    const TABLES: &'static [&'static str] = &["_migrations", "epoch_floors", "jobs", "ledger"];
+    const MIGRATIONS: i64 = SqliteFence::SCHEMA_VERSION;
+    // Epoch floors are migration 3; the dashboard's activity and fence events migration 6.
+    const TABLES: &'static [&'static str] =
+        &["_migrations", "activity", "epoch_floors", "fence_events", "jobs", "ledger"];
 
     async fn unmigrated() -> Self {
         sqlite_unmigrated().await

@@ -2,3 +2,5 @@
 //! SQLite (built for the test by `brokerfence_testkit::programs`).
 
 mod commands;
+mod dashboard;
+mod dashboard_browser;

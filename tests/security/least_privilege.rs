@@ -39,6 +39,10 @@ pub const APP_GRANTS: &[&str] = &[
     "GRANT SELECT, INSERT, UPDATE ON {s}.epoch_floors TO {app}",
     // The outbox's bigserial id (PostgreSQL only).
     "GRANT USAGE ON SEQUENCE {s}.outbox_id_seq TO {app}",
+    // The dashboard's activity minutes and fence events (migration 13), written by supervisors
+    // and deleted by the pruner.
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.activity, {s}.fence_events TO {app}",
+    "GRANT USAGE ON SEQUENCE {s}.fence_event_seq TO {app}",
 ];
 
 fn render(sql: &str, s: &SchemaName, app: &str) -> String {

@@ -35,8 +35,28 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+mod activity;
+mod dashboard;
+#[cfg(feature = "postgres")]
+mod dashboard_pg;
+#[cfg(feature = "sqlite")]
+mod dashboard_sqlite;
+mod record;
 mod rows;
 mod types;
+
+pub use activity::{
+    Activity, ActivityCounts, DEFAULT_ACTIVITY_INTERVAL, FENCE_EVENT_SLOTS, FenceEvent, FenceEventKind,
+};
+pub use dashboard::{
+    DEFAULT_COUNT_LIMIT, InFlightJob, Minute, Overview, QueueOverview, RecordedEvent, StateCountsCapped,
+};
+// For the backends' statement files (imported through here: they and `dashboard` use each other).
+pub(crate) use dashboard::{EventRow, FlightRow, MINUTES, QueueRead};
+#[cfg(feature = "postgres")]
+pub(crate) use record::{prune_pg, record_pg};
+#[cfg(feature = "sqlite")]
+pub(crate) use record::{prune_sqlite, record_sqlite};
 
 pub(crate) use rows::{
     DeadRow, JobInfoRow, RunningRow, absorb_requeued, assemble, dead_job, job_info, key_chunks, keyed_outcome, ms,
@@ -186,6 +206,7 @@ pub struct Admin {
     list_limit: u32,
     batch: u32,
     broker_jobs: bool,
+    count_limit: u32,
 }
 
 impl Admin {
@@ -216,6 +237,7 @@ impl Admin {
             list_limit: 10,
             batch: DEFAULT_REQUEUE_BATCH,
             broker_jobs: false,
+            count_limit: DEFAULT_COUNT_LIMIT,
         })
     }
 

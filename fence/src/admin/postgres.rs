@@ -30,7 +30,7 @@ const REQUEUE_SET: &str = "state = 'pending', finished = NULL, epoch = t.epoch +
 /// A transaction with the admin call's limits: `statement_timeout` = the call's limit,
 /// `lock_timeout` half of it, at most 3 s. `report` also gives the planner back its usual choices for this
 /// transaction (the fence's pool keeps it to index lookups, which suits key lookups, not counts).
-async fn begin(
+pub(super) async fn begin(
     pg: &PgFence,
     timeout: Duration,
     report: bool,

@@ -91,6 +91,14 @@ impl std::fmt::Debug for PgFence {
 }
 
 impl PgFence {
+    /// The schema version this build needs (its newest migration): what `migrate` brings a
+    /// schema to and `check_schema` asks for.
+    ///
+    /// ```
+    /// assert!(brokerfence::PgFence::SCHEMA_VERSION >= 12);
+    /// ```
+    pub const SCHEMA_VERSION: i64 = migrations::REQUIRED_VERSION;
+
     /// A session on the pool of `lane` (see [`Session`]): a connection, or behind a pooler a
     /// transaction that carries the fence's settings. Errors are shown to the primary watch.
     pub(crate) async fn session(&self, lane: Lane) -> Result<Session> {

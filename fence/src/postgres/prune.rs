@@ -171,6 +171,7 @@ impl PgFence {
                 return Ok(report);
             }
         }
+        report.dashboard = crate::admin::prune_pg(self, retention.get_dashboard_age()).await?;
         Ok(report)
     }
 }

@@ -561,6 +561,9 @@ impl FenceStore for PgFence {
         self.read_next_due(queue).await
     }
 
+    async fn record_activity(&self, activity: &crate::admin::Activity) -> Result<()> {
+        crate::admin::record_pg(self, activity).await
+    }
     async fn db_now(&self) -> Result<DbTime> {
         self.read_db_now().await
     }

@@ -171,6 +171,7 @@ impl SqliteFence {
             report.ledger += rows;
             report.batches += batches;
         }
+        report.dashboard = crate::admin::prune_sqlite(self, retention.get_dashboard_age()).await?;
         Ok(report)
     }
 }

@@ -94,6 +94,14 @@ fn open_error(file: &std::path::Path, source: sqlx::Error) -> FenceError {
 }
 
 impl SqliteFence {
+    /// The schema version this build needs (its newest migration): what `migrate` brings a
+    /// schema to and `check_schema` asks for.
+    ///
+    /// ```
+    /// assert!(brokerfence::SqliteFence::SCHEMA_VERSION >= 5);
+    /// ```
+    pub const SCHEMA_VERSION: i64 = statements::REQUIRED_VERSION;
+
     /// Opens (creating if missing) a database file: `sqlite:path.db` or `sqlite::memory:`.
     /// WAL journal, a 10 s busy timeout, `synchronous = FULL` (every commit synced, see
     /// [`SqliteDurability`]). A URL of another scheme (`postgres://`, `mysql://`, or a bare path)

@@ -89,6 +89,42 @@ pub(super) const MIGRATIONS: &[Migration] = &[
             "ALTER TABLE {s}_jobs ADD COLUMN tracestate TEXT",
         ],
     },
+    Migration {
+        version: 6,
+        name: "dashboard activity and fence events",
+        // PostgreSQL's migration 13 (issue #35): activity per queue and minute (minutes as
+        // milliseconds since the Unix epoch), and the ring of fence events (slot = seq mod
+        // `admin::FENCE_EVENT_SLOTS`).
+        statements: &[
+            "CREATE TABLE IF NOT EXISTS {s}_activity (
+            queue   TEXT    NOT NULL,
+            minute  INTEGER NOT NULL,
+            claims  INTEGER NOT NULL DEFAULT 0,
+            commits INTEGER NOT NULL DEFAULT 0,
+            fenced  INTEGER NOT NULL DEFAULT 0,
+            lost    INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (queue, minute)
+        )",
+            "CREATE INDEX IF NOT EXISTS {s}_activity_minute ON {s}_activity (minute)",
+            "CREATE TABLE IF NOT EXISTS {s}_fence_events (
+            slot         INTEGER PRIMARY KEY,
+            seq          INTEGER NOT NULL,
+            at           INTEGER NOT NULL,
+            queue        TEXT    NOT NULL,
+            key          TEXT    NOT NULL,
+            kind         TEXT    NOT NULL CHECK (kind IN ('fenced', 'lease_lost')),
+            detail       TEXT    NOT NULL,
+            epoch        INTEGER NOT NULL,
+            owner        TEXT    NOT NULL,
+            winner_epoch INTEGER,
+            winner_owner TEXT,
+            winner_state TEXT
+        )",
+            "CREATE INDEX IF NOT EXISTS {s}_fence_events_seq ON {s}_fence_events (seq)",
+            "CREATE INDEX IF NOT EXISTS {s}_fence_events_queue ON {s}_fence_events (queue, seq)",
+            "CREATE INDEX IF NOT EXISTS {s}_fence_events_at ON {s}_fence_events (at)",
+        ],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.

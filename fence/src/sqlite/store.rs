@@ -314,6 +314,10 @@ impl FenceStore for SqliteFence {
         Ok(report)
     }
 
+    async fn record_activity(&self, activity: &crate::admin::Activity) -> Result<()> {
+        crate::admin::record_sqlite(self, activity).await
+    }
+
     async fn db_now(&self) -> Result<DbTime> {
         let ms: i64 =
             sqlx::query_scalar("SELECT CAST(unixepoch('subsec') * 1000 AS INTEGER)").fetch_one(&self.pool).await?;

@@ -25,7 +25,10 @@ pub struct SupervisorConfig {
     pub(super) hook_timeout: Option<Duration>,
     pub(super) settle_timeout: Option<Duration>,
     pub(super) cancel_on_loss: bool,
+    pub(super) activity_interval: Duration,
 }
+
+use crate::admin::DEFAULT_ACTIVITY_INTERVAL;
 
 /// The default [`SupervisorConfig::commit_window`]: 5 ms.
 pub const DEFAULT_COMMIT_WINDOW: Duration = Duration::from_millis(5);
@@ -42,7 +45,29 @@ impl SupervisorConfig {
             hook_timeout: None,
             settle_timeout: None,
             cancel_on_loss: true,
+            activity_interval: DEFAULT_ACTIVITY_INTERVAL,
         }
+    }
+
+    /// How often the counts the dashboard charts (claims, commits, fenced rejections, lease
+    /// losses per queue) are written: one statement per interval, whatever the number of jobs
+    /// (default [`DEFAULT_ACTIVITY_INTERVAL`](crate::admin::DEFAULT_ACTIVITY_INTERVAL), at least 1 s). Fence events are written within a
+    /// second of their happening. See [`crate::admin::Activity`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use brokerfence::{LeaseDuration, SupervisorConfig};
+    /// let config = SupervisorConfig::new(LeaseDuration::from_secs(30).unwrap()).activity_interval(Duration::from_secs(60));
+    /// assert_eq!(config.get_activity_interval(), Duration::from_secs(60));
+    /// ```
+    pub fn activity_interval(mut self, interval: Duration) -> Self {
+        self.activity_interval = interval.max(Duration::from_secs(1));
+        self
+    }
+
+    /// The [`activity_interval`](Self::activity_interval).
+    pub fn get_activity_interval(&self) -> Duration {
+        self.activity_interval
     }
 
     /// How long one call of a broker hook ([`LeaseHook`](crate::LeaseHook)) may take before it is dropped (a

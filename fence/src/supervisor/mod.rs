@@ -31,6 +31,7 @@ use crate::metrics::{Counter, Distribution, Metrics};
 use crate::store::FenceStore;
 use hook_runner::{HookRunner, LiveCheck};
 
+mod activity;
 mod commit;
 mod config;
 mod context;
@@ -115,7 +116,15 @@ impl Supervisor {
             draining: CancellationToken::new(),
             idle: tokio::sync::Notify::new(),
             renewing_settling: std::sync::atomic::AtomicBool::new(false),
+            activity: Arc::default(),
         });
+        let every = inner.config.activity_interval;
+        tokio::spawn(activity::activity_loop(
+            Arc::clone(&inner.store),
+            Arc::clone(&inner.activity),
+            inner.stop.clone(),
+            every,
+        ));
         // A completion waits the window out only while other handlers run: only their
         // completions can join it (attempts awaiting their own verdict do not count). Jobs
         // handled one at a time wait for nothing.
@@ -308,6 +317,7 @@ impl Supervisor {
         }
         inner.running.fetch_add(1, Ordering::AcqRel);
         inner.metrics.in_flight(true);
+        inner.activity.claimed(&lease.queue);
         // Leaves the in-flight registry however this attempt ends: normally, by a panic in the
         // handler, or because the caller dropped this future. Otherwise the heartbeat would keep
         // renewing the lease of an attempt nobody runs any more, and the job would be stuck.
@@ -366,6 +376,7 @@ impl Supervisor {
             result => inner.finish(&lease, result, timeout).await,
         };
         registered.leave();
+        inner.activity.settled(&lease, &outcome);
         outcome
     }
     /// Graceful shutdown: stop taking work ([`is_draining`](Self::is_draining)), wait up to `grace`

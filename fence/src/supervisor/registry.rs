@@ -87,6 +87,8 @@ pub(super) struct Inner {
     pub(super) verifier: tokio::sync::mpsc::Sender<VerifyRequest>,
     /// A renewal of the attempts awaiting their verdict is under way (one at a time).
     pub(super) renewing_settling: std::sync::atomic::AtomicBool,
+    /// Counts and fence events for the dashboard, flushed by `activity_loop`.
+    pub(super) activity: Arc<super::activity::Recorder>,
 }
 
 /// Removes an attempt from the in-flight registry when dropped (or at [`leave`](Self::leave)),

@@ -61,6 +61,9 @@ pub(crate) enum Command {
     /// Dead letters
     #[command(subcommand)]
     Dead(Dead),
+    /// Serve the operators' web dashboard: queues, jobs in flight, fence events, dead letters
+    #[cfg(feature = "web")]
+    Serve(crate::web::ServeArgs),
     /// Delete completed and dead jobs older than their age (and ledger rows), in bounded batches
     Prune {
         /// Queue to prune (repeat for several; default: every queue that has jobs)
@@ -134,7 +137,7 @@ fn job_key(s: &str) -> Result<JobKey, String> {
 }
 
 /// An age such as `15d`, `12h`, `30m`, `90s`, `500ms`, `1h 30m` (days are 24 hours).
-fn age(s: &str) -> Result<Duration, String> {
+pub(crate) fn age(s: &str) -> Result<Duration, String> {
     let span: jiff::Span = s.parse().map_err(|e| format!("{s:?} is not an age like 15d, 12h, 30s: {e}"))?;
     let d = span.to_duration(jiff::SpanRelativeTo::days_are_24_hours()).map_err(|e| e.to_string())?;
     Duration::try_from(d).map_err(|_| format!("{s:?}: an age cannot be negative"))

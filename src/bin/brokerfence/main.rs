@@ -8,6 +8,7 @@
 //! brokerfence dead requeue QUEUE (KEY…|--all) [--batch N] [--broker-jobs]
 //! brokerfence prune [--queue Q]… [--completed-age 15d] [--dead-age 30d] [--keep-completed] [--keep-dead]
 //!                   [--ledger SCOPE=AGE]… [--batch N]
+//! brokerfence serve [--listen 127.0.0.1:8080] [--token T] [--allow-write] [--refresh 2s]   (feature `web`)
 //! ```
 //!
 //! Global options: `--database-url URL` (else `DATABASE_URL`; `postgres://…` or `sqlite:PATH`),
@@ -33,6 +34,8 @@ use serde_json::json;
 mod args;
 mod output;
 mod shown;
+#[cfg(feature = "web")]
+mod web;
 
 use args::{Cli, Command, Dead};
 use output::{
@@ -106,6 +109,15 @@ impl Store {
         match self {
             Store::Postgres(pg) => pg,
             Store::Sqlite(lite) => lite,
+        }
+    }
+
+    /// The store, shared (the dashboard's requests each hold it).
+    #[cfg(feature = "web")]
+    fn shared(&self) -> std::sync::Arc<dyn FenceStore> {
+        match self {
+            Store::Postgres(pg) => std::sync::Arc::new(pg.clone()),
+            Store::Sqlite(lite) => std::sync::Arc::new(lite.clone()),
         }
     }
 }
@@ -213,6 +225,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let report = admin.requeue_dead(queue, which).await?;
             print(cli.json, requeue_json(queue, &report), || requeue_text(queue, &report))?;
             if report.skipped.is_empty() { Ok(()) } else { Err(Failure::NotFound) }
+        }
+        #[cfg(feature = "web")]
+        Command::Serve(args) => {
+            let args = args.clone();
+            web::serve(args, admin, store.shared(), cli.timeout).await.map_err(|e| match e {
+                e @ (web::ServeError::NoToken(..) | web::ServeError::EmptyToken) => Failure::Usage(e.to_string()),
+                e => Failure::Failed(e.to_string()),
+            })
         }
         Command::Prune { queues, completed_age, dead_age, keep_completed, keep_dead, ledger, batch } => {
             let queues = if queues.is_empty() { admin.queues().await? } else { queues.clone() };

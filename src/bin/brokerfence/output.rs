@@ -45,7 +45,7 @@ pub(crate) fn print(json: bool, value: Value, text: impl FnOnce() -> String) -> 
 // ------------------------------------------------------------------------------------------------
 
 /// A database-clock time as RFC 3339 (UTC, milliseconds).
-fn at(t: DbTime) -> String {
+pub(crate) fn at(t: DbTime) -> String {
     match jiff::Timestamp::from_millisecond(t.0) {
         Ok(ts) => format!("{ts:.3}"),
         Err(_) => t.to_string(),
@@ -53,7 +53,7 @@ fn at(t: DbTime) -> String {
 }
 
 /// A length of time for people: `2h 3m 12s`, `25s 100ms`.
-fn span(ms: i64) -> String {
+pub(crate) fn span(ms: i64) -> String {
     let d = jiff::SignedDuration::from_millis(ms.abs());
     let unit = if ms.abs() >= 60_000 { jiff::Unit::Second } else { jiff::Unit::Millisecond };
     let d = d.round(unit).unwrap_or(d);
@@ -61,7 +61,7 @@ fn span(ms: i64) -> String {
 }
 
 /// Time left on a lease: `25s 100ms left` or `ended 3s ago`.
-fn left(ms: i64) -> String {
+pub(crate) fn left(ms: i64) -> String {
     if ms >= 0 { format!("{} left", span(ms)) } else { format!("ended {} ago", span(ms)) }
 }
 

@@ -396,6 +396,47 @@ pub(super) const MIGRATIONS: &[PgMigration] = &[
             "ALTER TABLE {s}.jobs ADD COLUMN IF NOT EXISTS traceparent text, ADD COLUMN IF NOT EXISTS tracestate text",
         ])],
     },
+    PgMigration {
+        version: 13,
+        name: "dashboard activity and fence events",
+        // Issue #35, the dashboard. Two new tables, a sequence and their indexes: nothing existing is
+        // locked beyond the schema's catalog, and no statement on the jobs table changes (a claim
+        // stays a HOT update). `activity` holds claims, commits, fenced rejections and lease losses
+        // per queue and minute, added to by each worker's supervisor at most every
+        // `SupervisorConfig::activity_interval`; `fence_events` is a ring of
+        // `admin::FENCE_EVENT_SLOTS` rows (slot = seq mod slots, an upsert overwrites the oldest)
+        // of who lost a job to whom. Both are pruned by age (`Retention::dashboard_age`).
+        steps: &[Step::Tx(&[
+            "CREATE TABLE IF NOT EXISTS {s}.activity (
+            queue   text        COLLATE \"C\" NOT NULL,
+            minute  timestamptz NOT NULL,
+            claims  bigint      NOT NULL DEFAULT 0,
+            commits bigint      NOT NULL DEFAULT 0,
+            fenced  bigint      NOT NULL DEFAULT 0,
+            lost    bigint      NOT NULL DEFAULT 0,
+            PRIMARY KEY (queue, minute)
+        )",
+            "CREATE INDEX IF NOT EXISTS activity_minute ON {s}.activity (minute)",
+            "CREATE SEQUENCE IF NOT EXISTS {s}.fence_event_seq",
+            "CREATE TABLE IF NOT EXISTS {s}.fence_events (
+            slot         bigint      PRIMARY KEY,
+            seq          bigint      NOT NULL,
+            at           timestamptz NOT NULL,
+            queue        text        COLLATE \"C\" NOT NULL,
+            key          text        COLLATE \"C\" NOT NULL,
+            kind         text        NOT NULL CHECK (kind IN ('fenced', 'lease_lost')),
+            detail       text        NOT NULL,
+            epoch        bigint      NOT NULL,
+            owner        text        NOT NULL,
+            winner_epoch bigint,
+            winner_owner text,
+            winner_state text
+        )",
+            "CREATE INDEX IF NOT EXISTS fence_events_seq ON {s}.fence_events (seq)",
+            "CREATE INDEX IF NOT EXISTS fence_events_queue ON {s}.fence_events (queue, seq)",
+            "CREATE INDEX IF NOT EXISTS fence_events_at ON {s}.fence_events (at)",
+        ])],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
