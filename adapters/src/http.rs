@@ -187,7 +187,10 @@ pub async fn enforce(State(guard): State<EpochGuard>, mut req: Request, next: Ne
             Err(refusal) => refusal,
         }
     };
-    tracing::Instrument::instrument(run, span).await
+    let response = tracing::Instrument::instrument(run, span.clone()).await;
+    // A stale stamp shows in the trace as the receiver's 409.
+    span.record("http.response.status_code", response.status().as_u16());
+    response
 }
 
 fn enforce_boxed(state: State<EpochGuard>, req: Request, next: Next) -> BoxFuture<'static, Response> {
@@ -282,20 +285,17 @@ pub fn insert_stamp(headers: &mut HeaderMap, stamp: &FenceStamp) {
         headers.remove(name);
     }
     for (name, value) in stamp.to_headers() {
-        // Encoded values are visible ASCII by construction, so both conversions succeed.
-        if let Ok(value) = HeaderValue::from_str(&value) {
-            headers.insert(HeaderName::from_static(lower(name)), value);
+        // Each pair under its own name: the stamp's, and with feature `otel` the trace
+        // context's. A value a header cannot carry is left out.
+        if let (Some(name), Ok(value)) = (header_name(name), HeaderValue::from_str(&value)) {
+            headers.insert(name, value);
         }
     }
 }
 
-fn lower(name: &'static str) -> &'static str {
-    match name {
-        wire::QUEUE => "fence-queue",
-        wire::JOB => "fence-job",
-        wire::EPOCH => "fence-epoch",
-        _ => "fence-owner",
-    }
+/// The header name of a pair of [`FenceStamp::to_headers`]: the name in lower case.
+fn header_name(name: &str) -> Option<HeaderName> {
+    HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).ok()
 }
 
 /// The `409 Conflict` for a stale epoch, with a JSON body naming job, epoch and newest.
@@ -376,5 +376,24 @@ mod edges {
         for leak in ["no such table", "error returned from database", "sqlite", detail.as_str()] {
             assert!(!body.to_lowercase().contains(&leak.to_lowercase()), "503 body echoes {leak:?}: {body}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guards a review finding: every name other than queue, job and epoch became
+    /// `fence-owner`, so with feature `otel` the trace context's `traceparent` overwrote the
+    /// stamp's owner.
+    #[test]
+    fn otel_stamp_pairs_keep_their_own_header_names() {
+        for name in [wire::QUEUE, wire::JOB, wire::EPOCH, wire::OWNER, "traceparent", "tracestate"] {
+            let header = header_name(name).expect("a header name");
+            assert_eq!(header.as_str(), name.to_ascii_lowercase());
+        }
+        let mut headers = HeaderMap::new();
+        insert_stamp(&mut headers, &FenceStamp::new("q", "k", 2).with_owner("w"));
+        assert_eq!(headers["fence-owner"], "w");
     }
 }

@@ -40,7 +40,11 @@ mod enabled {
     /// A receiver's span, a child of the sender's context (its `traceparent` header).
     #[cfg(feature = "http")]
     pub(crate) fn receiver_span(headers: &axum::http::HeaderMap) -> tracing::Span {
-        let span = tracing::info_span!("fenced_receiver", otel.kind = "server");
+        let span = tracing::info_span!(
+            "fenced_receiver",
+            otel.kind = "server",
+            http.response.status_code = tracing::field::Empty
+        );
         continue_from(&span, headers);
         span
     }

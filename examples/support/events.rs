@@ -166,6 +166,9 @@ impl FenceStore for EventStore {
     async fn next_due(&self, queue: &brokerfence::QueueName) -> brokerfence::Result<Option<std::time::Duration>> {
         self.0.next_due(queue).await
     }
+    async fn record_activity(&self, activity: &brokerfence::admin::Activity) -> brokerfence::Result<()> {
+        self.0.record_activity(activity).await
+    }
 
     fn backend(&self) -> brokerfence::Backend<'_> {
         self.0.backend()

@@ -42,7 +42,9 @@ pub fn init_logging(default_filter: &str) {
     // whatever the log shows.
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(use_colour()).with_filter(filter);
     let service = std::env::args().next().and_then(|p| p.rsplit('/').next().map(str::to_owned)).unwrap_or_default();
-    let spans = super::otel::layer(&service).with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    // Filtered inside the `Option`: without an exporter the layer is absent and asks for
+    // nothing, so the log's filter alone decides which spans are made.
+    let spans = super::otel::layer(&service).map(|l| l.with_filter(tracing_subscriber::filter::LevelFilter::INFO));
     let _ = tracing_subscriber::registry().with(fmt).with(spans).try_init();
 }
 

@@ -103,6 +103,10 @@ impl TraceContext {
     pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Result<Self, TraceContextError> {
         let value = traceparent.trim();
         let bad = |reason| TraceContextError::Malformed { value: value.chars().take(64).collect(), reason };
+        // Read off a broker: bounded before anything else is done with it.
+        if value.len() > 256 {
+            return Err(bad("longer than 256 bytes"));
+        }
         let parts: Vec<&str> = value.split('-').collect();
         let [version, trace, span, flags, rest @ ..] = parts.as_slice() else {
             return Err(bad("expected version-traceid-spanid-flags"));
@@ -124,10 +128,7 @@ impl TraceContext {
         if !hex(flags, 2) {
             return Err(bad("flags are not two hex digits"));
         }
-        let tracestate = tracestate
-            .map(str::trim)
-            .filter(|s| !s.is_empty() && s.len() <= MAX_TRACESTATE && s.parse::<TraceState>().is_ok())
-            .map(str::to_owned);
+        let tracestate = tracestate.map(str::trim).filter(|s| usable_tracestate(s)).map(str::to_owned);
         Ok(Self { traceparent: format!("00-{trace}-{span}-{flags}"), tracestate })
     }
 
@@ -255,9 +256,20 @@ impl TraceContext {
         let header = sc.trace_state().header();
         Some(Self {
             traceparent: format!("00-{}-{}-{:02x}", sc.trace_id(), sc.span_id(), sc.trace_flags().to_u8() & 0x01),
-            tracestate: (!header.is_empty()).then_some(header),
+            tracestate: usable_tracestate(&header).then_some(header),
         })
     }
+}
+
+/// Whether a `tracestate` may be kept and passed on: not empty, at most [`MAX_TRACESTATE`]
+/// bytes, printable ASCII only (W3C: a header value of visible characters and spaces; a control
+/// character, NUL or non-ASCII byte would make a downstream header or a `text` column refuse it),
+/// and readable by OpenTelemetry.
+fn usable_tracestate(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_TRACESTATE
+        && s.bytes().all(|b| (0x20..=0x7e).contains(&b))
+        && s.parse::<TraceState>().is_ok()
 }
 
 /// Where a delivery came from: the producer's trace context and the broker's id of the message.
@@ -415,5 +427,14 @@ mod tests {
         // A bad tracestate is dropped, the traceparent kept.
         let tc = TraceContext::parse(TP, Some("not a list entry")).expect("kept");
         assert_eq!(tc.tracestate(), None);
+        // Guards a review finding: a tracestate with a control character, NUL or non-ASCII byte
+        // was kept and passed on, and a downstream header or `text` column then refused it.
+        for hostile in ["a=x\ny", "a=\0", "a=\u{e9}", "a=\r1", "a=\u{7f}"] {
+            let tc = TraceContext::parse(TP, Some(hostile)).expect("the traceparent is kept");
+            assert_eq!(tc.tracestate(), None, "{hostile:?} kept");
+        }
+        assert_eq!(TraceContext::parse(TP, Some("a=1,b=2")).expect("kept").tracestate(), Some("a=1,b=2"));
+        // A huge value is refused before it is split.
+        assert!(TraceContext::parse(&"-".repeat(100_000), None).is_err());
     }
 }

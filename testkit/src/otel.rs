@@ -268,14 +268,15 @@ pub fn check_zombie_trace(spans: &[SpanData], queue: &str, system: &str) -> Vec<
         .find(|s| s.name == "fenced_receiver" && s.parent_span_id == owner.span_context.span_id())
         .expect("the receiver's span, a child of the new owner's attempt");
     assert_eq!(receiver.span_context.trace_id(), owner.span_context.trace_id());
-    let mut shown = vec![producer.clone(), (*zombie).clone(), (*owner).clone(), receiver.clone()];
-    // The zombie's own call to the receiver, when it made one (refused there).
-    shown.extend(
-        spans
-            .iter()
-            .filter(|s| s.name == "fenced_receiver" && s.parent_span_id == zombie.span_context.span_id())
-            .cloned(),
-    );
+    assert_eq!(attr(receiver, "http.response.status_code").as_deref(), Some("200"), "the new owner's call is accepted");
+    // The zombie's own call to the receiver, refused there (a review found the handler's own
+    // check of the 409 could not fail the test: its panic became a failed, fenced attempt).
+    let refused = spans
+        .iter()
+        .find(|s| s.name == "fenced_receiver" && s.parent_span_id == zombie.span_context.span_id())
+        .expect("the receiver's span of the zombie's call, a child of the zombie's attempt");
+    assert_eq!(attr(refused, "http.response.status_code").as_deref(), Some("409"), "the zombie's call is refused");
+    let mut shown = vec![producer.clone(), (*zombie).clone(), (*owner).clone(), receiver.clone(), refused.clone()];
     shown.sort_by_key(|s| s.start_time);
     if let Ok(path) = std::env::var("BROKERFENCE_TRACE_SVG") {
         std::fs::write(&path, render_svg(&shown, system)).expect("write the picture");

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brokerfence::admin::{Activity, ActivityCounts, Admin, FENCE_EVENT_SLOTS, FenceEvent, FenceEventKind};
-use brokerfence::retention::Retention;
+use brokerfence::retention::{QueueRetention, Retention};
 use brokerfence::{Claim, FenceStore, JobState, Lease, Owner, QueueName, RetryPolicy, SchemaName};
 use common::{key, lease};
 use serde_json::Value;
@@ -491,6 +491,29 @@ async fn dashboard_security_headers_on_every_response() {
     }
 }
 
+/// Guards a review finding (DNS rebinding): without a token the dashboard answers only to a
+/// loopback `Host`; a page of another site whose name resolves to 127.0.0.1 gets 421 for every
+/// page, endpoint and action. With a token the token decides.
+#[tokio::test]
+async fn dashboard_without_a_token_refuses_a_foreign_host_header() {
+    let db = sqlite_db().await;
+    seed(&*db.store).await;
+    let server = Server::start(&db.url, &db.schema, &["--allow-write"]).await;
+    for path in ["/", "/dead", "/api/overview", "/static/app.js"] {
+        let r = client().get(server.url(path)).header("host", "evil.example").send().await.expect("GET");
+        assert_eq!(r.status().as_u16(), 421, "{path}");
+        let r = client().get(server.url(path)).header("host", "localhost").send().await.expect("GET");
+        assert_ne!(r.status().as_u16(), 421, "{path}");
+    }
+    let (status, _, _) = post(
+        &server.url("/actions/prune"),
+        &[("completed_age", "0s"), ("dead_age", "0s")],
+        &[("host", "evil.example"), ("origin", "http://evil.example")],
+    )
+    .await;
+    assert_eq!(status, 421);
+}
+
 /// The fence events are a ring of `FENCE_EVENT_SLOTS` rows (the newest kept), and every prune
 /// deletes activity and events past `Retention::dashboard_age`.
 #[tokio::test]
@@ -525,6 +548,29 @@ async fn dashboard_fence_events_are_a_bounded_ring_and_pruned() {
     let expected = FENCE_EVENT_SLOTS as u64 + 1..=FENCE_EVENT_SLOTS as u64 + 2;
     assert!(expected.contains(&report.dashboard), "{report:?}");
     assert!(admin.fence_events(Some(&q), 10).await.expect("events").is_empty());
+}
+
+/// Guards a review finding: a prune of the dashboard's rows that fails (here its table is gone;
+/// in life a role without the new grants, or a timeout) failed the whole prune after the jobs
+/// were pruned, and their report was lost. Now it is logged and the prune answers.
+#[tokio::test]
+async fn dashboard_a_failed_dashboard_prune_does_not_fail_the_prune() {
+    let db = pg_db().await;
+    let q = queue("prune-fails");
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&db.url).await.expect("pool");
+    db.store.enqueue(&q, &key("done"), b"p").await.expect("enqueue");
+    let owner = Owner::new("w").expect("owner");
+    let claimed = db.store.claim_next(&q, &owner, lease(30), 1).await.expect("claim");
+    db.store.complete(&claimed[0].lease, b"ok").await.expect("complete");
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {}.activity", db.schema.as_str())))
+        .execute(&pool)
+        .await
+        .expect("drop");
+    let retention =
+        Retention::new().queue(q.clone(), QueueRetention::completed_for(Duration::ZERO)).dashboard_age(Duration::ZERO);
+    let report = db.store.prune(&retention).await.expect("the prune answers");
+    assert_eq!(report.completed, 1, "{report:?}");
+    assert_eq!(report.dashboard, 0, "{report:?}");
 }
 
 /// Walks an `EXPLAIN (FORMAT JSON)` plan: the relations read by a sequential scan.
@@ -572,6 +618,45 @@ async fn dashboard_queries_use_indexes_on_a_never_analyzed_schema() {
     let mut scans = Vec::new();
     seq_scans(&plan, &mut scans);
     assert_eq!(scans, ["jobs"], "the negative control: {plan}");
+}
+
+/// The `SCAN` lines of an SQLite query plan that read a table whole (`SCAN t`, `SCAN t USING
+/// [COVERING] INDEX i` without a condition); the scans of a CTE (`q`) or a constant row are not
+/// reads of a table.
+fn sqlite_full_scans(plan: &str) -> Vec<String> {
+    plan.lines()
+        .map(|l| l.trim_start_matches(|c: char| c == '|' || c == '`' || c == '-' || c.is_whitespace()))
+        .filter(|l| l.starts_with("SCAN ") && !l.starts_with("SCAN CONSTANT ROW") && !l.starts_with("SCAN q"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Guards a review finding: on SQLite the queue list (`SELECT DISTINCT queue`, asked on every
+/// page without a queue filter) read every row of the jobs table, and the plans check only
+/// caught full index scans. Every dashboard statement on SQLite reads by an index search, and
+/// the check sees a scan where there is one.
+#[tokio::test]
+async fn dashboard_queries_use_indexes_on_sqlite() {
+    let db = sqlite_db().await;
+    seed(&*db.store).await;
+    let plans = Admin::new(&*db.store).expect("admin").dashboard_plans().await.expect("plans");
+    assert!(plans.contains_key("queues"), "{plans:?}");
+    let jobs = format!("{}_jobs", db.schema.as_str());
+    for (name, plan) in &plans {
+        let scans: Vec<String> =
+            sqlite_full_scans(plan).into_iter().filter(|l| l.contains(&jobs) || l.starts_with("SCAN t")).collect();
+        assert!(scans.is_empty(), "{name} scans the jobs table: {plan}");
+    }
+    // The negative control: the statement the queue list was before.
+    let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&db.url).await.expect("pool");
+    let rows: Vec<(i64, i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN QUERY PLAN SELECT DISTINCT queue FROM {jobs} ORDER BY queue"
+    )))
+    .fetch_all(&pool)
+    .await
+    .expect("explain");
+    let plan = rows.into_iter().map(|r| r.3).collect::<Vec<_>>().join("\n");
+    assert_eq!(sqlite_full_scans(&plan).len(), 1, "the negative control: {plan}");
 }
 
 /// With 100,000 jobs (1,000 of them running, 1,000 dead) every page and endpoint answers within
@@ -723,6 +808,27 @@ async fn dashboard_supervisor_records_a_takeover_with_its_winner() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!((counts.claims, counts.commits, counts.fenced + counts.lost), (2, 1, 1), "{counts:?}");
+}
+
+/// Guards a review finding: a graceful shutdown returned before the supervisor's last flush,
+/// so a process that exited next lost up to an interval of counts (and a second of events).
+/// Here the interval is an hour: only the shutdown's flush can write them.
+#[tokio::test]
+async fn dashboard_shutdown_writes_the_last_counts_before_it_returns() {
+    use brokerfence::{Supervisor, SupervisorConfig};
+    let db = pg_db().await;
+    let store = Arc::clone(&db.store);
+    let q = queue("last-flush");
+    let config = SupervisorConfig::new(lease(30)).activity_interval(Duration::from_secs(3600));
+    let a = Supervisor::new(Arc::clone(&store), Owner::new("worker-a").expect("owner"), config);
+    let job = claim(&*store, &q, "one", "worker-a").await;
+    let outcome = a.run(job, Vec::new(), None, |_ctx| async { Ok(b"ok".to_vec()) }).await;
+    assert!(outcome.is_completed(), "{outcome:?}");
+    a.shutdown(Duration::from_secs(1)).await;
+    let o = Admin::new(&*store).expect("admin").overview(Some(&q)).await.expect("overview");
+    let (claims, commits) =
+        o.queues[0].minutes.iter().fold((0, 0), |(c, k), m| (c + m.counts.claims, k + m.counts.commits));
+    assert_eq!((claims, commits), (1, 1), "{o:?}");
 }
 
 /// Counts stop at `count_limit` and say so; below it they are exact and say that too.

@@ -282,7 +282,9 @@ impl SqsSource {
         let mut room = MAX_ATTRIBUTES - ours.len();
         if let Some(attrs) = m.message_attributes() {
             let mut names: Vec<&String> = attrs.keys().filter(|k| !ours.iter().any(|(n, _)| n == k)).collect();
-            names.sort();
+            // The user's attributes first, then the trace context (`traceparent`, `tracestate`):
+            // when there is no room for all, the trace context is what is left out.
+            names.sort_by_key(|n| (is_trace_attribute(n), n.as_str()));
             for name in names {
                 if room == 0 {
                     tracing::warn!(attribute = %name, "dead-letter copy drops an attribute (SQS allows ten)");
@@ -356,6 +358,11 @@ fn truncate(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
+/// Whether an attribute is the W3C trace context a producer adds (`traceparent`, `tracestate`).
+fn is_trace_attribute(name: &str) -> bool {
+    name.eq_ignore_ascii_case("traceparent") || name.eq_ignore_ascii_case("tracestate")
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -363,6 +370,15 @@ mod tests {
     use fence::RetryPolicy;
 
     use super::receives_needed;
+
+    /// Guards a review finding: the copy kept the message's attributes by name, so with eight
+    /// of them plus the trace context, user attributes named after `tracestate` were dropped.
+    #[test]
+    fn otel_dead_letter_copies_drop_the_trace_context_before_user_attributes() {
+        let mut names = vec!["zone", "traceparent", "alpha", "tracestate", "user-id"];
+        names.sort_by_key(|n| (super::is_trace_attribute(n), *n));
+        assert_eq!(names, ["alpha", "user-id", "zone", "traceparent", "tracestate"]);
+    }
 
     #[test]
     fn receives_needed_counts_attempts_long_backoffs_and_headroom() {

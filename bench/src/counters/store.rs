@@ -273,6 +273,9 @@ impl FenceStore for Counting {
     async fn next_due(&self, queue: &QueueName) -> fence::Result<Option<std::time::Duration>> {
         self.timed("next_due", self.inner.next_due(queue)).await
     }
+    async fn record_activity(&self, activity: &brokerfence::admin::Activity) -> fence::Result<()> {
+        self.inner.record_activity(activity).await
+    }
 
     fn backend(&self) -> fence::Backend<'_> {
         self.inner.backend()

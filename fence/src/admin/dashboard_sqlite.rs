@@ -175,6 +175,7 @@ pub(super) async fn plans(lite: &SqliteFence) -> Result<BTreeMap<&'static str, S
         ("minutes", minutes(s)),
         ("events", events_sql(s)),
         ("dead", dead_rows(s)),
+        ("queues", super::sqlite::queues_sql(s)),
     ];
     let mut plans = BTreeMap::new();
     for (name, statement) in statements {

@@ -103,28 +103,38 @@ pub(crate) async fn record_pg(pg: &crate::PgFence, activity: &Activity) -> Resul
 
 /// Deletes activity minutes and fence events older than `age`: the rows deleted.
 #[cfg(feature = "postgres")]
-pub(crate) async fn prune_pg(pg: &crate::PgFence, age: Duration) -> Result<u64> {
+pub(crate) async fn prune_pg(pg: &crate::PgFence, age: Duration, batch: u32) -> Result<u64> {
     let s = pg.get_schema().as_str();
-    let mut tx = pg.begin().await?;
-    sqlx::query("SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true)")
-        .persistent(false)
-        .bind(RECORD_TIMEOUT_MS)
-        .execute(&mut *tx)
-        .await?;
     let ms = crate::retention::age_ms(age);
     let mut n = 0;
-    for table in ["activity", "fence_events"] {
-        let column = if table == "activity" { "minute" } else { "at" };
-        n += sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM {s}.{table} WHERE {column} < clock_timestamp() - $1::bigint * interval '1 millisecond'"
-        )))
-        .persistent(false)
-        .bind(ms)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+    for (table, column) in [("activity", "minute"), ("fence_events", "at")] {
+        // In batches (by the index on the age column), each its own short transaction under the
+        // record's time limits, so that a long backlog never outlasts them.
+        let delete = format!(
+            "DELETE FROM {s}.{table} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {s}.{table} \
+               WHERE {column} < clock_timestamp() - $1::bigint * interval '1 millisecond' LIMIT $2))"
+        );
+        loop {
+            let mut tx = pg.begin().await?;
+            sqlx::query("SELECT set_config('statement_timeout', $1, true), set_config('lock_timeout', $1, true)")
+                .persistent(false)
+                .bind(RECORD_TIMEOUT_MS)
+                .execute(&mut *tx)
+                .await?;
+            let deleted = sqlx::query(AssertSqlSafe(delete.clone()))
+                .persistent(false)
+                .bind(ms)
+                .bind(i64::from(batch.max(1)))
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            n += deleted;
+            if deleted < u64::from(batch.max(1)) {
+                break;
+            }
+        }
     }
-    tx.commit().await?;
     Ok(n)
 }
 
@@ -186,21 +196,32 @@ pub(crate) async fn record_sqlite(lite: &crate::SqliteFence, activity: &Activity
 
 /// Deletes activity minutes and fence events older than `age`: the rows deleted.
 #[cfg(feature = "sqlite")]
-pub(crate) async fn prune_sqlite(lite: &crate::SqliteFence, age: Duration) -> Result<u64> {
+pub(crate) async fn prune_sqlite(lite: &crate::SqliteFence, age: Duration, batch: u32) -> Result<u64> {
     use sqlx::Connection;
     let s = lite.get_schema().as_str();
     let now = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
-    let mut conn = lite.pool().acquire().await?;
-    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
     let ms = crate::retention::age_ms(age);
     let mut n = 0;
     for (table, column) in [("activity", "minute"), ("fence_events", "at")] {
-        n += sqlx::query(AssertSqlSafe(format!("DELETE FROM {s}_{table} WHERE {column} < {now} - ?1")))
-            .bind(ms)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        // In batches, each its own short write transaction: SQLite has one writer.
+        let delete = format!(
+            "DELETE FROM {s}_{table} WHERE rowid IN (SELECT rowid FROM {s}_{table} WHERE {column} < {now} - ?1 LIMIT ?2)"
+        );
+        loop {
+            let mut conn = lite.pool().acquire().await?;
+            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+            let deleted = sqlx::query(AssertSqlSafe(delete.clone()))
+                .bind(ms)
+                .bind(i64::from(batch.max(1)))
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            n += deleted;
+            if deleted < u64::from(batch.max(1)) {
+                break;
+            }
+        }
     }
-    tx.commit().await?;
     Ok(n)
 }

@@ -80,10 +80,17 @@ pub(super) async fn status(
 }
 
 pub(super) async fn queues(lite: &SqliteFence) -> Result<Vec<String>, AdminError> {
-    let s = lite.get_schema().as_str();
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!("SELECT DISTINCT queue FROM {s}_jobs ORDER BY queue")))
-        .fetch_all(lite.pool())
-        .await?)
+    Ok(sqlx::query_scalar(AssertSqlSafe(queues_sql(lite.get_schema().as_str()))).fetch_all(lite.pool()).await?)
+}
+
+/// The queues of the jobs table, one index search each (a skip scan of the primary key): a
+/// `SELECT DISTINCT queue` read every row of the table, and the dashboard asks on every refresh.
+pub(super) fn queues_sql(s: &str) -> String {
+    format!(
+        "WITH RECURSIVE q(queue) AS (SELECT (SELECT min(queue) FROM {s}_jobs) \
+           UNION ALL SELECT (SELECT min(queue) FROM {s}_jobs WHERE queue > q.queue) FROM q WHERE q.queue IS NOT NULL) \
+         SELECT queue FROM q WHERE queue IS NOT NULL"
+    )
 }
 
 pub(super) async fn job(lite: &SqliteFence, queue: &QueueName, key: &JobKey) -> Result<Option<JobInfo>, AdminError> {

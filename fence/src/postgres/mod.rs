@@ -24,6 +24,7 @@ mod locate;
 mod migrations;
 mod probe;
 mod prune;
+mod rounds;
 mod route;
 mod session;
 mod statements;

@@ -247,7 +247,7 @@ impl Statements {
              UPDATE {s}.jobs t SET {capped} \
              FROM pick WHERE t.queue = pick.queue AND t.key = pick.key \
              RETURNING t.key COLLATE \"C\", t.state, t.epoch, {tlu}, {tttl}, t.attempts, t.payload, t.progress, \
-                 floor(extract(epoch from t.run_at) * 1000000)::bigint, t.traceparent, t.tracestate",
+                 floor(extract(epoch from t.run_at) * 1000000)::bigint, left(t.traceparent, 64), left(t.tracestate, 513)",
             capped = capped_claim("$2", &lease_end.replace("$LEASE", "$3"), "$5", inc, base, &floor),
             tlu = ms!("t.lease_until"),
             tttl = ms!("(t.lease_until - clock_timestamp())"),

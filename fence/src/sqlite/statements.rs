@@ -227,7 +227,7 @@ impl Statements {
                ((state IN ('pending', 'failed') AND run_at <= {NOW}) OR (state = 'running' AND lease_until < {NOW})) \
                ORDER BY state = 'running' DESC, run_at LIMIT ?4) \
              RETURNING rowid, CAST(key AS BLOB), state, epoch, lease_until, lease_until - {NOW}, attempts, payload, progress, \
-               traceparent, tracestate",
+               substr(CAST(traceparent AS BLOB), 1, 64), substr(CAST(tracestate AS BLOB), 1, 513)",
             capped = capped_claim("", "?2", &format!("{NOW} + ?3"), "?5", inc),
         );
         // A row `claim_next` took (by rowid, ?1) whose key `JobKey` refuses (issue #30): dead

@@ -145,8 +145,10 @@ impl FenceStore for SqliteFence {
             i64,
             Option<Vec<u8>>,
             Option<Vec<u8>>,
-            Option<String>,
-            Option<String>,
+            // The trace context as bytes, at most 64 and 513: a value written around the fence
+            // that is not UTF-8 (or not text) must not fail the claim; it is ignored.
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
         );
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let rows: Vec<Row> = sqlx::query_as(sql(&self.stmts.claim_next))
@@ -181,7 +183,11 @@ impl FenceStore for SqliteFence {
                     payload: payload.unwrap_or_default(),
                     progress,
                     #[cfg(feature = "otel")]
-                    trace: crate::otel::TraceContext::read(traceparent.as_deref(), tracestate.as_deref(), "jobs table"),
+                    trace: crate::otel::TraceContext::read(
+                        traceparent.as_deref().map(String::from_utf8_lossy).as_deref(),
+                        tracestate.as_deref().and_then(|s| std::str::from_utf8(s).ok()),
+                        "jobs table",
+                    ),
                 }),
                 Err(e) => {
                     tracing::error!(queue = queue.as_str(), key = ?String::from_utf8_lossy(&key), epoch, error = %e, "claimed a job row whose key is not valid: made dead");

@@ -30,6 +30,13 @@ const EVENT_FLUSH: Duration = Duration::from_secs(1);
 /// The limit of one flush statement.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The limit of each of the two tries of the last flush, at shutdown (shorter: a shutdown waits
+/// for it).
+const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long a graceful shutdown waits for the last flush: its two tries and a margin.
+pub(super) const FINAL_FLUSH_WAIT: Duration = Duration::from_secs(7);
+
 #[derive(Debug, Default)]
 pub(super) struct Recorder {
     pending: Mutex<Activity>,
@@ -147,16 +154,27 @@ pub(super) async fn activity_loop(
             since_counts = Duration::ZERO;
         }
         let activity = recorder.take(counts);
-        if !activity.is_empty() {
-            match tokio::time::timeout(FLUSH_TIMEOUT, store.record_activity(&activity)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
+        // The last flush (at stop) is tried twice: there is no next one.
+        for last_try in [!stopping, true] {
+            if activity.is_empty() {
+                break;
+            }
+            let limit = if stopping { FINAL_FLUSH_TIMEOUT } else { FLUSH_TIMEOUT };
+            match tokio::time::timeout(limit, store.record_activity(&activity)).await {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) if last_try && !stopping => {
                     tracing::warn!(error = %e, "could not record the dashboard's activity; kept for the next flush");
                     recorder.put_back(activity);
+                    break;
                 }
+                Ok(Err(e)) if last_try => {
+                    tracing::warn!(error = %e, "could not record the dashboard's last activity; dropped");
+                }
+                Ok(Err(_)) => {}
                 Err(_) => {
-                    tracing::warn!(after = ?FLUSH_TIMEOUT, "recording the dashboard's activity timed out");
-                    recorder.put_back(activity);
+                    // It may have committed meanwhile: never written twice, so dropped.
+                    tracing::warn!(after = ?limit, "recording the dashboard's activity timed out; dropped");
+                    break;
                 }
             }
         }

@@ -117,14 +117,18 @@ impl Supervisor {
             idle: tokio::sync::Notify::new(),
             renewing_settling: std::sync::atomic::AtomicBool::new(false),
             activity: Arc::default(),
+            activity_task: Mutex::new(None),
         });
         let every = inner.config.activity_interval;
-        tokio::spawn(activity::activity_loop(
+        let task = tokio::spawn(activity::activity_loop(
             Arc::clone(&inner.store),
             Arc::clone(&inner.activity),
             inner.stop.clone(),
             every,
         ));
+        if let Ok(mut slot) = inner.activity_task.lock() {
+            *slot = Some(task);
+        }
         // A completion waits the window out only while other handlers run: only their
         // completions can join it (attempts awaiting their own verdict do not count). Jobs
         // handled one at a time wait for nothing.
@@ -409,6 +413,14 @@ impl Supervisor {
             let _ = tokio::time::timeout(Duration::from_millis(50), inner.idle.notified()).await;
         }
         inner.stop.cancel();
+        // The dashboard's last counts and events: written before this returns (a process that
+        // exits next would otherwise drop them with its runtime), within the flush's own limits.
+        let task = inner.activity_task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task
+            && tokio::time::timeout(activity::FINAL_FLUSH_WAIT, task).await.is_err()
+        {
+            tracing::warn!("the dashboard's last activity flush did not end in time");
+        }
     }
 }
 

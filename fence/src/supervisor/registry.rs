@@ -89,6 +89,8 @@ pub(super) struct Inner {
     pub(super) renewing_settling: std::sync::atomic::AtomicBool,
     /// Counts and fence events for the dashboard, flushed by `activity_loop`.
     pub(super) activity: Arc<super::activity::Recorder>,
+    /// The task of `activity_loop`, awaited by a graceful shutdown for its last flush.
+    pub(super) activity_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// Removes an attempt from the in-flight registry when dropped (or at [`leave`](Self::leave)),

@@ -82,6 +82,21 @@ pub(crate) fn same_origin(headers: &HeaderMap) -> bool {
     origin_ok && site_ok
 }
 
+/// Whether the request names this machine's loopback as its `Host` (`localhost`, `127.0.0.1`,
+/// `[::1]`, any port). Without a token that is required: a page of another site whose name was
+/// made to resolve to 127.0.0.1 (DNS rebinding) is the browser's "same origin" under that name,
+/// and would otherwise read the pages and, with `--allow-write`, post actions.
+pub(crate) fn loopback_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(header::HOST).and_then(|v| v.to_str().ok()) else { return false };
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().map(|a| format!("[{a}]")).unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _port)| name).to_owned(),
+    };
+    let name = name.to_ascii_lowercase();
+    matches!(name.as_str(), "localhost" | "[::1]")
+        || name.parse::<std::net::Ipv4Addr>().is_ok_and(|ip| ip.is_loopback())
+}
+
 /// Adds the security headers: no script or style from anywhere but this server (no inline
 /// code at all), no framing, no sniffing, no referrer to other sites, no caching.
 fn harden(response: &mut Response) {
@@ -106,7 +121,13 @@ fn harden(response: &mut Response) {
 pub(crate) async fn guard(State(app): State<Arc<App>>, request: Request<Body>, next: Next) -> Response {
     let path = request.uri().path().to_owned();
     let open = path == "/login" || path.starts_with("/static/");
-    let mut response = if request.method() == Method::POST && !same_origin(request.headers()) {
+    let mut response = if app.secrets.token.is_none() && !loopback_host(request.headers()) {
+        (
+            StatusCode::MISDIRECTED_REQUEST,
+            "without a token this dashboard answers only to a loopback Host (localhost, 127.0.0.1, [::1])\n",
+        )
+            .into_response()
+    } else if request.method() == Method::POST && !same_origin(request.headers()) {
         (StatusCode::FORBIDDEN, "cross-site request refused\n").into_response()
     } else if open || authorized(&app, request.headers()) {
         next.run(request).await
@@ -134,6 +155,24 @@ pub(crate) fn session_cookie(session: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Guards a review finding (DNS rebinding): without a token, a request naming another host
+    /// was served.
+    #[test]
+    fn dashboard_without_a_token_answers_only_to_loopback_hosts() {
+        let with_host = |h: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::HOST, HeaderValue::from_str(h).expect("header"));
+            loopback_host(&headers)
+        };
+        for ok in ["127.0.0.1:8080", "localhost", "LOCALHOST:1", "[::1]:8080", "[::1]", "127.0.0.2:9"] {
+            assert!(with_host(ok), "{ok} refused");
+        }
+        for bad in ["evil.example", "evil.example:8080", "127.0.0.1.evil.example", "10.0.0.1:8080", "[::2]:80", ""] {
+            assert!(!with_host(bad), "{bad} accepted");
+        }
+        assert!(!loopback_host(&HeaderMap::new()));
+    }
 
     #[test]
     fn dashboard_auth_compares_whole_tokens() {
