@@ -424,3 +424,32 @@ async fn hardening_item7_sqlite_bad_key_row_does_not_poison_the_claim_batch() {
     }
     assert!(fence.claim_next(&q, &me, lease(30), 10).await.expect("the next claim").is_empty());
 }
+
+/// Guards a review finding of the trace columns (migration 5 on SQLite): `claim_next` read them
+/// as text, so one value written around the fence that is not UTF-8 (or a BLOB) failed every
+/// claim of the queue, with or without feature `otel`. Now they are read as bounded bytes and
+/// such a value is ignored: the job is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otel_sqlite_trace_columns_that_are_not_text_never_fail_a_claim() {
+    let fence = common::sqlite().await;
+    let t = format!("{}_jobs", fence.get_schema().as_str());
+    let q = QueueName::new("bad-trace").expect("queue");
+    for k in ["blob", "latin1", "long"] {
+        assert!(fence.enqueue(&q, &common::key(k), b"p").await.expect("enqueue"));
+    }
+    for (k, value) in [("blob", vec![0xff, 0x00, 0x01]), ("latin1", b"00-\xe9".to_vec()), ("long", vec![b'-'; 100_000])]
+    {
+        // The first as a BLOB, the second as invalid UTF-8 cast to TEXT, the third as a huge text.
+        let cast = if k == "blob" { "?1" } else { "CAST(?1 AS TEXT)" };
+        sqlx::query(AssertSqlSafe(format!("UPDATE {t} SET traceparent = {cast}, tracestate = {cast} WHERE key = ?2")))
+            .bind(value)
+            .bind(k)
+            .execute(fence.pool())
+            .await
+            .expect("write a bad trace context by SQL");
+    }
+    let got = fence.claim_next(&q, &Owner::unique("trace"), lease(30), 10).await.expect("the claim answers");
+    let mut keys: Vec<&str> = got.iter().map(|c| c.lease.key.as_str()).collect();
+    keys.sort();
+    assert_eq!(keys, ["blob", "latin1", "long"]);
+}
