@@ -425,6 +425,18 @@ async fn dashboard_token_login_and_refusal_to_listen_openly() {
         .await
         .expect("run");
     assert_eq!(out.status.code(), Some(2), "an empty token is refused");
+    // A token too short to resist guessing, and a refresh that would load the database.
+    for args in [&["serve", "--token", "short-token"][..], &["serve", "--refresh", "100ms"][..]] {
+        let out = tokio::process::Command::new(&*BIN)
+            .args(["--database-url", &db.url, "--schema", db.schema.as_str()])
+            .args(args)
+            .output()
+            .await
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("at least 16") || stderr.contains("under 1 s"), "{args:?}: {stderr}");
+    }
 
     let token = "s3cret-token-of-the-test";
     let server = Server::start(&db.url, &db.schema, &["--token", token]).await;
@@ -461,6 +473,13 @@ async fn dashboard_token_login_and_refusal_to_listen_openly() {
     assert!(page.contains("Log out"), "{page}");
     let r = client().get(server.url("/")).header("cookie", "brokerfence_session=forged").send().await.expect("GET");
     assert_eq!(r.status().as_u16(), 303, "a forged session is sent to the login");
+    // Guards a review finding: a logout only cleared the browser's cookie, and a copy of it
+    // stayed valid until the server restarted. Each login has its own session; a logout ends it.
+    assert!(cookie.contains("Max-Age="), "a session ends: {cookie}");
+    let (status, _, _) = post(&server.url("/logout"), &[("csrf", &csrf(&page))], &[("cookie", &session)]).await;
+    assert_eq!(status, 303);
+    let r = client().get(server.url("/dead")).header("cookie", &session).send().await.expect("GET");
+    assert_eq!(r.status().as_u16(), 303, "the session ended at its logout");
 }
 
 /// Every response carries the policy: no inline or foreign code, no framing, no sniffing.
@@ -577,8 +596,15 @@ async fn dashboard_a_failed_dashboard_prune_does_not_fail_the_prune() {
 fn seq_scans(plan: &Value, out: &mut Vec<String>) {
     match plan {
         Value::Object(map) => {
-            if map.get("Node Type").and_then(Value::as_str) == Some("Seq Scan") {
-                out.push(map.get("Relation Name").and_then(Value::as_str).unwrap_or("?").to_owned());
+            let node = map.get("Node Type").and_then(Value::as_str).unwrap_or_default();
+            let relation = map.get("Relation Name").and_then(Value::as_str).unwrap_or("?");
+            if node == "Seq Scan" {
+                out.push(relation.to_owned());
+            }
+            // A review finding: an index scan with no condition reads the whole table as well
+            // (in index order), and the planner picks one when sequential scans are off.
+            if matches!(node, "Index Scan" | "Index Only Scan") && !map.contains_key("Index Cond") {
+                out.push(format!("{relation} (a whole index)"));
             }
             map.values().for_each(|v| seq_scans(v, out));
         }
@@ -618,6 +644,20 @@ async fn dashboard_queries_use_indexes_on_a_never_analyzed_schema() {
     let mut scans = Vec::new();
     seq_scans(&plan, &mut scans);
     assert_eq!(scans, ["jobs"], "the negative control: {plan}");
+    // And a whole index read in its order, where sequential scans are off.
+    sqlx::query("SET LOCAL enable_seqscan = off").execute(&mut *tx).await.expect("set");
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (FORMAT JSON) SELECT DISTINCT queue FROM {}.jobs",
+        db.schema.as_str()
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .expect("explain");
+    let text: String = sqlx::Row::try_get_unchecked(&row, 0).expect("the plan");
+    let plan: Value = serde_json::from_str(&text).expect("JSON plan");
+    let mut scans = Vec::new();
+    seq_scans(&plan, &mut scans);
+    assert_eq!(scans, ["jobs (a whole index)"], "the negative control: {plan}");
 }
 
 /// The `SCAN` lines of an SQLite query plan that read a table whole (`SCAN t`, `SCAN t USING

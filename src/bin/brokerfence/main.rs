@@ -230,7 +230,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Serve(args) => {
             let args = args.clone();
             web::serve(args, admin, store.shared(), cli.timeout).await.map_err(|e| match e {
-                e @ (web::ServeError::NoToken(..) | web::ServeError::EmptyToken) => Failure::Usage(e.to_string()),
+                e @ (web::ServeError::NoToken(..)
+                | web::ServeError::EmptyToken
+                | web::ServeError::ShortToken(_)
+                | web::ServeError::RefreshTooFrequent(_)) => Failure::Usage(e.to_string()),
                 e => Failure::Failed(e.to_string()),
             })
         }

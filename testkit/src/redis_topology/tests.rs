@@ -56,8 +56,14 @@ async fn cluster_starts_and_migrates_a_slot() {
     assert_eq!(cluster.index_for_slot(slot).await, source, "migrate_slot moves it back");
     assert_eq!(owner.cmd::<Option<String>>(&["GET", "{job}:a"]).await.as_deref(), Some("1"));
     // The keys moved back reach the source's replica asynchronously: wait for it before the kill
-    // (under load the replica was seen promoted without `{job}:a`).
-    let acked = owner.cmd::<i64>(&["WAIT", "1", "5000"]).await;
+    // (under load the replica was seen promoted without `{job}:a`). `WAIT` counts its own
+    // connection's writes, and the keys came back by the target's MIGRATE: a write on the same
+    // connection, after them in the replication stream, makes the acknowledgement cover them (a
+    // `WAIT` alone, on a connection of its own, returned at once and the test failed under load).
+    let mut sync = client::pipe();
+    sync.cmd("SET").arg("{job}:sync").arg("1").ignore().cmd("WAIT").arg(1).arg(5000);
+    let mut conn = owner.connection().await;
+    let (acked,): (i64,) = sync.query_async(&mut conn).await.unwrap();
     assert!(acked >= 1, "the source's replica acknowledged its writes ({acked})");
 
     let t2 = Instant::now();

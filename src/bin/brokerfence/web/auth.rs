@@ -17,18 +17,61 @@ use super::App;
 /// The session cookie's name.
 pub(crate) const COOKIE: &str = "brokerfence_session";
 
-/// The per-process secrets: the operator's token (if any), the session a login hands out, and
+/// The per-process secrets: the operator's token (if any), the sessions logins handed out, and
 /// the CSRF token every form carries.
 pub(crate) struct Secrets {
     pub(crate) token: Option<String>,
-    pub(crate) session: String,
+    /// Each login's own random session, with when it was made; removed at its logout, ended
+    /// after [`SESSION_TTL`], at most [`MAX_SESSIONS`] kept (the oldest goes first).
+    sessions: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
     pub(crate) csrf: String,
 }
 
+/// How long a login's session lasts.
+pub(crate) const SESSION_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+
+/// Sessions kept at once.
+const MAX_SESSIONS: usize = 1_000;
+
 impl Secrets {
     pub(crate) fn new(token: Option<String>) -> Self {
-        Self { token, session: random_hex(), csrf: random_hex() }
+        Self { token, sessions: std::sync::Mutex::default(), csrf: random_hex() }
     }
+
+    /// A new session for a login.
+    pub(crate) fn open_session(&self) -> String {
+        let session = random_hex();
+        if let Ok(mut all) = self.sessions.lock() {
+            all.retain(|_, made| made.elapsed() < SESSION_TTL);
+            if all.len() >= MAX_SESSIONS
+                && let Some(oldest) = all.iter().min_by_key(|(_, made)| **made).map(|(s, _)| s.clone())
+            {
+                all.remove(&oldest);
+            }
+            all.insert(session.clone(), std::time::Instant::now());
+        }
+        session
+    }
+
+    /// Whether `given` is a live session.
+    fn has_session(&self, given: &str) -> bool {
+        self.sessions
+            .lock()
+            .map(|all| all.iter().any(|(s, made)| same(s, given) && made.elapsed() < SESSION_TTL))
+            .unwrap_or(false)
+    }
+
+    /// Ends the session of a logout.
+    pub(crate) fn close_session(&self, given: &str) {
+        if let Ok(mut all) = self.sessions.lock() {
+            all.retain(|s, _| !same(s, given));
+        }
+    }
+}
+
+/// The session cookie of a request, if it has one.
+pub(crate) fn session_of(headers: &HeaderMap) -> Option<&str> {
+    cookie(headers, COOKIE)
 }
 
 /// 32 random bytes as hex.
@@ -62,7 +105,7 @@ fn authorized(app: &App, headers: &HeaderMap) -> bool {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .is_some_and(|t| same(t.trim(), token));
-    bearer || cookie(headers, COOKIE).is_some_and(|s| same(s, &app.secrets.session))
+    bearer || cookie(headers, COOKIE).is_some_and(|s| app.secrets.has_session(s))
 }
 
 /// Whether a POST comes from a page of this dashboard, as far as the browser says: an `Origin`
@@ -130,7 +173,11 @@ pub(crate) async fn guard(State(app): State<Arc<App>>, request: Request<Body>, n
     } else if request.method() == Method::POST && !same_origin(request.headers()) {
         (StatusCode::FORBIDDEN, "cross-site request refused\n").into_response()
     } else if open || authorized(&app, request.headers()) {
-        next.run(request).await
+        // Every query has its own limit (`--timeout`); this bounds the whole request.
+        match tokio::time::timeout(app.timeout.saturating_mul(2), next.run(request)).await {
+            Ok(response) => response,
+            Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the request took too long\n").into_response(),
+        }
     } else if path.starts_with("/api/") {
         let mut r = super::json(StatusCode::UNAUTHORIZED, &serde_json::json!({"error": "unauthorized"}));
         r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -147,7 +194,7 @@ pub(crate) async fn guard(State(app): State<Arc<App>>, request: Request<Body>, n
 /// The `Set-Cookie` value of a login (`Some`) or a logout.
 pub(crate) fn session_cookie(session: Option<&str>) -> String {
     match session {
-        Some(s) => format!("{COOKIE}={s}; HttpOnly; SameSite=Strict; Path=/"),
+        Some(s) => format!("{COOKIE}={s}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}", SESSION_TTL.as_secs()),
         None => format!("{COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"),
     }
 }

@@ -46,6 +46,9 @@ pub(crate) struct ServeArgs {
     pub(crate) list_limit: u32,
 }
 
+/// The shortest token taken.
+const MIN_TOKEN_BYTES: usize = 16;
+
 /// What can stop the dashboard.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ServeError {
@@ -58,6 +61,12 @@ pub(crate) enum ServeError {
     /// An empty token.
     #[error("the token is empty: give a long random one (--token or BROKERFENCE_TOKEN)")]
     EmptyToken,
+    /// A token too short to resist guessing.
+    #[error("the token has {0} bytes: give at least {MIN_TOKEN_BYTES} random ones (e.g. `openssl rand -hex 32`)")]
+    ShortToken(usize),
+    /// A refresh so frequent that open pages would load the database.
+    #[error("--refresh {0:?} is under 1 s (0s turns the refresh off)")]
+    RefreshTooFrequent(Duration),
     /// The address could not be bound.
     #[error("cannot listen on {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
@@ -116,6 +125,12 @@ pub(crate) async fn serve(
 ) -> Result<(), ServeError> {
     if args.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
         return Err(ServeError::EmptyToken);
+    }
+    if let Some(n) = args.token.as_deref().map(|t| t.trim().len()).filter(|&n| n < MIN_TOKEN_BYTES) {
+        return Err(ServeError::ShortToken(n));
+    }
+    if !args.refresh.is_zero() && args.refresh < Duration::from_secs(1) {
+        return Err(ServeError::RefreshTooFrequent(args.refresh));
     }
     if !args.listen.ip().is_loopback() && args.token.is_none() {
         let write = if args.allow_write { " and requeue or prune them" } else { "" };

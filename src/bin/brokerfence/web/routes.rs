@@ -298,8 +298,8 @@ async fn login(State(app): State<Arc<App>>, Form(f): Fields) -> Response {
     match (&app.secrets.token, param(&f, "token")) {
         (None, _) => Redirect::to("/").into_response(),
         (Some(token), Some(given)) if auth::same(given, token) => {
-            ([(header::SET_COOKIE, auth::session_cookie(Some(&app.secrets.session)))], Redirect::to("/"))
-                .into_response()
+            let session = app.secrets.open_session();
+            ([(header::SET_COOKIE, auth::session_cookie(Some(&session)))], Redirect::to("/")).into_response()
         }
         _ => {
             // Slows down guessing.
@@ -309,9 +309,13 @@ async fn login(State(app): State<Arc<App>>, Form(f): Fields) -> Response {
     }
 }
 
-async fn logout(State(app): State<Arc<App>>, Form(f): Fields) -> Response {
+async fn logout(State(app): State<Arc<App>>, headers: header::HeaderMap, Form(f): Fields) -> Response {
     match param(&f, "csrf") {
         Some(t) if auth::same(t, &app.secrets.csrf) => {
+            // The session ends here, not only in this browser: a copy of the cookie is refused too.
+            if let Some(session) = auth::session_of(&headers) {
+                app.secrets.close_session(session);
+            }
             ([(header::SET_COOKIE, auth::session_cookie(None))], Redirect::to("/login")).into_response()
         }
         _ => (StatusCode::FORBIDDEN, "missing or wrong CSRF token\n").into_response(),
