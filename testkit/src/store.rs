@@ -181,7 +181,7 @@ async fn end<DB: sqlx::Database>(tx: sqlx::Transaction<'_, DB>, keep: bool) -> R
 }
 
 impl TestStore for PgFence {
-    const MIGRATIONS: i64 = 11;
+    const MIGRATIONS: i64 = 12;
     // The outbox (migration 4) is PostgreSQL only; epoch floors are migration 5; migration 6 sets
     // the jobs table's fillfactor; 7 the epoch trigger's WHEN; 8 the indexes of HOT claims; 9 the
     // epoch trigger after the row.
@@ -268,7 +268,7 @@ fn sqlite_file(fence: &SqliteFence) -> PathBuf {
 }
 
 impl TestStore for SqliteFence {
-    const MIGRATIONS: i64 = 4;
+    const MIGRATIONS: i64 = 5;
     // Epoch floors are migration 3.
     const TABLES: &'static [&'static str] = &["_migrations", "epoch_floors", "jobs", "ledger"];
 
