@@ -187,7 +187,9 @@ pub async fn enforce(State(guard): State<EpochGuard>, mut req: Request, next: Ne
             Err(refusal) => refusal,
         }
     };
-    tracing::Instrument::instrument(run, span).await
+    let response = tracing::Instrument::instrument(run, span.clone()).await;
+    crate::otel::answered(&span, response.status().as_u16());
+    response
 }
 
 fn enforce_boxed(state: State<EpochGuard>, req: Request, next: Next) -> BoxFuture<'static, Response> {

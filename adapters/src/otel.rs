@@ -40,9 +40,19 @@ mod enabled {
     /// A receiver's span, a child of the sender's context (its `traceparent` header).
     #[cfg(feature = "http")]
     pub(crate) fn receiver_span(headers: &axum::http::HeaderMap) -> tracing::Span {
-        let span = tracing::info_span!("fenced_receiver", otel.kind = "server");
+        let span = tracing::info_span!(
+            "fenced_receiver",
+            otel.kind = "server",
+            http.response.status_code = tracing::field::Empty
+        );
         continue_from(&span, headers);
         span
+    }
+
+    /// The receiver's answer, on its span.
+    #[cfg(feature = "http")]
+    pub(crate) fn answered(span: &tracing::Span, status: u16) {
+        span.record("http.response.status_code", status);
     }
 
     /// Makes the sender's context (its `traceparent` header) the parent of `span`.
@@ -80,4 +90,7 @@ mod disabled {
 
     #[cfg(feature = "http")]
     pub(crate) fn continue_from(_: &tracing::Span, _: &axum::http::HeaderMap) {}
+
+    #[cfg(feature = "http")]
+    pub(crate) fn answered(_: &tracing::Span, _: u16) {}
 }

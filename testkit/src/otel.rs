@@ -267,6 +267,7 @@ pub fn check_zombie_trace(spans: &[SpanData], queue: &str, system: &str) -> Vec<
         .iter()
         .find(|s| s.name == "fenced_receiver" && s.parent_span_id == owner.span_context.span_id())
         .expect("the receiver's span, a child of the new owner's attempt");
+    assert_eq!(attr(receiver, "http.response.status_code").as_deref(), Some("200"));
     assert_eq!(receiver.span_context.trace_id(), owner.span_context.trace_id());
     let mut shown = vec![producer.clone(), (*zombie).clone(), (*owner).clone(), receiver.clone()];
     // The zombie's own call to the receiver, when it made one (refused there).
@@ -331,7 +332,10 @@ pub fn render_svg(spans: &[SpanData], system: &str) -> String {
                     .map(|e| format!(" (superseded by epoch {e})"))
                     .unwrap_or_default()
             ),
-            (name, _) => name.to_string(),
+            (name, _) => match attr(s, "http.response.status_code") {
+                Some(code) => format!("{name} → HTTP {code}"),
+                None => name.to_string(),
+            },
         };
         let relation = if s.parent_span_id != SpanId::INVALID {
             format!("parent {}", short_span(s.parent_span_id))
