@@ -188,8 +188,7 @@ pub async fn enforce(State(guard): State<EpochGuard>, mut req: Request, next: Ne
         }
     };
     let response = tracing::Instrument::instrument(run, span.clone()).await;
-    // A stale stamp shows in the trace as the receiver's 409.
-    span.record("http.response.status_code", response.status().as_u16());
+    crate::otel::answered(&span, response.status().as_u16());
     response
 }
 

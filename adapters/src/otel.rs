@@ -49,6 +49,12 @@ mod enabled {
         span
     }
 
+    /// The receiver's answer, on its span.
+    #[cfg(feature = "http")]
+    pub(crate) fn answered(span: &tracing::Span, status: u16) {
+        span.record("http.response.status_code", status);
+    }
+
     /// Makes the sender's context (its `traceparent` header) the parent of `span`.
     #[cfg(feature = "http")]
     pub(crate) fn continue_from(span: &tracing::Span, headers: &axum::http::HeaderMap) {
@@ -84,4 +90,7 @@ mod disabled {
 
     #[cfg(feature = "http")]
     pub(crate) fn continue_from(_: &tracing::Span, _: &axum::http::HeaderMap) {}
+
+    #[cfg(feature = "http")]
+    pub(crate) fn answered(_: &tracing::Span, _: u16) {}
 }

@@ -332,7 +332,10 @@ pub fn render_svg(spans: &[SpanData], system: &str) -> String {
                     .map(|e| format!(" (superseded by epoch {e})"))
                     .unwrap_or_default()
             ),
-            (name, _) => name.to_string(),
+            (name, _) => match attr(s, "http.response.status_code") {
+                Some(code) => format!("{name} → HTTP {code}"),
+                None => name.to_string(),
+            },
         };
         let relation = if s.parent_span_id != SpanId::INVALID {
             format!("parent {}", short_span(s.parent_span_id))

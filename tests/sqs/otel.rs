@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use brokerfence::sqs::aws_sdk_sqs::Client;
 use brokerfence::sqs::aws_sdk_sqs::types::MessageAttributeValue;
-use brokerfence::sqs::{MAX_MESSAGE_ATTRIBUTES, SqsConfig, SqsSource, traced};
+use brokerfence::sqs::{MAX_MESSAGE_ATTRIBUTES, SqsConfig, SqsRetrofit, SqsSource, traced};
 use brokerfence::{FenceStore, JobContext, JobKey, JobState, SupervisorConfig};
 use brokerfence_testkit::store::{drop_schema, lease, pg};
 use sqs_support::{TestQueue, receive_raw, sqs};
@@ -157,4 +157,36 @@ async fn otel_sqs_attribute_limit_never_pushes_out_a_users_attribute() {
     let warnings = cap.warnings();
     assert!(warnings.iter().any(|w| w.contains("sent without its trace context")), "{warnings:?}");
     q.delete(&client).await;
+}
+
+/// `SqsRetrofit` in the user's own receive loop continues the producer's trace too: the attempt
+/// of a message sent inside a span (with `sqs::traced`) is that span's child, with the message's
+/// id, and the message is deleted after the commit.
+#[tokio::test(flavor = "current_thread")]
+async fn otel_sqs_retrofit_continues_the_producers_trace() {
+    let cap = capture();
+    let client = sqs().await;
+    let q = TestQueue::new(&client, "otel-retrofit", 30).await;
+    let fence = pg().await;
+    let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
+    let produce = tracing::info_span!("produce");
+    let send = produce.in_scope(|| traced(client.send_message().queue_url(&q.url).message_body("x")));
+    let id = send.send().await.expect("send").message_id().expect("id").to_owned();
+    let producer = produce.id().is_some();
+    drop(produce);
+    assert!(producer);
+    let retrofit = SqsRetrofit::new(store, source(&client, &q), SupervisorConfig::new(lease(30)));
+    let messages = receive_raw(&client, &q.url, 5).await;
+    assert_eq!(messages.len(), 1);
+    let done = retrofit.process(&messages[0], |_: JobContext| async { Ok(b"ok".to_vec()) }).await;
+    assert!(done.should_ack(), "{done:?}");
+    let spans = cap.spans();
+    let producer = spans.iter().find(|s| s.name == "produce").expect("the producer's span");
+    let attempt = cap.attempts(&q.name).pop().expect("the attempt's span");
+    assert_eq!(attempt.parent_span_id, producer.span_context.span_id(), "the attempt is the producer's child");
+    assert_eq!(attempt.span_context.trace_id(), producer.span_context.trace_id());
+    assert_eq!(attr(&attempt, "messaging.message.id").as_deref(), Some(id.as_str()));
+    assert_eq!(attr(&attempt, "brokerfence.outcome").as_deref(), Some("committed"));
+    q.delete(&client).await;
+    drop_schema(&fence).await;
 }

@@ -453,3 +453,51 @@ async fn otel_sqlite_trace_columns_that_are_not_text_never_fail_a_claim() {
     keys.sort();
     assert_eq!(keys, ["blob", "latin1", "long"]);
 }
+
+/// Migration 12 (the producer's trace context, feature `otel`) on a schema of migration 11 that
+/// holds a job: online — the table keeps its file (no rewrite), the columns are nullable text
+/// without a default — and the job is still there and claimable, with no context. SQLite's
+/// migration 5 is the same `ADD COLUMN` (run by every SQLite test's `migrate`).
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otel_migration_12_adds_the_trace_columns_online() {
+    let fence = common::pg().await;
+    let sc = fence.get_schema().as_str().to_owned();
+    let q = QueueName::new(common::unique("otel-migration")).expect("queue");
+    exec(fence.pool(), format!("ALTER TABLE {sc}.jobs DROP COLUMN traceparent, DROP COLUMN tracestate")).await;
+    exec(fence.pool(), format!("DELETE FROM {sc}._migrations WHERE version = 12")).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {sc}.jobs (queue, key, state, payload) VALUES ($1, 'old', 'pending', 'p')"
+    )))
+    .bind(q.as_str().to_owned())
+    .execute(fence.pool())
+    .await
+    .expect("a job from before");
+    let file = |pool: sqlx::PgPool, sc: String| async move {
+        let n: i64 = sqlx::query_scalar("SELECT pg_relation_filenode(to_regclass($1))::bigint")
+            .bind(format!("{sc}.jobs"))
+            .fetch_one(&pool)
+            .await
+            .expect("filenode");
+        n
+    };
+    let before = file(fence.pool().clone(), sc.clone()).await;
+    let upgraded = common::pg_on(fence.get_schema().clone()).await;
+    upgraded.migrate().await.expect("migration 12");
+    assert_eq!(file(fence.pool().clone(), sc.clone()).await, before, "the table was rewritten");
+    let columns: Vec<(String, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT column_name::text, data_type::text, is_nullable::text, column_default::text \
+         FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'jobs' \
+         AND column_name IN ('traceparent', 'tracestate') ORDER BY column_name",
+    )
+    .bind(&sc)
+    .fetch_all(fence.pool())
+    .await
+    .expect("columns");
+    let expected = |name: &str| (name.to_owned(), "text".to_owned(), "YES".to_owned(), None);
+    assert_eq!(columns, [expected("traceparent"), expected("tracestate")]);
+    let jobs = upgraded.claim_next(&q, &Owner::new("w").expect("owner"), lease(30), 10).await.expect("claim_next");
+    assert_eq!(jobs.len(), 1, "the job from before the migration is claimable");
+    assert_eq!(jobs[0].trace, None);
+    common::drop_schema(&fence).await;
+}

@@ -265,7 +265,11 @@ impl SqsRetrofit {
             }
             handler(ctx)
         };
-        let mut processed = self.retrofit.process(&key, payload, wrapped).await;
+        let processed = self.retrofit.process(&key, payload, wrapped);
+        // Feature `otel`: the attempt continues the trace of the message's `traceparent`.
+        #[cfg(feature = "otel")]
+        let processed = fence::otel::scope(super::trace::origin(&delivery), processed);
+        let mut processed = processed.await;
         if let Some(id) = running.lock().ok().and_then(|mut s| s.take()) {
             self.in_flight.remove(&id);
         }
