@@ -213,7 +213,24 @@ async fn pages_and_endpoints(db: Db) {
         (Some("r1"), Some("worker-a"), Some(1))
     );
     assert!(job["lease_left_ms"].as_i64().is_some_and(|ms| ms > 50_000), "{f}");
-    assert!(job["last_renewal_ms"].as_i64().is_some(), "{f}");
+    // Guards a review finding: before its first renewal a job showed the row's change before
+    // the claim (a claim does not write it), which read like a stalled worker.
+    assert!(job["last_renewal_ms"].is_null(), "not renewed since its claim: {f}");
+    assert!(flight.contains("not since the claim"), "{flight}");
+    // A heartbeat is a renewal.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let r1 = Lease {
+        queue: q.clone(),
+        key: key("r1"),
+        epoch: 1,
+        owner: Owner::new("worker-a").expect("owner"),
+        lease_until: brokerfence::DbTime(0),
+        ttl: Duration::from_secs(60),
+        attempts: 1,
+    };
+    db.store.heartbeat(std::slice::from_ref(&r1), lease(60)).await.expect("heartbeat");
+    let f = get_json(&server.url(&format!("/api/in-flight{qs}"))).await;
+    assert!(f["in_flight"][0]["last_renewal_ms"].as_i64().is_some(), "renewed: {f}");
 
     let fences = get_ok(&server.url(&format!("/fences{qs}"))).await;
     assert!(fences.contains("worker-b at epoch 2") && fences.contains("worker-a at epoch 1"), "{fences}");

@@ -83,9 +83,11 @@ pub struct InFlightJob {
     pub queue: QueueName,
     /// Key, epoch, owner, attempts, lease end and time left (database clock).
     pub job: RunningJob,
-    /// The row's last change: the last heartbeat that renewed the lease (or, before the first
-    /// renewal, the change before the claim).
-    pub last_renewal: DbTime,
+    /// The last renewal of the lease (a heartbeat, or a checkpoint), when there was one since the
+    /// job became due: a claim does not write the row's change time (it stays a HOT update), so
+    /// a job not renewed since its claim has `None`. (After a takeover it can be the earlier
+    /// holder's last renewal, until the new holder's first.)
+    pub last_renewal: Option<DbTime>,
 }
 
 /// A fence event as stored, with the winner read when it was written.
@@ -141,8 +143,9 @@ pub(crate) fn recorded_event(row: EventRow) -> Result<RecordedEvent, AdminError>
     })
 }
 
-/// A running row: queue, key, epoch, owner, attempts, lease_until, left, run_at, updated_at (ms).
-pub(crate) type FlightRow = (String, String, i64, Option<String>, i64, i64, i64, i64, i64);
+/// A running row: queue, key, epoch, owner, attempts, lease_until, left, run_at, and the row's
+/// change time when it is later than `run_at` (a renewal since the job became due) (ms).
+pub(crate) type FlightRow = (String, String, i64, Option<String>, i64, i64, i64, i64, Option<i64>);
 
 pub(crate) fn in_flight_job(row: FlightRow) -> Result<InFlightJob, AdminError> {
     let (queue, key, epoch, owner, attempts, lease_until, left, run_at, updated_at) = row;
@@ -157,7 +160,7 @@ pub(crate) fn in_flight_job(row: FlightRow) -> Result<InFlightJob, AdminError> {
             lease_left_ms: left,
             due_since: DbTime(run_at),
         },
-        last_renewal: DbTime(updated_at),
+        last_renewal: updated_at.map(DbTime),
     })
 }
 

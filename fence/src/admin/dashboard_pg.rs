@@ -44,15 +44,18 @@ fn oldest_pending(s: &str) -> String {
 
 /// Running rows among the first `$2` open jobs of queue `$1`, soonest lease end first, at most `$3`.
 fn running(s: &str) -> String {
+    // Later than the job became due by more than the microseconds between two defaults of one
+    // insert (`run_at` and `updated_at` are both the clock at an enqueue): a renewal.
+    let renewed = ms("o.updated_at");
     format!(
-        "SELECT o.queue COLLATE \"C\", o.key COLLATE \"C\", o.epoch, o.owner, o.attempts, {lu}, {left}, {ra}, {ua} \
+        "SELECT o.queue COLLATE \"C\", o.key COLLATE \"C\", o.epoch, o.owner, o.attempts, {lu}, {left}, {ra}, \
+           CASE WHEN o.updated_at > o.run_at + interval '1 millisecond' THEN {renewed} END \
          FROM (SELECT t.queue, t.key, t.state, t.epoch, t.owner, t.attempts, t.lease_until, t.run_at, t.updated_at \
            FROM {s}.jobs t WHERE t.queue = $1::text AND t.finished IS NULL ORDER BY t.run_at LIMIT $2::bigint) o \
          WHERE o.state = 'running' AND o.lease_until IS NOT NULL ORDER BY o.lease_until, o.key LIMIT $3::bigint",
         lu = ms("o.lease_until"),
         left = ms("(o.lease_until - clock_timestamp())"),
         ra = ms("o.run_at"),
-        ua = ms("o.updated_at"),
     )
 }
 

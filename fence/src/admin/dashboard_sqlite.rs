@@ -41,7 +41,7 @@ fn oldest_pending(s: &str) -> String {
 fn running(s: &str) -> String {
     format!(
         "SELECT t.queue, t.key, t.epoch, t.owner, t.attempts, t.lease_until, t.lease_until - {NOW}, t.run_at, \
-           t.updated_at FROM {s}_jobs t WHERE t.queue = ?1 AND t.state = 'running' AND t.lease_until IS NOT NULL \
+           CASE WHEN t.updated_at > t.run_at + 1 THEN t.updated_at END FROM {s}_jobs t WHERE t.queue = ?1 AND t.state = 'running' AND t.lease_until IS NOT NULL \
          ORDER BY t.lease_until, t.key LIMIT ?2"
     )
 }

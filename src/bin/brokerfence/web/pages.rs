@@ -243,7 +243,7 @@ pub(crate) fn in_flight(jobs: &[InFlightJob], queue: Option<&QueueName>, limit: 
                 "ok"
             },
             html(&left(r.lease_left_ms)),
-            html(&span(now - j.last_renewal.0)),
+            html(&j.last_renewal.map_or_else(|| "not since the claim".to_owned(), |t| span(now - t.0))),
             html(&span(now - r.due_since.0)),
         );
     }

@@ -65,8 +65,8 @@ pub(crate) fn in_flight_json(jobs: &[InFlightJob]) -> Value {
             let mut v = running_json(&j.job);
             if let Some(map) = v.as_object_mut() {
                 map.insert("queue".into(), json!(j.queue.as_str()));
-                map.insert("last_renewal_ms".into(), json!(j.last_renewal.0));
-                map.insert("last_renewal".into(), json!(at(j.last_renewal)));
+                map.insert("last_renewal_ms".into(), json!(j.last_renewal.map(|t| t.0)));
+                map.insert("last_renewal".into(), json!(j.last_renewal.map(at)));
             }
             v
         })
