@@ -149,19 +149,8 @@ pub(crate) type FlightRow = (String, String, i64, Option<String>, i64, i64, i64,
 
 pub(crate) fn in_flight_job(row: FlightRow) -> Result<InFlightJob, AdminError> {
     let (queue, key, epoch, owner, attempts, lease_until, left, run_at, updated_at) = row;
-    Ok(InFlightJob {
-        queue: super::stored_queue(queue)?,
-        job: RunningJob {
-            key: super::stored_key(key)?,
-            epoch,
-            owner,
-            attempts,
-            lease_until: DbTime(lease_until),
-            lease_left_ms: left,
-            due_since: DbTime(run_at),
-        },
-        last_renewal: updated_at.map(DbTime),
-    })
+    let (queue, job) = super::rows::running_job((queue, key, epoch, owner, attempts, lease_until, left, run_at))?;
+    Ok(InFlightJob { queue: super::stored_queue(queue)?, job, last_renewal: updated_at.map(DbTime) })
 }
 
 /// What one backend read for one queue of the overview.

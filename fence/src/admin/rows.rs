@@ -84,29 +84,14 @@ pub(crate) fn assemble(
         entry.counts.add(JobState::parse(&state)?, count(n));
         entry.expired_leases += count(expired);
     }
-    let running = |row: RunningRow| -> Result<(String, RunningJob), AdminError> {
-        let (queue, key, epoch, owner, attempts, lease_until, left, run_at) = row;
-        Ok((
-            queue,
-            RunningJob {
-                key: stored_key(key)?,
-                epoch,
-                owner,
-                attempts,
-                lease_until: DbTime(lease_until),
-                lease_left_ms: left,
-                due_since: DbTime(run_at),
-            },
-        ))
-    };
     for row in oldest {
-        let (queue, job) = running(row)?;
+        let (queue, job) = running_job(row)?;
         if let Some(q) = queues.get_mut(&queue) {
             q.oldest_running = Some(job);
         }
     }
     for row in expiring {
-        let (queue, job) = running(row)?;
+        let (queue, job) = running_job(row)?;
         if let Some(q) = queues.get_mut(&queue) {
             q.expiring.push(job);
         }
@@ -221,4 +206,21 @@ pub(crate) fn key_chunks(keys: &[JobKey], batch: u32) -> Vec<Vec<String>> {
         .chunks(usize::try_from(batch.max(1)).unwrap_or(usize::MAX))
         .map(|c| c.iter().map(|k| k.as_str().to_owned()).collect())
         .collect()
+}
+
+/// A running row as the queue's name (as stored) and its [`RunningJob`].
+pub(crate) fn running_job(row: RunningRow) -> Result<(String, RunningJob), AdminError> {
+    let (queue, key, epoch, owner, attempts, lease_until, left, run_at) = row;
+    Ok((
+        queue,
+        RunningJob {
+            key: stored_key(key)?,
+            epoch,
+            owner,
+            attempts,
+            lease_until: DbTime(lease_until),
+            lease_left_ms: left,
+            due_since: DbTime(run_at),
+        },
+    ))
 }
