@@ -11,7 +11,7 @@ pub(crate) use disabled::*;
 #[cfg(feature = "otel")]
 mod enabled {
     use crate::Source;
-    use fence::ClaimedJob;
+    use fence::{Claim, ClaimedJob, JobKey, QueueName};
 
     /// Where a delivery came from (see `fence::otel::Origin`).
     pub(crate) type Origin = fence::otel::Origin;
@@ -35,6 +35,19 @@ mod enabled {
     /// Runs an attempt inside its origin.
     pub(crate) async fn scope<F: Future>(origin: Origin, attempt: F) -> F::Output {
         fence::otel::scope(origin, attempt).await
+    }
+
+    /// A delivery of a job already committed: a `duplicate` attempt span (see
+    /// `fence::otel::duplicate`).
+    pub(crate) fn duplicate(queue: &QueueName, key: &JobKey, claim: &Claim, system: Option<&str>, origin: &Origin) {
+        if let Claim::Done { epoch } = claim {
+            fence::otel::duplicate(queue, key, *epoch, system, origin);
+        }
+    }
+
+    /// The origin of the scope the caller runs in (a retrofit inside `fence::otel::scope`).
+    pub(crate) fn current_origin() -> Origin {
+        fence::otel::current_origin()
     }
 
     /// A receiver's span, a child of the sender's context (its `traceparent` header).
@@ -68,7 +81,7 @@ mod enabled {
 #[cfg(not(feature = "otel"))]
 mod disabled {
     use crate::Source;
-    use fence::ClaimedJob;
+    use fence::{Claim, ClaimedJob, JobKey, QueueName};
 
     /// Nothing, without the feature.
     pub(crate) type Origin = ();
@@ -83,12 +96,17 @@ mod disabled {
     }
 
     /// No span.
+    pub(crate) fn duplicate(_: &QueueName, _: &JobKey, _: &Claim, _: Option<&str>, _: &Origin) {}
+
+    pub(crate) fn current_origin() -> Origin {}
+
+    /// No span.
     #[cfg(feature = "http")]
     pub(crate) fn receiver_span(_: &axum::http::HeaderMap) -> tracing::Span {
         tracing::Span::none()
     }
 
-    #[cfg(feature = "http")]
+    #[cfg(all(feature = "http", feature = "postgres"))]
     pub(crate) fn continue_from(_: &tracing::Span, _: &axum::http::HeaderMap) {}
 
     #[cfg(feature = "http")]

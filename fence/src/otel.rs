@@ -10,7 +10,8 @@
 //! `messaging.message.id`, `brokerfence.epoch`, `brokerfence.owner`, `brokerfence.attempt` and
 //! `brokerfence.outcome` (`committed`, `fenced`, `lease_lost`, `failed`, `dead`, `released`,
 //! `error`); a fenced commit also carries `brokerfence.fenced_by.epoch` and
-//! `brokerfence.fenced_by.owner`, the attempt that superseded it.
+//! `brokerfence.fenced_by.owner`, the attempt that superseded it. A delivery of a job already
+//! committed is an `attempt` span of its own with the outcome `duplicate` ([`duplicate`]).
 //!
 //! The spans are `tracing` spans: install `tracing_opentelemetry`'s layer (with the tracer of
 //! your OpenTelemetry SDK) in your subscriber. Without that layer nothing is written: a producer
@@ -31,7 +32,7 @@ use std::future::Future;
 use opentelemetry::trace::{SpanContext, SpanId, Status, TraceContextExt, TraceFlags, TraceId, TraceState};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::{FenceError, Lease, Outcome};
+use crate::{FenceError, JobKey, Lease, Outcome, QueueName};
 
 /// The W3C header (and attribute, field, column) that carries the trace and parent span.
 pub const TRACEPARENT: &str = "traceparent";
@@ -313,6 +314,15 @@ tokio::task_local! {
     static ORIGIN: Origin;
 }
 
+/// The origin of the [`scope`] this task runs in (none outside one).
+///
+/// ```
+/// assert_eq!(brokerfence::otel::current_origin(), brokerfence::otel::Origin::default());
+/// ```
+pub fn current_origin() -> Origin {
+    ORIGIN.try_with(Origin::clone).unwrap_or_default()
+}
+
 /// Runs `attempt` (a [`Supervisor::run`](crate::Supervisor::run) or
 /// [`run_claimed_at`](crate::Supervisor::run_claimed_at)) with `origin`: its `attempt` span
 /// becomes a child of the producer's span (first attempt) or links to it (later attempts). The
@@ -374,6 +384,44 @@ pub(crate) fn attempt_finished(span: &tracing::Span, outcome: &Outcome) {
         }
         _ => span.set_status(Status::error(name)),
     }
+}
+
+/// Records a delivery of a job already committed (a duplicate: the broker delivered it again, or
+/// the producer sent it twice) as an `attempt` span that ends at once, with the attempt's
+/// messaging attributes, `brokerfence.outcome = duplicate` and `brokerfence.epoch` the epoch
+/// that committed the job. It links to the producer's span (the committed attempt was its
+/// child). The consumer runtime and the retrofits record one when a claim answers
+/// [`Claim::Done`](crate::Claim::Done); a loop of your own calls it likewise.
+///
+/// ```
+/// use brokerfence::otel::{Origin, duplicate};
+/// use brokerfence::{JobKey, QueueName};
+/// # fn main() -> Result<(), brokerfence::FenceError> {
+/// let origin = Origin::default().message_id("m-1");
+/// duplicate(&QueueName::new("orders")?, &JobKey::new("order-7")?, 3, Some("aws_sqs"), &origin);
+/// # Ok(()) }
+/// ```
+pub fn duplicate(queue: &QueueName, key: &JobKey, committed_epoch: i64, system: Option<&str>, origin: &Origin) {
+    let span = tracing::info_span!(
+        "attempt",
+        queue = %queue,
+        key = %key,
+        epoch = committed_epoch,
+        messaging.operation.type = "process",
+        messaging.destination.name = %queue,
+        messaging.system = system,
+    );
+    if span.is_disabled() {
+        return;
+    }
+    if let Some(trace) = &origin.trace {
+        span.add_link(trace.span_context());
+    }
+    span.set_attribute("messaging.operation.name", "process");
+    span.set_attribute("messaging.message.id", origin.message_id.as_deref().unwrap_or(key.as_str()).to_owned());
+    span.set_attribute("brokerfence.epoch", committed_epoch);
+    span.set_attribute("brokerfence.outcome", "duplicate");
+    span.in_scope(|| tracing::debug!("the job is already committed; the delivery is acknowledged"));
 }
 
 /// `brokerfence.outcome` of an attempt.

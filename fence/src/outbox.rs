@@ -26,6 +26,7 @@
 //! | `payload` | `bytea` | the message body |
 //! | `created_at` | `timestamptz` | when the row was written |
 //! | `sent_at` | `timestamptz NULL` | when a broker accepted it (NULL: not yet) |
+//! | `traceparent`, `tracestate` | `text NULL` | the W3C trace context of the attempt that wrote it (feature `otel`; migration 14) |
 //!
 //! There is no SQLite outbox.
 
@@ -67,6 +68,8 @@ pub(crate) const MIGRATION: &[&str] = &[
 ///     owner: "w1".into(),
 ///     destination: "billing".into(),
 ///     payload: b"charge 5".to_vec(),
+///     traceparent: None,
+///     tracestate: None,
 /// };
 /// assert_eq!(row.stamp().to_string(), "orders/order-1@2");
 /// ```
@@ -86,6 +89,12 @@ pub struct OutboxRow {
     pub destination: String,
     /// The message body.
     pub payload: Vec<u8>,
+    /// The W3C `traceparent` of the attempt that wrote the row (written with the feature `otel`
+    /// inside a traced span; at most 64 bytes as read back, so a longer value written around
+    /// the fence is cut, then refused with a warning when it is published).
+    pub traceparent: Option<String>,
+    /// Its `tracestate` (at most 513 bytes as read back).
+    pub tracestate: Option<String>,
 }
 
 impl OutboxRow {
@@ -93,16 +102,41 @@ impl OutboxRow {
     ///
     /// ```
     /// # let row = brokerfence::outbox::OutboxRow { id: 1, queue: "q".into(), key: "k".into(), epoch: 3, owner: "w".into(),
-    /// #     destination: "d".into(), payload: vec![] };
+    /// #     destination: "d".into(), payload: vec![], traceparent: None, tracestate: None };
     /// let headers = row.stamp().to_headers();
     /// assert_eq!(headers[2], ("Fence-Epoch", "3".to_string()));
     /// ```
     pub fn stamp(&self) -> FenceStamp {
         FenceStamp::new(self.queue.clone(), self.key.clone(), self.epoch).with_owner(self.owner.clone())
     }
+
+    /// The (name, value) pairs a publisher sends with the message: the [stamp](Self::stamp)'s,
+    /// and with the feature `otel` the trace context of the attempt that wrote the row, so the
+    /// consumer's first attempt is a child of that attempt's span. A row without a usable
+    /// context (written outside a traced span, before migration 14, or malformed: a warning
+    /// names the outbox row) gets the current span's context instead, as
+    /// [`FenceStamp::to_headers`] gives it.
+    ///
+    /// ```
+    /// # let row = brokerfence::outbox::OutboxRow { id: 1, queue: "q".into(), key: "k".into(), epoch: 3, owner: "w".into(),
+    /// #     destination: "d".into(), payload: vec![], traceparent: None, tracestate: None };
+    /// let pairs = row.to_headers();
+    /// assert_eq!(pairs[..4], row.stamp().to_headers()[..4]);
+    /// ```
+    pub fn to_headers(&self) -> Vec<(&'static str, String)> {
+        #[cfg(feature = "otel")]
+        if let Some(tc) =
+            crate::otel::TraceContext::read(self.traceparent.as_deref(), self.tracestate.as_deref(), "outbox row")
+        {
+            let mut out = self.stamp().stamp_headers();
+            out.extend(tc.to_headers());
+            return out;
+        }
+        self.stamp().to_headers()
+    }
 }
 
-type Row = (i64, String, String, i64, String, String, Vec<u8>);
+type Row = (i64, String, String, i64, String, String, Vec<u8>, Option<String>, Option<String>);
 
 fn table(fence: &PgFence) -> String {
     format!("{}.outbox", fence.get_schema().as_str())
@@ -141,9 +175,11 @@ impl PgFence {
             ));
         }
         // The relays listening are woken when the caller's transaction commits (`crate::wake`).
+        // Feature `otel`: the current span's context (the attempt's) goes with the row.
+        let (traceparent, tracestate) = crate::store::producer_trace();
         let sql = format!(
-            "WITH ins AS (INSERT INTO {} (queue, key, epoch, owner, destination, payload) \
-                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING id), \
+            "WITH ins AS (INSERT INTO {} (queue, key, epoch, owner, destination, payload, traceparent, tracestate) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id), \
              woke AS (SELECT pg_notify('{}', '{}') FROM ins WHERE {}) \
              SELECT (SELECT id FROM ins) WHERE (SELECT count(*) FROM woke) >= 0",
             table(self),
@@ -159,6 +195,8 @@ impl PgFence {
             .bind(lease.owner.as_str().to_owned())
             .bind(destination.to_owned())
             .bind(payload.to_vec())
+            .bind(traceparent)
+            .bind(tracestate)
             .fetch_one(&mut *conn)
             .await?)
     }
@@ -180,7 +218,8 @@ impl PgFence {
     /// ```
     pub async fn outbox_claim_in(&self, conn: &mut PgConnection, limit: u32) -> Result<Vec<OutboxRow>> {
         let sql = format!(
-            "SELECT id, queue COLLATE \"C\", key COLLATE \"C\", epoch, owner, destination COLLATE \"C\", payload \
+            "SELECT id, queue COLLATE \"C\", key COLLATE \"C\", epoch, owner, destination COLLATE \"C\", payload, \
+                    left(traceparent, 64), left(tracestate, 513) \
              FROM {} WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
             table(self)
         );
@@ -191,7 +230,7 @@ impl PgFence {
             .await?;
         Ok(rows
             .into_iter()
-            .map(|(id, queue, key, epoch, owner, destination, payload)| OutboxRow {
+            .map(|(id, queue, key, epoch, owner, destination, payload, traceparent, tracestate)| OutboxRow {
                 id,
                 queue,
                 key,
@@ -199,6 +238,8 @@ impl PgFence {
                 owner,
                 destination,
                 payload,
+                traceparent,
+                tracestate,
             })
             .collect())
     }

@@ -174,17 +174,27 @@ impl FenceStamp {
     /// ]);
     /// ```
     pub fn to_headers(&self) -> Vec<(&'static str, String)> {
-        let mut out = Vec::with_capacity(4);
+        let out = self.stamp_headers();
+        // Feature `otel`: the current span's W3C context next to the stamp (inside an attempt,
+        // the attempt's span), so the receiver continues the trace.
+        #[cfg(feature = "otel")]
+        let out = {
+            let mut out = out;
+            out.extend(crate::otel::TraceContext::current().iter().flat_map(crate::otel::TraceContext::to_headers));
+            out
+        };
+        out
+    }
+
+    /// The stamp's own pairs (queue, job, epoch, owner when known), without a trace context.
+    pub(crate) fn stamp_headers(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::with_capacity(6);
         out.push((QUEUE, encode(&self.queue)));
         out.push((JOB, encode(&self.job)));
         out.push((EPOCH, self.epoch.to_string()));
         if let Some(owner) = &self.owner {
             out.push((OWNER, encode(owner)));
         }
-        // Feature `otel`: the current span's W3C context next to the stamp (inside an attempt,
-        // the attempt's span), so the receiver continues the trace.
-        #[cfg(feature = "otel")]
-        out.extend(crate::otel::TraceContext::current().iter().flat_map(crate::otel::TraceContext::to_headers));
         out
     }
 

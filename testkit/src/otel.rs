@@ -31,9 +31,19 @@ pub fn capture() -> Capture {
     capture_with(false)
 }
 
+/// [`capture`], keeping only spans and events up to `level` (`INFO`: what an exporter set to
+/// info receives).
+pub fn capture_at(level: tracing::Level) -> Capture {
+    capture_filtered(false, tracing_subscriber::filter::LevelFilter::from_level(level))
+}
+
 /// [`capture`], or with `batch` through the SDK's batch processor (its own thread, as in
 /// production) instead of exporting each span as it ends.
 pub fn capture_with(batch: bool) -> Capture {
+    capture_filtered(batch, tracing_subscriber::filter::LevelFilter::TRACE)
+}
+
+fn capture_filtered(batch: bool, level: tracing_subscriber::filter::LevelFilter) -> Capture {
     let exporter = InMemorySpanExporter::default();
     let builder = SdkTracerProvider::builder();
     let builder = if batch {
@@ -46,7 +56,8 @@ pub fn capture_with(batch: bool) -> Capture {
     let warnings: Arc<Mutex<Vec<String>>> = Arc::default();
     let subscriber = tracing_subscriber::registry()
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
-        .with(Warnings(Arc::clone(&warnings)));
+        .with(Warnings(Arc::clone(&warnings)))
+        .with(level);
     let guard = tracing::subscriber::set_default(subscriber);
     Capture { exporter, provider, warnings, _guard: guard }
 }

@@ -42,8 +42,11 @@ const PAYLOAD: &[u8] = b"{\"n\":1}";
 /// (docs/performance.md).
 const MAX_RATIO: f64 = 1.20;
 /// Claims that must be HOT updates (no index entry written), as a share of all claims. With
-/// pages filled to 40 % every claim of this drain found room on its page (2,000 of 2,000); the
-/// schema of migration 7 had none (`state` was in every partial index's predicate).
+/// pages filled to 40 % every claim of this drain found room on its page (2,000 of 2,000) on a
+/// quiet server; the schema of migration 7 had none (`state` was in every partial index's
+/// predicate). While other sessions hold transactions open (the whole suite runs side by side)
+/// dead versions are not pruned and some claims find no room: 1,770 of 2,000 in one CI round,
+/// which is why a round short of this bound is run again (up to three rounds).
 const MIN_HOT_CLAIMS: f64 = 0.9;
 
 /// WAL written by statements, as `EXPLAIN (ANALYZE, WAL)` counts it.
@@ -312,15 +315,24 @@ async fn throughput_wal_bytes_per_job_fenced_vs_plain_loop() {
         (d.fenced_claim.bytes + d.fenced_commit.bytes) as f64 / (d.plain_claim.bytes + d.plain_finish.bytes) as f64
     };
     let fpi_of = |d: &Drained| d.fenced_claim.fpi + d.fenced_commit.fpi + d.plain_claim.fpi + d.plain_finish.fpi;
+    let hot_of = |d: &Drained| d.fenced_upd.1 as f64 / JOBS as f64;
+    // A round is judged by (no full-page images, HOT share at its bound, lowest ratio): the HOT
+    // share moves with the same open transactions (a version that cannot be pruned takes the
+    // room a HOT update needs), so a round that fell short on it is run again like a long one.
+    let rank = |d: &Drained| (fpi_of(d) == 0, hot_of(d) >= MIN_HOT_CLAIMS, -ratio_of(d));
     let mut best: Option<Drained> = None;
     for round in 0..3 {
         let d = drain_once(&s, &mut plain, round).await;
-        println!("round {round}: ratio {:.3}, {} full-page images", ratio_of(&d), fpi_of(&d));
-        let better = best.as_ref().is_none_or(|b| (fpi_of(&d) == 0, -ratio_of(&d)) > (fpi_of(b) == 0, -ratio_of(b)));
-        if better {
+        println!(
+            "round {round}: ratio {:.3}, {} full-page images, {} HOT claims",
+            ratio_of(&d),
+            fpi_of(&d),
+            d.fenced_upd.1
+        );
+        if best.as_ref().is_none_or(|b| rank(&d) > rank(b)) {
             best = Some(d);
         }
-        if best.as_ref().is_some_and(|b| fpi_of(b) == 0 && ratio_of(b) <= MAX_RATIO) {
+        if best.as_ref().is_some_and(|b| fpi_of(b) == 0 && hot_of(b) >= MIN_HOT_CLAIMS && ratio_of(b) <= MAX_RATIO) {
             break;
         }
     }

@@ -59,6 +59,27 @@ pub use keys::{key_slot, lease_key, sibling_key};
 pub use keys::token;
 pub use lease::{Acquired, LeaseKeyHook, LeaseKeys, Renewed};
 pub use list::{ItemKey, ListDelivery, ListRetrofit, ReliableList};
+
+/// `item` in a trace envelope carrying the current span's W3C context (feature `otel`), for an
+/// `LPUSH` to a list a [`ReliableList`] or [`ListRetrofit`] consumes: the attempt then continues
+/// the producer's trace, as with a stream's `traceparent` field. Outside a traced span the item
+/// is returned as it is. The consumers unwrap the envelope before [`ItemKey`] decodes the item,
+/// so keys and content hashes see the item alone; a consumer older than this version would read
+/// the envelope as part of the item, so wrap items only once every consumer of the list runs it.
+///
+/// ```
+/// let item = brokerfence::redis::traced_item(b"order-7|{\"qty\":2}");
+/// let (key, payload) = brokerfence::redis::ItemKey::Split(b'|').decode(&item).unwrap();
+/// assert_eq!((key.as_str(), payload.as_slice()), ("order-7", &b"{\"qty\":2}"[..]));
+/// ```
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub fn traced_item(item: &[u8]) -> Vec<u8> {
+    match fence::otel::TraceContext::current() {
+        Some(tc) => list::wrap_traced(item, tc.traceparent(), tc.tracestate()),
+        None => item.to_vec(),
+    }
+}
 #[cfg(feature = "postgres")]
 pub use outbox::RedisPublisher;
 pub use stream::{KeyFrom, StreamDelivery, StreamSource};

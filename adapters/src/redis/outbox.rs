@@ -82,7 +82,7 @@ impl Publisher for RedisPublisher {
             let slot = if cluster { key_slot(stream.as_bytes()) } else { 0 };
             let (pipe, ids) = batches.entry(slot).or_insert_with(|| (::redis::pipe(), Vec::new()));
             let cmd = pipe.cmd("XADD").arg(stream).arg("*");
-            for (name, value) in row.stamp().to_headers() {
+            for (name, value) in row.to_headers() {
                 cmd.arg(name).arg(value);
             }
             cmd.arg(OUTBOX_ID).arg(row.id).arg(&self.body_field).arg(&row.payload[..]);

@@ -60,7 +60,6 @@ mod state;
 #[cfg(feature = "otel")]
 mod trace;
 
-pub(crate) use config::MAX_BATCH;
 pub use config::{
     DEFAULT_CALL_TIMEOUT, DEFAULT_RECEIVE_HEADROOM, DeadLetterTarget, ReceiveCountCheck, SqsConfig, SqsTimeouts,
     client, is_fifo_url,

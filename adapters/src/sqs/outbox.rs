@@ -71,7 +71,7 @@ impl SqsPublisher {
                 .map_err(|e| PublishError::Encode(e.to_string()))
         };
         let mut entry = SendMessageBatchRequestEntry::builder().id(row.id.to_string()).message_body(body);
-        for (name, value) in row.stamp().to_headers() {
+        for (name, value) in row.to_headers() {
             entry = entry.message_attributes(name, attr(value)?);
         }
         entry = entry.message_attributes(OUTBOX_ID, attr(row.id.to_string())?);
@@ -161,7 +161,7 @@ impl Publisher for SqsPublisher {
             }
         }
         // The batches in parallel: each is bounded on its own.
-        let calls = by_url.iter().flat_map(|(url, rows)| rows.chunks(super::MAX_BATCH).map(|c| self.send(url, c)));
+        let calls = by_url.iter().flat_map(|(url, rows)| rows.chunks(super::config::MAX_BATCH).map(|c| self.send(url, c)));
         for answer in futures::future::join_all(calls).await {
             out.accepted.extend(answer.accepted);
             out.failed.extend(answer.failed);

@@ -56,13 +56,25 @@ impl Inner {
             return true;
         }
         let leases: Vec<Lease> = running.iter().map(|(_, l, _)| l.clone()).collect();
+        let beats = beat_spans(&running);
         let sent = Instant::now();
         match self.renew(&leases, false).await {
             Some(Ok(hb)) => {
+                if !beats.is_empty() {
+                    let renewed: std::collections::HashSet<(&str, &str, i64)> =
+                        hb.renewed.iter().map(|l| (l.queue.as_str(), l.key.as_str(), l.epoch)).collect();
+                    for (beat, l) in beats.iter().zip(&leases) {
+                        let kept = renewed.contains(&(l.queue.as_str(), l.key.as_str(), l.epoch));
+                        beat.record("answer", if kept { "renewed" } else { "lost" });
+                    }
+                }
                 self.apply_renewals(&running, sent, hb.renewed, hb.lost);
                 true
             }
             Some(Err(e)) => {
+                for beat in &beats {
+                    beat.record("answer", "unconfirmed");
+                }
                 tracing::warn!(error = %e, leases = leases.len(), "heartbeat failed; leases unconfirmed");
                 false
             }
@@ -204,6 +216,20 @@ impl Inner {
             Err(_) => Err(format!("no answer within {interval:?}")),
         })
     }
+}
+
+/// At debug level only: a `heartbeat` span for each running attempt, a child of its attempt's
+/// span, open while the renewal statement (one for all of them) is out; its `answer` says what
+/// the database answered for that lease. None when debug spans are off.
+fn beat_spans(running: &[(u64, Lease, Arc<SlotState>)]) -> Vec<tracing::Span> {
+    if !tracing::span_enabled!(tracing::Level::DEBUG) {
+        return Vec::new();
+    }
+    let n = running.len();
+    running
+        .iter()
+        .map(|(_, _, s)| tracing::debug_span!(parent: &s.span, "heartbeat", leases = n, answer = tracing::field::Empty))
+        .collect()
 }
 
 pub(super) async fn heartbeat_loop(inner: Weak<Inner>, stop: CancellationToken, interval: Duration) {

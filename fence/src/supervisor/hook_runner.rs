@@ -26,9 +26,10 @@ use crate::lease::Lease;
 use crate::metrics::{Counter, Metrics};
 use crate::supervisor::LeaseHook;
 
-/// Says, for each lease, whether it may still be extended now: its attempt is in the registry,
-/// not cancelled, and before its worker-side deadline.
-pub(crate) type LiveCheck = Arc<dyn Fn(&[Lease]) -> Vec<bool> + Send + Sync>;
+/// Says, for each lease, whether it may still be extended now (`Some`): its attempt is in the
+/// registry, not cancelled, and before its worker-side deadline. With `true`, the `Some` holds
+/// the attempt's span (the parent of the call's debug span), else `Span::none()`.
+pub(crate) type LiveCheck = Arc<dyn Fn(&[Lease], bool) -> Vec<Option<tracing::Span>> + Send + Sync>;
 
 /// The heartbeat's side of one hook: a mailbox the hook's own task empties.
 pub(crate) struct HookRunner {
@@ -167,11 +168,11 @@ impl Task {
             }
             while let Some(round) = self.mailbox.take() {
                 // Lost first: for one job, a lost epoch always precedes a newer one's renewal.
-                if !round.lost.is_empty() && !self.call(Call::Lost, round.lost).await {
+                if !round.lost.is_empty() && !self.call(Call::Lost, round.lost, &[]).await {
                     return;
                 }
-                let fresh = self.fresh(round.confirmed);
-                if !fresh.is_empty() && !self.call(Call::Confirmed, fresh).await {
+                let (fresh, attempts) = self.fresh(round.confirmed);
+                if !fresh.is_empty() && !self.call(Call::Confirmed, fresh, &attempts).await {
                     return;
                 }
             }
@@ -180,15 +181,18 @@ impl Task {
 
     /// The renewals still worth a broker call, right before it goes out: their attempt is still
     /// registered, not cancelled, and before its worker-side deadline. Each lease's `ttl` is what
-    /// is left of it now, so a late call never extends a broker past the database lease.
-    fn fresh(&self, renewed: Vec<Renewed>) -> Vec<Lease> {
+    /// is left of it now, so a late call never extends a broker past the database lease. With
+    /// debug spans on, also each fresh lease's attempt span (else none).
+    fn fresh(&self, renewed: Vec<Renewed>) -> (Vec<Lease>, Vec<tracing::Span>) {
         let leases: Vec<Lease> = renewed.iter().map(|r| r.lease.clone()).collect();
-        let live = (self.live)(&leases);
+        let spans = tracing::span_enabled!(tracing::Level::DEBUG);
+        let live = (self.live)(&leases, spans);
         let mut fresh = Vec::with_capacity(renewed.len());
-        for (r, live) in renewed.into_iter().zip(live.into_iter().chain(std::iter::repeat(false))) {
+        let mut attempts = Vec::new();
+        for (r, live) in renewed.into_iter().zip(live.into_iter().chain(std::iter::repeat(None))) {
             let mut lease = r.lease;
             let left = lease.ttl.saturating_sub(r.sent.elapsed());
-            if !live || left.is_zero() {
+            let Some(attempt) = live.filter(|_| !left.is_zero()) else {
                 self.metrics.incr(Counter::HookSkips);
                 tracing::debug!(
                     hook = self.index,
@@ -198,15 +202,19 @@ impl Task {
                     "lease ended or past its deadline before the hook call; not extended"
                 );
                 continue;
-            }
+            };
             lease.ttl = left;
             fresh.push(lease);
+            if spans {
+                attempts.push(attempt);
+            }
         }
-        fresh
+        (fresh, attempts)
     }
 
-    /// One hook call, cut after the timeout. False when the supervisor stopped meanwhile.
-    async fn call(&self, call: Call, leases: Vec<Lease>) -> bool {
+    /// One hook call, cut after the timeout. False when the supervisor stopped meanwhile. At
+    /// debug level each attempt in `attempts` gets a `broker_call` child span for the call.
+    async fn call(&self, call: Call, leases: Vec<Lease>, attempts: &[tracing::Span]) -> bool {
         // Info level, like the attempt span: the hook's own logs and the timeout warning carry
         // the job (queue, key, epoch) or, for a batch, the first few leases.
         let span = tracing::info_span!(
@@ -232,12 +240,28 @@ impl Task {
                 Call::Lost => self.hook.lost(&leases).await,
             }
         };
+        let children: Vec<tracing::Span> = attempts
+            .iter()
+            .map(|attempt| {
+                tracing::debug_span!(
+                    parent: attempt,
+                    "broker_call",
+                    hook = self.index,
+                    call = call.name(),
+                    batch = leases.len(),
+                    timed_out = tracing::field::Empty,
+                )
+            })
+            .collect();
         let bounded = tokio::time::timeout(self.timeout, work.instrument(span.clone()));
         tokio::select! {
             _ = self.stop.cancelled() => false,
             answer = bounded => {
                 if answer.is_err() {
                     self.metrics.incr(Counter::HookTimeouts);
+                    for child in &children {
+                        child.record("timed_out", true);
+                    }
                     span.in_scope(|| {
                         tracing::warn!(
                             timeout = ?self.timeout,
@@ -340,7 +364,7 @@ mod edges {
     }
 
     fn all_live() -> LiveCheck {
-        Arc::new(|leases: &[Lease]| vec![true; leases.len()])
+        Arc::new(|leases: &[Lease], _| vec![Some(tracing::Span::none()); leases.len()])
     }
 
     async fn wait_for(mut done: impl FnMut() -> bool) {
@@ -436,7 +460,9 @@ mod edges {
     async fn edges_a_hook_gets_only_live_leases_with_the_time_left() {
         let hook = Recorder::new(false);
         hook.gate.add_permits(1);
-        let live: LiveCheck = Arc::new(|leases: &[Lease]| leases.iter().map(|l| l.key.as_str() != "gone").collect());
+        let live: LiveCheck = Arc::new(|leases: &[Lease], _| {
+            leases.iter().map(|l| (l.key.as_str() != "gone").then(tracing::Span::none)).collect()
+        });
         let (runner, metrics, stop) = runner(&hook, Duration::from_secs(5), live);
         let sent = Instant::now().checked_sub(Duration::from_secs(10)).expect("ten seconds of uptime");
         runner.submit(sent, &[lease("kept", 1, 100), lease("gone", 1, 100)], &[]);

@@ -151,9 +151,9 @@ impl Supervisor {
     pub fn add_hook(&self, hook: Arc<dyn LeaseHook>) {
         let inner = &self.inner;
         let registry = Arc::downgrade(inner);
-        let live: LiveCheck = Arc::new(move |leases: &[Lease]| match registry.upgrade() {
-            Some(inner) => inner.live(leases),
-            None => vec![false; leases.len()],
+        let live: LiveCheck = Arc::new(move |leases: &[Lease], spans: bool| match registry.upgrade() {
+            Some(inner) => inner.live(leases, spans),
+            None => vec![None; leases.len()],
         });
         if let Ok(mut hooks) = inner.hooks.write() {
             let runner = HookRunner::spawn(
@@ -314,6 +314,8 @@ impl Supervisor {
             committed: AtomicBool::new(false),
             #[cfg(feature = "metrics")]
             lost_at: std::sync::OnceLock::new(),
+            // `run_inner` runs inside the attempt's span.
+            span: tracing::Span::current(),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {

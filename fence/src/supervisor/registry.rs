@@ -43,6 +43,9 @@ pub(super) struct SlotState {
     /// When the loss was found (`brokerfence_lease_loss_to_cancel_seconds`).
     #[cfg(feature = "metrics")]
     pub(super) lost_at: std::sync::OnceLock<Instant>,
+    /// The attempt's span: the parent of its heartbeats' and broker calls' spans, which exist
+    /// at debug level only.
+    pub(super) span: tracing::Span,
 }
 
 impl SlotState {
@@ -145,19 +148,22 @@ impl Inner {
 
     /// For each lease, whether a broker may still be told to extend it: its attempt is
     /// registered, not cancelled, and before its worker-side deadline.
-    pub(super) fn live(&self, leases: &[Lease]) -> Vec<bool> {
+    /// For each lease, `Some` when it may still be extended now (its attempt is registered, not
+    /// cancelled, before its deadline): the attempt's span with `spans`, else `Span::none()`.
+    pub(super) fn live(&self, leases: &[Lease], spans: bool) -> Vec<Option<tracing::Span>> {
         let now = self.nanos(Instant::now());
-        let Ok(map) = self.inflight.lock() else { return vec![false; leases.len()] };
-        let held: HashMap<(&str, &str, i64), bool> = map
+        let Ok(map) = self.inflight.lock() else { return vec![None; leases.len()] };
+        let held: HashMap<(&str, &str, i64), &Arc<SlotState>> = map
             .values()
-            .map(|s| {
-                let live = !s.state.token.is_cancelled() && s.state.deadline.load(Ordering::Acquire) > now;
-                ((s.lease.queue.as_str(), s.lease.key.as_str(), s.lease.epoch), live)
-            })
+            .filter(|s| !s.state.token.is_cancelled() && s.state.deadline.load(Ordering::Acquire) > now)
+            .map(|s| ((s.lease.queue.as_str(), s.lease.key.as_str(), s.lease.epoch), &s.state))
             .collect();
         leases
             .iter()
-            .map(|l| held.get(&(l.queue.as_str(), l.key.as_str(), l.epoch)).copied().unwrap_or(false))
+            .map(|l| {
+                let state = held.get(&(l.queue.as_str(), l.key.as_str(), l.epoch))?;
+                Some(if spans { state.span.clone() } else { tracing::Span::none() })
+            })
             .collect()
     }
 

@@ -58,8 +58,11 @@ fn content_key(item: &[u8]) -> String {
 }
 
 impl ItemKey {
-    /// The job key and payload of `item`, or why it cannot be decoded.
+    /// The job key and payload of `item`, or why it cannot be decoded. An item in a trace
+    /// envelope ([`traced_item`](crate::redis::traced_item)) is unwrapped first: the key and the
+    /// payload come from the item alone.
     pub fn decode(&self, item: &[u8]) -> Result<(JobKey, Vec<u8>), String> {
+        let item = super::envelope::open(item).item;
         match self {
             ItemKey::ContentHash => {
                 let key = JobKey::new(content_key(item)).map_err(|e| e.to_string())?;

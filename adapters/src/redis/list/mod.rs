@@ -25,10 +25,13 @@ use crate::builder::{debug_some, setters};
 use crate::runtime::ReceiveContext;
 use crate::source::{DeadLettered, Incoming, Source, SourceError};
 
+mod envelope;
 mod holding;
 mod item_key;
 mod retrofit;
 
+#[cfg(feature = "otel")]
+pub(crate) use envelope::wrap as wrap_traced;
 pub use item_key::ItemKey;
 pub use retrofit::ListRetrofit;
 
@@ -285,6 +288,11 @@ impl Source for ReliableList {
 
     fn kind(&self) -> &'static str {
         "redis_list"
+    }
+
+    #[cfg(feature = "otel")]
+    fn origin(&self, delivery: &ListDelivery) -> fence::otel::Origin {
+        envelope::origin(delivery.item())
     }
 
     async fn receive(&self, max: usize, ctx: &ReceiveContext) -> Result<Vec<Incoming<ListDelivery>>, SourceError> {

@@ -291,7 +291,11 @@ impl ListRetrofit {
                 }
             }
         };
-        let done = self.retrofit.process(&key, payload, wrapped).await;
+        let done = self.retrofit.process(&key, payload, wrapped);
+        // Feature `otel`: the attempt continues the trace of an item in a trace envelope.
+        #[cfg(feature = "otel")]
+        let done = fence::otel::scope(super::envelope::origin(item), done);
+        let done = done.await;
         let tok = ours.lock().ok().and_then(|mut o| o.take());
         if let Some(tok) = tok
             && let Err(e) = self.leases.release(&[(lease_key.clone(), tok)]).await

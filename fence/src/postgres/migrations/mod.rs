@@ -437,6 +437,17 @@ pub(super) const MIGRATIONS: &[PgMigration] = &[
             "CREATE INDEX IF NOT EXISTS fence_events_at ON {s}.fence_events (at)",
         ])],
     },
+    PgMigration {
+        version: 14,
+        name: "outbox trace context",
+        // Issue #34: the W3C `traceparent` / `tracestate` of the attempt that wrote an outbox row
+        // (feature `otel`), published with the message so its consumer continues that attempt's
+        // trace rather than the relay's. Nullable columns without a default, like migration 12:
+        // a catalog change, no rewrite; rows written before have no context.
+        steps: &[Step::Tx(&[
+            "ALTER TABLE {s}.outbox ADD COLUMN IF NOT EXISTS traceparent text, ADD COLUMN IF NOT EXISTS tracestate text",
+        ])],
+    },
 ];
 
 /// The migration version this build needs: the newest embedded migration.
