@@ -275,7 +275,11 @@ impl OutboxRelay {
     async fn round(&self, span: &tracing::Span) -> Result<RelayRound, RelayError> {
         let c = self.config;
         let mut tx = db("begin", c.db_timeout, self.fence.begin()).await?;
-        let rows = db("claim", c.db_timeout, self.fence.outbox_claim_in(&mut tx, c.batch)).await?;
+        let rows = match db("claim", c.db_timeout, self.fence.outbox_claim_in(&mut tx, c.batch)).await {
+            Ok(rows) => rows,
+            Err(RelayError::Database(e)) => return Err(RelayError::Database(self.name_old_schema(e).await)),
+            Err(e) => return Err(e),
+        };
         span.record("claimed", rows.len());
         let mut round = RelayRound { claimed: rows.len(), ..RelayRound::default() };
         if rows.is_empty() {
@@ -354,6 +358,16 @@ impl OutboxRelay {
         }
         round.sent = accepted_rows;
         Ok(round)
+    }
+
+    /// A claim that failed on a schema older than this build (an outbox without the columns
+    /// of migration 14, say) is named as [`FenceError::SchemaTooOld`] rather than the SQL error.
+    async fn name_old_schema(&self, error: FenceError) -> FenceError {
+        let check = tokio::time::timeout(self.config.db_timeout, fence::FenceStore::check_schema(&self.fence)).await;
+        match check {
+            Ok(Err(too_old @ FenceError::SchemaTooOld { .. })) => too_old,
+            _ => error,
+        }
     }
 
     /// Runs rounds until `shutdown` fires: at once again after a full batch, after

@@ -433,7 +433,9 @@ impl Retrofit {
                 Processed::new(Disposition::after_run(&outcome), Detail::Ran(outcome))
             }
             other => {
-                crate::otel::duplicate(&self.queue, key, &other, None, &crate::otel::current_origin());
+                if matches!(other, Claim::Done { .. }) {
+                    crate::otel::duplicate(&self.queue, key, &other, None, &crate::otel::current_origin());
+                }
                 let disposition = Disposition::after_claim(&other).unwrap_or(Disposition::Leave);
                 match disposition {
                     Disposition::Hold(_) => self.metrics().incr(Counter::Busy),

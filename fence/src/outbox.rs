@@ -90,10 +90,10 @@ pub struct OutboxRow {
     /// The message body.
     pub payload: Vec<u8>,
     /// The W3C `traceparent` of the attempt that wrote the row (written with the feature `otel`
-    /// inside a traced span; at most 64 bytes as read back, so a longer value written around
-    /// the fence is cut, then refused with a warning when it is published).
+    /// inside a traced span; at most 64 characters as read back, so a longer value written
+    /// around the fence is cut, then refused with a warning when it is published).
     pub traceparent: Option<String>,
-    /// Its `tracestate` (at most 513 bytes as read back).
+    /// Its `tracestate` (at most 513 characters as read back).
     pub tracestate: Option<String>,
 }
 

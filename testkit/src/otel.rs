@@ -31,10 +31,10 @@ pub fn capture() -> Capture {
     capture_with(false)
 }
 
-/// [`capture`], keeping only spans and events up to `level` (`INFO`: what an exporter set to
-/// info receives).
-pub fn capture_at(level: tracing::Level) -> Capture {
-    capture_filtered(false, tracing_subscriber::filter::LevelFilter::from_level(level))
+/// [`capture_with`], keeping only spans and events up to `level` (`INFO`: what an exporter set
+/// to info receives).
+pub fn capture_at(batch: bool, level: tracing::Level) -> Capture {
+    capture_filtered(batch, tracing_subscriber::filter::LevelFilter::from_level(level))
 }
 
 /// [`capture`], or with `batch` through the SDK's batch processor (its own thread, as in

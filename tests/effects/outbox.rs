@@ -748,3 +748,32 @@ async fn effects_outbox_relay_crash_after_publish_republishes_and_the_consumer_a
     assert!(seen.applied.values().all(|n| *n == 1), "each effect applied once: {:?}", seen.applied);
     env.cleanup().await;
 }
+
+/// Covers (a review finding of issue #34): a relay of this build on a schema older than it needs
+/// (migration 13: the outbox has no trace columns) fails each round with
+/// `FenceError::SchemaTooOld` naming both versions, not with the SQL error of a missing column,
+/// and loses nothing: once migrated, the same relay publishes the row.
+#[tokio::test]
+async fn effects_outbox_relay_on_an_older_schema_names_it_and_loses_nothing() {
+    let fence = brokerfence_testkit::store::pg_unmigrated().await;
+    fence.migrate_to(13).await.expect("migrate to version 13");
+    let schema = fence.get_schema().as_str().to_owned();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {schema}.outbox (queue, key, epoch, owner, destination, payload) VALUES ('q', 'k', 1, 'w', 'recorded', 'x')"
+    )))
+    .execute(fence.pool())
+    .await
+    .expect("a row written by an older build");
+    let recorded = Recording::new(Duration::ZERO, |_| true);
+    let relay = OutboxRelay::new(fence.clone(), RelayConfig::default()).publisher(recorded.clone());
+    match relay.relay_once().await {
+        Err(brokerfence::outbox::RelayError::Database(brokerfence::FenceError::SchemaTooOld { found, required })) => {
+            assert_eq!((found, required), (13, PgFence::SCHEMA_VERSION));
+        }
+        other => panic!("expected SchemaTooOld, got {other:?}"),
+    }
+    fence.migrate().await.expect("migrate");
+    let round = relay.relay_once().await.expect("round after the migration");
+    assert_eq!(round.sent.len(), 1, "the row written before is published");
+    brokerfence_testkit::store::drop_schema(&fence).await;
+}

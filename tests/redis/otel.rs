@@ -299,7 +299,7 @@ async fn otel_heartbeats_and_broker_calls_are_child_spans_at_debug_level_only() 
     use brokerfence_testkit::otel::capture_at;
     let env = Env::new().await;
     for (level, job) in [(tracing::Level::DEBUG, "job-debug"), (tracing::Level::INFO, "job-info")] {
-        let cap = capture_at(level);
+        let cap = capture_at(false, level);
         let stream = env.name(&format!("otel-beats-{job}"));
         let store: Arc<dyn FenceStore> = env.store();
         produce(&env, &stream, job, &[]).await;
@@ -416,5 +416,105 @@ async fn otel_a_list_item_in_a_trace_envelope_continues_the_producers_trace() {
         let row = env.job(&list, key).await.expect("row");
         assert_eq!((row.state, row.epoch), (JobState::Completed, 1), "{key}");
     }
+    // Each item left the processing list by its value as it sits in the list, envelope included.
+    let processing: i64 =
+        client::cmd("LLEN").arg(format!("{list}:processing")).query_async(&mut conn).await.expect("LLEN");
+    assert_eq!(processing, 0, "the processing list is empty");
+    env.cleanup().await;
+}
+
+/// Issue #34, the list envelope with `ItemKey::ContentHash` and with `ListRetrofit`: the same
+/// item sent under two contexts is one job (the hash sees the item, not its envelope: the second
+/// is a duplicate); an item wrapped twice (a loop passing on what it popped) carries only the
+/// newest context. `ListRetrofit::process` continues an enveloped item's trace, and for a bare
+/// item keeps the `scope` its caller set (guards a review finding: the envelope's empty origin
+/// replaced the caller's).
+#[tokio::test(flavor = "current_thread")]
+async fn otel_list_envelopes_keep_content_hashes_and_the_retrofits_scope() {
+    use brokerfence::otel::{Origin, scope};
+    use brokerfence::redis::{ItemKey, ListRetrofit, ReliableList, client, traced_item};
+    let cap = capture();
+    let env = Env::new().await;
+    let list = env.name("otel-hash");
+    let store: Arc<dyn FenceStore> = env.store();
+    let (a, b) = (tracing::info_span!("produce-a"), tracing::info_span!("produce-b"));
+    let first = a.in_scope(|| traced_item(b"recompute report 7"));
+    let second = b.in_scope(|| traced_item(&a.in_scope(|| traced_item(b"recompute report 7"))));
+    assert_eq!(second.iter().filter(|b| **b == 0).count(), 4, "one envelope, not two");
+    drop((a, b)); // exported when they end
+    let mut conn = env.conn();
+    for item in [&first, &second] {
+        let _: i64 = client::cmd("RPUSH").arg(&list).arg(item.as_slice()).query_async(&mut conn).await.expect("RPUSH");
+    }
+    let worker = consumer(
+        ReliableList::new(
+            env.redis.clone(),
+            QueueName::new(list.as_str()).expect("queue"),
+            list.as_str(),
+            ItemKey::ContentHash,
+        )
+        .expect("source")
+        .block(Duration::from_millis(200)),
+        Arc::clone(&store),
+        "w",
+        SupervisorConfig::new(lease(3)),
+        |_: JobContext| async { Ok(b"ok".to_vec()) },
+    );
+    wait_until(Duration::from_secs(20), "a committed and a duplicate attempt", || {
+        let outcomes: Vec<_> = cap.attempts(&list).iter().filter_map(|s| attr(s, "brokerfence.outcome")).collect();
+        outcomes.iter().any(|o| o == "committed") && outcomes.iter().any(|o| o == "duplicate")
+    })
+    .await;
+    stop_all(vec![worker]).await;
+    let jobs = env.jobs(&list).await;
+    assert_eq!(jobs.len(), 1, "one job for the same item under two contexts: {jobs:?}");
+    let outcome = |o: &str| {
+        cap.attempts(&list).into_iter().find(|s| attr(s, "brokerfence.outcome").as_deref() == Some(o)).expect(o)
+    };
+    let (ran, dup) = (outcome("committed"), outcome("duplicate"));
+    let spans = cap.spans();
+    let id_of = |name: &str| spans.iter().find(|s| s.name == name).map(|s| s.span_context.span_id()).expect("span");
+    // Whichever item ran first: one attempt per context, each item's own (the re-wrapped item's
+    // is b's, not a's).
+    let mut seen = vec![ran.parent_span_id, dup.links.links.first().map(|l| l.span_context.span_id()).expect("a link")];
+    let mut want = vec![id_of("produce-a"), id_of("produce-b")];
+    seen.sort_by_key(|id| id.to_string());
+    want.sort_by_key(|id| id.to_string());
+    assert_eq!(seen, want, "each item's own context, the newest for the re-wrapped one");
+
+    // ListRetrofit: an enveloped item continues its producer's trace; a bare one keeps the
+    // caller's scope.
+    let retro_list = env.name("otel-retro");
+    let retrofit = ListRetrofit::new(
+        Arc::clone(&store),
+        QueueName::new(retro_list.as_str()).expect("queue"),
+        SupervisorConfig::new(lease(3)),
+        &env.redis,
+        retro_list.as_str(),
+        ItemKey::Split(b'|'),
+    )
+    .expect("retrofit");
+    let c = tracing::info_span!("produce-c");
+    let wrapped = c.in_scope(|| traced_item(b"job-1|x"));
+    let done = retrofit.process(&wrapped, |_ctx| async { Ok(b"ok".to_vec()) }).await;
+    assert!(done.should_ack(), "{done:?}");
+    let outer = tracing::info_span!("caller");
+    let tc = outer.in_scope(TraceContext::current).expect("the caller's context");
+    let done = scope(
+        Origin::new(Some(tc)).message_id("popped-2"),
+        retrofit.process(b"job-2|x", |_ctx| async { Ok(b"ok".to_vec()) }),
+    )
+    .await;
+    assert!(done.should_ack(), "{done:?}");
+    drop((c, outer));
+    let spans = cap.spans();
+    let id_of = |name: &str| spans.iter().find(|s| s.name == name).map(|s| s.span_context.span_id()).expect("span");
+    let attempt = |key: &str| {
+        cap.attempts(&retro_list).into_iter().find(|s| attr(s, "key").as_deref() == Some(key)).expect("attempt")
+    };
+    assert_eq!(attempt("job-1").parent_span_id, id_of("produce-c"), "the envelope's producer is the parent");
+    let bare = attempt("job-2");
+    assert_eq!(bare.parent_span_id, id_of("caller"), "the caller's scope is kept for a bare item");
+    assert_eq!(attr(&bare, "messaging.message.id").as_deref(), Some("popped-2"));
     env.cleanup().await;
 }

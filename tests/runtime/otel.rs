@@ -14,7 +14,7 @@ use brokerfence_testkit::store::{drop_schema, job, key, lease, pg, unique};
 use tracing::Instrument;
 
 use brokerfence_testkit::otel::{
-    Gate, Stalled, attr, await_commit, capture, capture_with, check_zombie_trace, consumer, owner_handler, receiver,
+    Gate, Stalled, attr, await_commit, capture, capture_at, check_zombie_trace, consumer, owner_handler, receiver,
     stop_all, wait_until, zombie_handler,
 };
 
@@ -109,7 +109,7 @@ async fn otel_malformed_traceparent_in_the_table_is_ignored_with_a_warning() {
 }
 
 /// Issue #34 item 6, a measurement (asserts nothing): table-queue throughput with an
-/// OpenTelemetry layer (the SDK's in-memory exporter, every span exported) against the same
+/// OpenTelemetry layer (the SDK's in-memory exporter, every info span exported) against the same
 /// binary without one, in paired rounds of alternating order. Each round enqueues `JOBS` jobs
 /// (default 2,000; inside a `produce` span when on) and drains them with one consumer
 /// (concurrency 32, 1 ms of async work per job); the rate counts from the consumer's start to
@@ -131,7 +131,9 @@ async fn otel_cost_table_queue_throughput_on_against_off_paired_rounds() {
         let mut rates = [0.0_f64; 2];
         let order = if round % 2 == 0 { [true, false] } else { [false, true] };
         for on in order {
-            let cap = on.then(|| capture_with(batch));
+            // At info level, as a production exporter runs (the debug-only heartbeat and
+            // broker-call spans are not exported).
+            let cap = on.then(|| capture_at(batch, tracing::Level::INFO));
             let _off = (!on).then(|| tracing::subscriber::set_default(tracing_subscriber::registry()));
             let queue = QueueName::new(unique("otel-cost")).expect("queue");
             let batch: Vec<_> = (0..jobs).map(|i| (key(&format!("j{i}")), b"x".to_vec())).collect();
@@ -275,5 +277,48 @@ async fn otel_example_producer_and_worker_export_by_otlp_over_http() {
         requests.iter().any(|(_, b)| has(b, b"attempt") && has(b, b"committed") && has(b, &trace_id)),
         "the worker's attempts, in the producer's trace"
     );
+    drop_schema(&fence).await;
+}
+
+/// Guards a review finding of issue #34: the supervisor's record of an attempt kept a handle on
+/// the attempt's span (the parent of the debug-only heartbeat spans), and a `tracing` span ends
+/// only when its last handle drops, so a handler that kept a clone of its `JobContext` (a task it
+/// spawned) held the attempt's span open: it was exported late, or never. Now the handle is
+/// dropped when the attempt leaves the registry. At debug level (every span recorded), the
+/// attempt's span is exported within seconds of the commit while the context is still held.
+#[tokio::test(flavor = "current_thread")]
+async fn otel_an_attempt_span_ends_with_its_attempt_though_the_handler_keeps_its_context() {
+    let cap = capture();
+    let fence = pg().await;
+    let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
+    let queue = QueueName::new(unique("otel-ends")).expect("queue");
+    store.enqueue(&queue, &key("job-1"), b"x").await.expect("enqueue");
+    let kept: Arc<std::sync::Mutex<Vec<JobContext>>> = Arc::default();
+    let keep = Arc::clone(&kept);
+    let worker = consumer(
+        table(&store, &queue),
+        Arc::clone(&store),
+        "w",
+        SupervisorConfig::new(lease(3)),
+        move |ctx: JobContext| {
+            keep.lock().expect("kept").push(ctx.clone());
+            async { Ok(b"ok".to_vec()) }
+        },
+    );
+    let row_done = async {
+        for _ in 0..200 {
+            if job(&*store, &queue, "job-1").await.is_some_and(|r| r.state == JobState::Completed) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    };
+    assert!(row_done.await, "the job committed");
+    let q = queue.as_str().to_owned();
+    wait_until(Duration::from_secs(5), "the attempt span ended and exported", || !cap.attempts(&q).is_empty()).await;
+    assert_eq!(kept.lock().expect("kept").len(), 1, "the handler's context is still held");
+    stop_all(vec![worker]).await;
+    drop(kept);
     drop_schema(&fence).await;
 }

@@ -63,7 +63,8 @@ pub use list::{ItemKey, ListDelivery, ListRetrofit, ReliableList};
 /// `item` in a trace envelope carrying the current span's W3C context (feature `otel`), for an
 /// `LPUSH` to a list a [`ReliableList`] or [`ListRetrofit`] consumes: the attempt then continues
 /// the producer's trace, as with a stream's `traceparent` field. Outside a traced span the item
-/// is returned as it is. The consumers unwrap the envelope before [`ItemKey`] decodes the item,
+/// is returned as it is; an item already in an envelope gets the current context in place of
+/// its own (or, outside a span, comes out of it). The consumers unwrap the envelope before [`ItemKey`] decodes the item,
 /// so keys and content hashes see the item alone; a consumer older than this version would read
 /// the envelope as part of the item, so wrap items only once every consumer of the list runs it.
 ///
@@ -75,6 +76,9 @@ pub use list::{ItemKey, ListDelivery, ListRetrofit, ReliableList};
 #[cfg(feature = "otel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub fn traced_item(item: &[u8]) -> Vec<u8> {
+    // An item already in an envelope (a loop passing on what it popped) gets the new context in
+    // place of the old: consumers unwrap one envelope.
+    let item = list::unwrap_traced(item);
     match fence::otel::TraceContext::current() {
         Some(tc) => list::wrap_traced(item, tc.traceparent(), tc.tracestate()),
         None => item.to_vec(),

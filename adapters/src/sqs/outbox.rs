@@ -161,7 +161,8 @@ impl Publisher for SqsPublisher {
             }
         }
         // The batches in parallel: each is bounded on its own.
-        let calls = by_url.iter().flat_map(|(url, rows)| rows.chunks(super::config::MAX_BATCH).map(|c| self.send(url, c)));
+        let calls =
+            by_url.iter().flat_map(|(url, rows)| rows.chunks(super::config::MAX_BATCH).map(|c| self.send(url, c)));
         for answer in futures::future::join_all(calls).await {
             out.accepted.extend(answer.accepted);
             out.failed.extend(answer.failed);

@@ -369,7 +369,7 @@ async fn edges_a_hook_never_sees_a_lease_past_its_deadline_or_ended() {
                 committed: AtomicBool::new(false),
                 #[cfg(feature = "metrics")]
                 lost_at: std::sync::OnceLock::new(),
-                span: tracing::Span::none(),
+                span: Mutex::new(None),
             });
             if cancelled {
                 state.token.cancel();

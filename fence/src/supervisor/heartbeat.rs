@@ -228,7 +228,14 @@ fn beat_spans(running: &[(u64, Lease, Arc<SlotState>)]) -> Vec<tracing::Span> {
     let n = running.len();
     running
         .iter()
-        .map(|(_, _, s)| tracing::debug_span!(parent: &s.span, "heartbeat", leases = n, answer = tracing::field::Empty))
+        .map(|(_, _, s)| {
+            let attempt = s.attempt_span();
+            if attempt.is_none() {
+                // The attempt ended meanwhile: no span without its parent.
+                return tracing::Span::none();
+            }
+            tracing::debug_span!(parent: &attempt, "heartbeat", leases = n, answer = tracing::field::Empty)
+        })
         .collect()
 }
 

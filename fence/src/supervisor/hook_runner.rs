@@ -242,6 +242,7 @@ impl Task {
         };
         let children: Vec<tracing::Span> = attempts
             .iter()
+            .filter(|attempt| !attempt.is_none())
             .map(|attempt| {
                 tracing::debug_span!(
                     parent: attempt,

@@ -282,7 +282,7 @@ impl Supervisor {
         #[cfg(feature = "otel")]
         crate::otel::attempt_started(&span, &lease);
         let outcome = self
-            .run_inner(lease, Instant::from_std(claimed_at), payload, progress, handler)
+            .run_inner(lease, Instant::from_std(claimed_at), payload, progress, &span, handler)
             .instrument(span.clone())
             .await;
         #[cfg(feature = "otel")]
@@ -296,6 +296,7 @@ impl Supervisor {
         claimed_at: Instant,
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
+        span: &tracing::Span,
         handler: F,
     ) -> Outcome
     where
@@ -314,8 +315,9 @@ impl Supervisor {
             committed: AtomicBool::new(false),
             #[cfg(feature = "metrics")]
             lost_at: std::sync::OnceLock::new(),
-            // `run_inner` runs inside the attempt's span.
-            span: tracing::Span::current(),
+            // The parent of the debug-only heartbeat and broker-call spans: kept only when
+            // those exist, and dropped when the attempt leaves the registry.
+            span: Mutex::new(tracing::span_enabled!(tracing::Level::DEBUG).then(|| span.clone())),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {

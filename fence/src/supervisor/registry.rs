@@ -43,12 +43,19 @@ pub(super) struct SlotState {
     /// When the loss was found (`brokerfence_lease_loss_to_cancel_seconds`).
     #[cfg(feature = "metrics")]
     pub(super) lost_at: std::sync::OnceLock<Instant>,
-    /// The attempt's span: the parent of its heartbeats' and broker calls' spans, which exist
-    /// at debug level only.
-    pub(super) span: tracing::Span,
+    /// The attempt's span, kept only while debug spans are on (the parent of its heartbeats'
+    /// and broker calls' spans, which exist at debug level only) and dropped when the attempt
+    /// leaves the registry: a handle held here must not keep the attempt's span open (its end
+    /// time is taken when the last handle drops) after the attempt ended, nor at all at info.
+    pub(super) span: Mutex<Option<tracing::Span>>,
 }
 
 impl SlotState {
+    /// The attempt's span when it is kept (debug spans on, attempt registered), else none.
+    pub(super) fn attempt_span(&self) -> tracing::Span {
+        self.span.lock().ok().and_then(|s| s.clone()).unwrap_or_else(tracing::Span::none)
+    }
+
     pub(super) fn lose(&self, reason: LossReason) {
         #[cfg(feature = "metrics")]
         self.lost_at.get_or_init(Instant::now);
@@ -122,6 +129,9 @@ impl Registered<'_> {
 
     pub(super) fn leave(&mut self) {
         self.stop_running();
+        if let Ok(mut span) = self.state.span.lock() {
+            span.take();
+        }
         if let Some(id) = self.id.take() {
             self.inner.remove(id);
         }
@@ -146,9 +156,7 @@ impl Inner {
         self.inflight.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    /// For each lease, whether a broker may still be told to extend it: its attempt is
-    /// registered, not cancelled, and before its worker-side deadline.
-    /// For each lease, `Some` when it may still be extended now (its attempt is registered, not
+    /// For each lease, `Some` when a broker may still be told to extend it now (its attempt is registered, not
     /// cancelled, before its deadline): the attempt's span with `spans`, else `Span::none()`.
     pub(super) fn live(&self, leases: &[Lease], spans: bool) -> Vec<Option<tracing::Span>> {
         let now = self.nanos(Instant::now());
@@ -162,7 +170,7 @@ impl Inner {
             .iter()
             .map(|l| {
                 let state = held.get(&(l.queue.as_str(), l.key.as_str(), l.epoch))?;
-                Some(if spans { state.span.clone() } else { tracing::Span::none() })
+                Some(if spans { state.attempt_span() } else { tracing::Span::none() })
             })
             .collect()
     }

@@ -45,6 +45,12 @@ pub(crate) fn open(raw: &[u8]) -> Opened<'_> {
     }
 }
 
+/// The item inside `raw`'s envelope, or `raw` itself.
+#[cfg(feature = "otel")]
+pub(crate) fn unwrap(raw: &[u8]) -> &[u8] {
+    open(raw).item
+}
+
 /// `item` in an envelope carrying `traceparent` and `tracestate` (both already valid).
 #[cfg(feature = "otel")]
 pub(crate) fn wrap(item: &[u8], traceparent: &str, tracestate: Option<&str>) -> Vec<u8> {

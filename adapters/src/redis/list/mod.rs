@@ -31,7 +31,7 @@ mod item_key;
 mod retrofit;
 
 #[cfg(feature = "otel")]
-pub(crate) use envelope::wrap as wrap_traced;
+pub(crate) use envelope::{unwrap as unwrap_traced, wrap as wrap_traced};
 pub use item_key::ItemKey;
 pub use retrofit::ListRetrofit;
 

@@ -291,11 +291,16 @@ impl ListRetrofit {
                 }
             }
         };
-        let done = self.retrofit.process(&key, payload, wrapped);
-        // Feature `otel`: the attempt continues the trace of an item in a trace envelope.
+        // Feature `otel`: the attempt continues the trace of an item in a trace envelope; a bare
+        // item keeps the scope the caller may have set around `process`.
         #[cfg(feature = "otel")]
-        let done = fence::otel::scope(super::envelope::origin(item), done);
-        let done = done.await;
+        let done = {
+            let origin = super::envelope::origin(item);
+            let done = self.retrofit.process(&key, payload, wrapped);
+            if origin.get_trace().is_some() { fence::otel::scope(origin, done).await } else { done.await }
+        };
+        #[cfg(not(feature = "otel"))]
+        let done = self.retrofit.process(&key, payload, wrapped).await;
         let tok = ours.lock().ok().and_then(|mut o| o.take());
         if let Some(tok) = tok
             && let Err(e) = self.leases.release(&[(lease_key.clone(), tok)]).await
