@@ -54,10 +54,13 @@ fn capture_filtered(batch: bool, level: tracing_subscriber::filter::LevelFilter)
     let provider = builder.build();
     let tracer = provider.tracer("brokerfence-tests");
     let warnings: Arc<Mutex<Vec<String>>> = Arc::default();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(tracer))
-        .with(Warnings(Arc::clone(&warnings)))
-        .with(level);
+    // OTEL_LAYER=lean (the cost measurement only): without the layer's per-span source
+    // location and thread attributes and its timing of every poll (`busy_ns`, `idle_ns`).
+    let lean = std::env::var("OTEL_LAYER").is_ok_and(|v| v == "lean");
+    let layer = tracing_opentelemetry::layer().with_tracer(tracer);
+    let layer =
+        if lean { layer.with_location(false).with_threads(false).with_tracked_inactivity(false) } else { layer };
+    let subscriber = tracing_subscriber::registry().with(layer).with(Warnings(Arc::clone(&warnings))).with(level);
     let guard = tracing::subscriber::set_default(subscriber);
     Capture { exporter, provider, warnings, _guard: guard }
 }
