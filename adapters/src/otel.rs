@@ -11,7 +11,7 @@ pub(crate) use disabled::*;
 #[cfg(feature = "otel")]
 mod enabled {
     use crate::Source;
-    use fence::{Claim, ClaimedJob, JobKey, QueueName};
+    use fence::{ClaimedJob, JobKey, QueueName};
 
     /// Where a delivery came from (see `fence::otel::Origin`).
     pub(crate) type Origin = fence::otel::Origin;
@@ -37,12 +37,10 @@ mod enabled {
         fence::otel::scope(origin, attempt).await
     }
 
-    /// A delivery of a job already committed: a `duplicate` attempt span (see
+    /// A delivery of a job already committed (at `epoch`): a `duplicate` attempt span (see
     /// `fence::otel::duplicate`).
-    pub(crate) fn duplicate(queue: &QueueName, key: &JobKey, claim: &Claim, system: Option<&str>, origin: &Origin) {
-        if let Claim::Done { epoch } = claim {
-            fence::otel::duplicate(queue, key, *epoch, system, origin);
-        }
+    pub(crate) fn duplicate(queue: &QueueName, key: &JobKey, epoch: i64, system: Option<&str>, origin: &Origin) {
+        fence::otel::duplicate(queue, key, epoch, system, origin);
     }
 
     /// The origin of the scope the caller runs in (a retrofit inside `fence::otel::scope`).
@@ -81,7 +79,7 @@ mod enabled {
 #[cfg(not(feature = "otel"))]
 mod disabled {
     use crate::Source;
-    use fence::{Claim, ClaimedJob, JobKey, QueueName};
+    use fence::{ClaimedJob, JobKey, QueueName};
 
     /// Nothing, without the feature.
     pub(crate) type Origin = ();
@@ -96,7 +94,7 @@ mod disabled {
     }
 
     /// No span.
-    pub(crate) fn duplicate(_: &QueueName, _: &JobKey, _: &Claim, _: Option<&str>, _: &Origin) {}
+    pub(crate) fn duplicate(_: &QueueName, _: &JobKey, _: i64, _: Option<&str>, _: &Origin) {}
 
     pub(crate) fn current_origin() -> Origin {}
 

@@ -433,8 +433,8 @@ impl Retrofit {
                 Processed::new(Disposition::after_run(&outcome), Detail::Ran(outcome))
             }
             other => {
-                if matches!(other, Claim::Done { .. }) {
-                    crate::otel::duplicate(&self.queue, key, &other, None, &crate::otel::current_origin());
+                if let Claim::Done { epoch } = other {
+                    crate::otel::duplicate(&self.queue, key, epoch, None, &crate::otel::current_origin());
                 }
                 let disposition = Disposition::after_claim(&other).unwrap_or(Disposition::Leave);
                 match disposition {

@@ -125,10 +125,10 @@ impl<S: Source, H: Handler> Shared<S, H> {
                         Disposition::Ack | Disposition::DeadLetter(_) => metrics.incr(Counter::Duplicates),
                         _ => {}
                     }
-                    if matches!(claim, Claim::Done { .. }) {
+                    if let Claim::Done { epoch } = claim {
                         let origin = crate::otel::of_delivery(&*self.source, &held.0);
                         let system = messaging_system(self.source.kind());
-                        crate::otel::duplicate(self.source.queue(), &key, &claim, Some(system), &origin);
+                        crate::otel::duplicate(self.source.queue(), &key, epoch, Some(system), &origin);
                     }
                     tracing::debug!(%key, disposition = ?d, "delivery not claimed");
                     let (delivery, Places { place, unsettled }) = held;
