@@ -107,6 +107,15 @@ pub fn attr(span: &SpanData, key: &str) -> Option<String> {
     span.attributes.iter().find(|kv| kv.key.as_str() == key).map(|kv| kv.value.to_string())
 }
 
+/// Whether the attempt spans of `queue` exported so far include one of each outcome in
+/// `outcomes`. A span is exported when it ends, which can be after its attempt's commit: with
+/// debug spans on, a heartbeat statement still out when the attempt ends is a child that keeps
+/// it open until the statement returns.
+pub fn has_outcomes(cap: &Capture, queue: &str, outcomes: &[&str]) -> bool {
+    let attempts = cap.attempts(queue);
+    outcomes.iter().all(|o| attempts.iter().any(|s| attr(s, "brokerfence.outcome").as_deref() == Some(*o)))
+}
+
 /// Waits until `cond` holds, polling; panics after `within`.
 pub async fn wait_until(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + within;

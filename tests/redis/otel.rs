@@ -17,8 +17,8 @@ use brokerfence_testkit::store::lease;
 use redis_support::*;
 
 use brokerfence_testkit::otel::{
-    Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
-    wait_until, zombie_handler,
+    Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, has_outcomes, owner_handler, receiver,
+    stop_all, wait_until, zombie_handler,
 };
 
 fn source(env: &Env, stream: &str) -> StreamSource {
@@ -72,8 +72,9 @@ async fn otel_redis_stream_traces_a_fenced_zombie_from_the_producer_to_the_recei
     );
     let queue = QueueName::new(stream.as_str()).expect("queue");
     await_commit(&*store, &queue, "job-1", &rival_done).await;
-    let fenced = || cap.attempts(&stream).iter().any(|s| attr(s, "brokerfence.outcome").as_deref() == Some("fenced"));
-    wait_until(Duration::from_secs(20), "fenced attempt span", fenced).await;
+    // Both attempts' spans exported (each ends after its verdict).
+    let ended = || has_outcomes(&cap, &stream, &["fenced", "committed"]);
+    wait_until(Duration::from_secs(20), "fenced and committed attempt spans", ended).await;
     stop_all(vec![zombie, rival]).await;
     check_zombie_trace(&cap.spans(), &stream, "redis");
     env.cleanup().await;

@@ -14,8 +14,8 @@ use brokerfence_testkit::store::{drop_schema, job, key, lease, pg, unique};
 use tracing::Instrument;
 
 use brokerfence_testkit::otel::{
-    Gate, Stalled, attr, await_commit, capture, capture_at, check_zombie_trace, consumer, owner_handler, receiver,
-    stop_all, wait_until, zombie_handler,
+    Gate, Stalled, attr, await_commit, capture, capture_at, check_zombie_trace, consumer, has_outcomes, owner_handler,
+    receiver, stop_all, wait_until, zombie_handler,
 };
 
 fn table(store: &Arc<dyn FenceStore>, queue: &QueueName) -> TableQueue {
@@ -59,8 +59,9 @@ async fn otel_table_queue_traces_a_fenced_zombie_from_enqueue_to_the_receiver() 
     );
     await_commit(&*store, &queue, "job-1", &rival_done).await;
     let q = queue.as_str().to_owned();
-    let fenced = || cap.attempts(&q).iter().any(|s| attr(s, "brokerfence.outcome").as_deref() == Some("fenced"));
-    wait_until(Duration::from_secs(20), "fenced attempt span", fenced).await;
+    // Both attempts' spans exported (each ends after its verdict).
+    let ended = || has_outcomes(&cap, &q, &["fenced", "committed"]);
+    wait_until(Duration::from_secs(20), "fenced and committed attempt spans", ended).await;
     stop_all(vec![zombie, rival]).await;
     let spans = cap.spans();
     check_zombie_trace(&spans, queue.as_str(), "table");

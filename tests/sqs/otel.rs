@@ -18,8 +18,8 @@ use brokerfence_testkit::store::{drop_schema, lease, pg};
 use sqs_support::{TestQueue, receive_raw, sqs};
 
 use brokerfence_testkit::otel::{
-    Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, owner_handler, receiver, stop_all,
-    wait_until, zombie_handler,
+    Gate, Stalled, attr, await_commit, capture, check_zombie_trace, consumer, has_outcomes, owner_handler, receiver,
+    stop_all, wait_until, zombie_handler,
 };
 
 fn source(client: &Client, q: &TestQueue) -> SqsSource {
@@ -62,8 +62,9 @@ async fn otel_sqs_traces_a_fenced_zombie_from_the_producer_to_the_receiver() {
     let rival =
         consumer(source(&client, &q), Arc::clone(&store), "rival", SupervisorConfig::new(lease(3)), owner_handler(url));
     await_commit(&*store, &q.fence_queue(), &id, &rival_done).await;
-    let fenced = || cap.attempts(&q.name).iter().any(|s| attr(s, "brokerfence.outcome").as_deref() == Some("fenced"));
-    wait_until(Duration::from_secs(20), "fenced attempt span", fenced).await;
+    // Both attempts' spans exported (each ends after its verdict).
+    let ended = || has_outcomes(&cap, &q.name, &["fenced", "committed"]);
+    wait_until(Duration::from_secs(20), "fenced and committed attempt spans", ended).await;
     stop_all(vec![zombie, rival]).await;
     let spans = cap.spans();
     let shown = check_zombie_trace(&spans, &q.name, "aws_sqs");
