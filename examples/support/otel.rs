@@ -96,7 +96,9 @@ mod enabled {
         let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource).build();
         let tracer = provider.tracer("brokerfence-examples");
         let _ = PROVIDER.set(provider);
-        Some(tracing_opentelemetry::layer().with_tracer(tracer))
+        // The layer brokerfence recommends (no context activation, location, thread or poll
+        // timing): less per job than the layer's defaults (docs/performance.md).
+        Some(brokerfence::otel::layer(tracer))
     }
 
     /// Flushes and stops the exporter (at exit).

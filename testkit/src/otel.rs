@@ -43,7 +43,36 @@ pub fn capture_with(batch: bool) -> Capture {
     capture_filtered(batch, tracing_subscriber::filter::LevelFilter::TRACE)
 }
 
+/// [`capture`] through the layer brokerfence recommends ([`brokerfence::otel::layer`]: no
+/// context activation, no location, thread or poll-timing attributes) instead of the layer's
+/// defaults.
+pub fn capture_recommended() -> Capture {
+    build(false, tracing_subscriber::filter::LevelFilter::TRACE, Layer::Recommended)
+}
+
+/// Which set-up of `tracing_opentelemetry`'s layer a capture uses.
+enum Layer {
+    /// The layer's defaults.
+    Defaults,
+    /// The defaults without location, thread and poll-timing attributes.
+    Lean,
+    /// [`brokerfence::otel::layer`].
+    Recommended,
+}
+
 fn capture_filtered(batch: bool, level: tracing_subscriber::filter::LevelFilter) -> Capture {
+    // OTEL_LAYER (read for the cost measurement): `brokerfence` for brokerfence's recommended
+    // layer, `lean` for the defaults without per-span source location and thread attributes and
+    // the timing of every poll (`busy_ns`, `idle_ns`); else the layer's defaults.
+    let layer = match std::env::var("OTEL_LAYER").as_deref() {
+        Ok("brokerfence") => Layer::Recommended,
+        Ok("lean") => Layer::Lean,
+        _ => Layer::Defaults,
+    };
+    build(batch, level, layer)
+}
+
+fn build(batch: bool, level: tracing_subscriber::filter::LevelFilter, layer: Layer) -> Capture {
     let exporter = InMemorySpanExporter::default();
     let builder = SdkTracerProvider::builder();
     let builder = if batch {
@@ -54,12 +83,15 @@ fn capture_filtered(batch: bool, level: tracing_subscriber::filter::LevelFilter)
     let provider = builder.build();
     let tracer = provider.tracer("brokerfence-tests");
     let warnings: Arc<Mutex<Vec<String>>> = Arc::default();
-    // OTEL_LAYER=lean (the cost measurement only): without the layer's per-span source
-    // location and thread attributes and its timing of every poll (`busy_ns`, `idle_ns`).
-    let lean = std::env::var("OTEL_LAYER").is_ok_and(|v| v == "lean");
-    let layer = tracing_opentelemetry::layer().with_tracer(tracer);
-    let layer =
-        if lean { layer.with_location(false).with_threads(false).with_tracked_inactivity(false) } else { layer };
+    let layer = match layer {
+        Layer::Defaults => tracing_opentelemetry::layer().with_tracer(tracer),
+        Layer::Lean => tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_tracked_inactivity(false),
+        Layer::Recommended => brokerfence::otel::layer(tracer),
+    };
     let subscriber = tracing_subscriber::registry().with(layer).with(Warnings(Arc::clone(&warnings))).with(level);
     let guard = tracing::subscriber::set_default(subscriber);
     Capture { exporter, provider, warnings, _guard: guard }

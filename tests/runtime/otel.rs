@@ -14,8 +14,8 @@ use brokerfence_testkit::store::{drop_schema, job, key, lease, pg, unique};
 use tracing::Instrument;
 
 use brokerfence_testkit::otel::{
-    Gate, Stalled, attr, await_commit, capture, capture_at, check_zombie_trace, consumer, has_outcomes, owner_handler,
-    receiver, stop_all, wait_until, zombie_handler,
+    Capture, Gate, Stalled, attr, await_commit, capture, capture_at, capture_recommended, check_zombie_trace, consumer,
+    has_outcomes, owner_handler, receiver, stop_all, wait_until, zombie_handler,
 };
 
 fn table(store: &Arc<dyn FenceStore>, queue: &QueueName) -> TableQueue {
@@ -30,11 +30,35 @@ fn table(store: &Arc<dyn FenceStore>, queue: &QueueName) -> TableQueue {
 /// producer's span and says `committed`; the receiver's span is the new owner's child.
 #[tokio::test(flavor = "current_thread")]
 async fn otel_table_queue_traces_a_fenced_zombie_from_enqueue_to_the_receiver() {
-    let cap = capture();
+    let spans = zombie_trace(capture(), "otel-table").await;
+    // The layer's defaults add the source location to every span.
+    assert!(spans.iter().filter(|s| s.name == "attempt").all(|s| attr(s, "code.file.path").is_some()));
+}
+
+/// The same trace through the layer brokerfence recommends (`brokerfence::otel::layer`: no
+/// context activation, no location, thread or poll-timing attributes): still one whole trace —
+/// the producer's context read from its span, the attempts' parent and link, the receiver a
+/// child of each attempt through the stamp the handler sends — without the dropped attributes.
+/// Guards the claim in `otel::layer`'s documentation that brokerfence's traces do not need
+/// context activation (a stamp read from `opentelemetry::Context::current()` would lose the
+/// receivers' parents here).
+#[tokio::test(flavor = "current_thread")]
+async fn otel_the_recommended_layer_keeps_a_fenced_zombies_whole_trace() {
+    let spans = zombie_trace(capture_recommended(), "otel-layer").await;
+    for s in spans.iter().filter(|s| s.name == "attempt") {
+        for dropped in ["code.file.path", "code.line.number", "thread.id", "thread.name", "busy_ns", "idle_ns"] {
+            assert_eq!(attr(s, dropped), None, "{dropped} on {:?}", s.attributes);
+        }
+    }
+}
+
+/// Runs the zombie of [`otel_table_queue_traces_a_fenced_zombie_from_enqueue_to_the_receiver`]
+/// under `cap`, checks its trace ([`check_zombie_trace`]) and returns every span exported.
+async fn zombie_trace(cap: Capture, name: &str) -> Vec<opentelemetry_sdk::trace::SpanData> {
     let fence = pg().await;
     let store: Arc<dyn FenceStore> = Arc::new(fence.clone());
-    let queue = QueueName::new(unique("otel-table")).expect("queue");
-    let url = receiver(&fence, "otel-table").await;
+    let queue = QueueName::new(unique(name)).expect("queue");
+    let url = receiver(&fence, name).await;
     let produce = tracing::info_span!("produce");
     store.enqueue(&queue, &key("job-1"), b"x").instrument(produce.clone()).await.expect("enqueue");
     drop(produce);
@@ -66,6 +90,7 @@ async fn otel_table_queue_traces_a_fenced_zombie_from_enqueue_to_the_receiver() 
     let spans = cap.spans();
     check_zombie_trace(&spans, queue.as_str(), "table");
     drop_schema(&fence).await;
+    spans
 }
 
 /// A malformed `traceparent` in the jobs table (written around the fence) is ignored with a
