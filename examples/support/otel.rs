@@ -97,7 +97,7 @@ mod enabled {
         let tracer = provider.tracer("brokerfence-examples");
         let _ = PROVIDER.set(provider);
         // The layer brokerfence recommends (no context activation, location, thread or poll
-        // timing): less per job than the layer's defaults (docs/performance.md).
+        // timing): less per job than the layer's defaults in most paired runs (docs/performance.md).
         Some(brokerfence::otel::layer(tracer))
     }
 

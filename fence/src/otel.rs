@@ -341,21 +341,25 @@ pub async fn scope<F: Future>(origin: Origin, attempt: F) -> F::Output {
 }
 
 /// `tracing_opentelemetry`'s layer for `tracer`, set up as brokerfence recommends for a
-/// consumer: every span keeps its parent, links, attributes, events and status, without what
-/// costs most per job and is least read in a job's trace:
+/// consumer: every span keeps its parent, links, attributes, events and status, without work
+/// done per span or per poll that a job's trace seldom needs:
 ///
 /// - no **context activation**: the OpenTelemetry context is not attached to the thread on every
-///   poll of a span. brokerfence reads a span's context from the span itself
-///   ([`TraceContext::current`], the stamps, the outbox), so its traces are whole; but code inside
-///   a handler that reads `opentelemetry::Context::current()` directly (an OpenTelemetry-only HTTP
-///   client's propagator) does not see the attempt: give it `Span::current().context()`, or turn
-///   activation back on with `.with_context_activation(true)`;
+///   poll of a span. brokerfence reads a span's context from the current `tracing` span itself
+///   ([`TraceContext::current`], the stamps, the outbox), so its traces are whole. Limits: code
+///   inside a handler that reads `opentelemetry::Context::current()` directly (an
+///   OpenTelemetry-only HTTP client's propagator) does not see the attempt (give it
+///   `Span::current().context()`); and inside a span that a per-layer filter keeps from this
+///   layer (a `debug_span!` with this layer filtered at info), there is no context to find, so a
+///   stamp, an enqueue or an outbox row written there carries none (filter this layer globally,
+///   or keep such code out of those spans). `.with_context_activation(true)` lifts both;
 /// - no `code.*` and `thread.*` attributes, and no `busy_ns`/`idle_ns` timing of every poll.
 ///
 /// On a 2-core machine this layer took about 5 % of the table queue's rate where the layer's
-/// defaults took about 8 % (medians of paired runs; docs/performance.md, "OpenTelemetry"). Any
-/// `OpenTelemetryLayer` works with brokerfence; this one is a starting point that can be changed
-/// with the layer's own `with_*` methods.
+/// defaults took about 7 % (medians of paired runs; less than the defaults in 4 of 5 pairs;
+/// docs/performance.md, "OpenTelemetry"). Any `OpenTelemetryLayer` works with brokerfence; this
+/// one is a starting point that can be changed with the layer's own `with_*` methods. Its type is
+/// `tracing-opentelemetry`'s (0.34): a new major version of that crate is a new one of this.
 ///
 /// ```
 /// use opentelemetry::trace::TracerProvider as _;
