@@ -138,7 +138,9 @@ impl<T> Grouper<T> {
     /// [`busy`](Self::busy) probe). `None` once every sender is gone and the channel is drained.
     pub async fn next(&mut self) -> Option<Vec<T>> {
         let first = self.rx.recv().await?;
-        let mut group = vec![first];
+        // Room for a full group: growing it request by request would copy it at every doubling.
+        let mut group = Vec::with_capacity(self.max.clamp(1, 1024));
+        group.push(first);
         self.take_queued(&mut group);
         if let Some(left) = self.last
             && group.len() < self.max

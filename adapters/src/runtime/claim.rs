@@ -180,7 +180,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
             if shared.stopping.is_cancelled() {
                 // Claimed while shutting down: give it straight back.
                 drop(place);
-                shared.release_unstarted(&lease, delivery, Some(unsettled)).await;
+                Box::pin(shared.release_unstarted(&lease, delivery, Some(unsettled))).await;
                 return;
             }
             shared.tracked.insert(&lease, delivery.clone());
@@ -229,7 +229,10 @@ impl<S: Source, H: Handler> Shared<S, H> {
             };
             // The deadline counts from before the claim was asked for, not from when it started.
             let attempt = shared.supervisor.run_claimed_at(lease.clone(), claimed_at, payload, progress, run);
-            let attempt = crate::otel::scope(origin, attempt);
+            // Boxed: the attempt's state (the handler's path to its verdict) is most of this
+            // task's size, and a task that large is copied on every move and allocated outside
+            // the allocator's small-size caches.
+            let attempt = Box::pin(crate::otel::scope(origin, attempt));
             let outcome = tokio::select! {
                 outcome = attempt => Some(outcome),
                 Ok(()) = not_started => None,
@@ -239,7 +242,7 @@ impl<S: Source, H: Handler> Shared<S, H> {
                 Some(outcome) => {
                     shared.settle(delivery, Tell::Fence(Disposition::after_run(&outcome)), Some(unsettled)).await;
                 }
-                None => shared.release_unstarted(&lease, delivery, Some(unsettled)).await,
+                None => Box::pin(shared.release_unstarted(&lease, delivery, Some(unsettled))).await,
             }
         });
     }

@@ -105,7 +105,8 @@ pub(super) async fn ack_loop<S: Source>(
     metrics: Arc<Metrics>,
 ) {
     while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
+        let mut batch = Vec::with_capacity(max.clamp(1, 1024));
+        batch.push(first);
         let until = tokio::time::Instant::now() + linger;
         while batch.len() < max {
             tokio::select! {

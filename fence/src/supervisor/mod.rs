@@ -253,41 +253,52 @@ impl Supervisor {
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn run_claimed_at<F, Fut, R>(
+    pub fn run_claimed_at<F, Fut, R>(
         &self,
         lease: Lease,
         claimed_at: std::time::Instant,
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
         handler: F,
-    ) -> Outcome
+    ) -> impl Future<Output = Outcome>
     where
         F: FnOnce(JobContext) -> Fut,
         Fut: Future<Output = std::result::Result<R, JobError>>,
         R: IntoJobResult,
     {
-        // OpenTelemetry's messaging conventions where they apply (a "process" span on the
-        // destination); `messaging.system` is filled in by the consumer runtime, which knows the
-        // source. The project's own fields stay (`key` is the job key, not a broker message id).
-        let span = tracing::info_span!(
-            "attempt",
-            queue = %lease.queue,
-            key = %lease.key,
-            epoch = lease.epoch,
-            owner = %lease.owner,
-            messaging.operation.type = "process",
-            messaging.destination.name = %lease.queue,
-            messaging.system = tracing::field::Empty,
-        );
-        #[cfg(feature = "otel")]
-        crate::otel::attempt_started(&span, &lease);
-        let outcome = self
-            .run_inner(lease, Instant::from_std(claimed_at), payload, progress, &span, handler)
-            .instrument(span.clone())
-            .await;
-        #[cfg(feature = "otel")]
-        crate::otel::attempt_finished(&span, &outcome);
-        outcome
+        use futures::FutureExt as _;
+        // Nothing happens until the first poll, as with an `async fn`; unlike one, the future
+        // does not keep the arguments beside the attempt they move into (`Flatten` holds one or
+        // the other), which keeps every consumer's per-job task small.
+        futures::future::lazy(move |_| {
+            // OpenTelemetry's messaging conventions where they apply (a "process" span on the
+            // destination); `messaging.system` is filled in by the consumer runtime, which knows
+            // the source. The project's own fields stay (`key` is the job key, not a broker
+            // message id).
+            let span = tracing::info_span!(
+                "attempt",
+                queue = %lease.queue,
+                key = %lease.key,
+                epoch = lease.epoch,
+                owner = %lease.owner,
+                messaging.operation.type = "process",
+                messaging.destination.name = %lease.queue,
+                messaging.system = tracing::field::Empty,
+            );
+            #[cfg(feature = "otel")]
+            crate::otel::attempt_started(&span, &lease);
+            let attempt =
+                self.run_inner(lease, Instant::from_std(claimed_at), payload, progress, span.clone(), handler);
+            #[cfg(not(feature = "otel"))]
+            let attempt = attempt.instrument(span);
+            #[cfg(feature = "otel")]
+            let attempt = attempt.instrument(span.clone()).map(move |outcome| {
+                crate::otel::attempt_finished(&span, &outcome);
+                outcome
+            });
+            attempt
+        })
+        .flatten()
     }
 
     async fn run_inner<F, Fut, R>(
@@ -296,7 +307,7 @@ impl Supervisor {
         claimed_at: Instant,
         payload: Vec<u8>,
         progress: Option<Vec<u8>>,
-        span: &tracing::Span,
+        span: tracing::Span,
         handler: F,
     ) -> Outcome
     where
@@ -317,7 +328,7 @@ impl Supervisor {
             lost_at: std::sync::OnceLock::new(),
             // The parent of the debug-only heartbeat and broker-call spans: kept only when
             // those exist, and dropped when the attempt leaves the registry.
-            span: Mutex::new(tracing::span_enabled!(tracing::Level::DEBUG).then(|| span.clone())),
+            span: Mutex::new(tracing::span_enabled!(tracing::Level::DEBUG).then_some(span)),
         });
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut map) = inner.inflight.lock() {
@@ -370,17 +381,19 @@ impl Supervisor {
             // found (a context call after its COMMIT is fenced; the row read after a heartbeat
             // can come too late): the row decides, so one commit is one ack (issue #30, item 5).
             Err(LossReason::Superseded | LossReason::Unconfirmed)
-                if state.own_commit.load(Ordering::Acquire) && inner.own_commit_landed(&lease).await =>
+                if state.own_commit.load(Ordering::Acquire) && Box::pin(inner.own_commit_landed(&lease)).await =>
             {
                 Outcome::Completed
             }
             Err(reason @ (LossReason::Superseded | LossReason::Unconfirmed)) => {
                 registered.leave();
                 inner.metrics.incr(Counter::LeaseLosses);
-                inner.log_loss(&lease, reason).await;
+                Box::pin(inner.log_loss(&lease, reason)).await;
                 Outcome::LeaseLost { reason }
             }
-            result if state.own_commit.load(Ordering::Acquire) => inner.after_own_commit(&lease, result, timeout).await,
+            result if state.own_commit.load(Ordering::Acquire) => {
+                Box::pin(inner.after_own_commit(&lease, result, timeout)).await
+            }
             result => inner.finish(&lease, result, timeout).await,
         };
         registered.leave();
