@@ -96,6 +96,14 @@ impl<T> Inbox<T> {
             Inbox::Bounded(rx) => rx.try_recv().ok(),
         }
     }
+
+    /// Requests queued now.
+    fn len(&self) -> usize {
+        match self {
+            Inbox::Unbounded(rx) => rx.len(),
+            Inbox::Bounded(rx) => rx.len(),
+        }
+    }
 }
 
 impl<T> Grouper<T> {
@@ -138,8 +146,9 @@ impl<T> Grouper<T> {
     /// [`busy`](Self::busy) probe). `None` once every sender is gone and the channel is drained.
     pub async fn next(&mut self) -> Option<Vec<T>> {
         let first = self.rx.recv().await?;
-        // Room for a full group: growing it request by request would copy it at every doubling.
-        let mut group = Vec::with_capacity(self.max.clamp(1, 1024));
+        // Room for what is queued already: growing it request by request would copy it at
+        // every doubling (a group taken while busy is near its `max`).
+        let mut group = Vec::with_capacity(self.rx.len().saturating_add(1).min(self.max));
         group.push(first);
         self.take_queued(&mut group);
         if let Some(left) = self.last

@@ -86,7 +86,7 @@ impl<S: Source> Consumer<S> {
             };
             // Fill the batch: what is free now, then whatever frees up within a short linger, so
             // that one claim statement serves a full batch rather than one delivery at a time.
-            let mut held = Vec::with_capacity(batch);
+            let mut held = Vec::with_capacity(batch.min(1024));
             held.push(first);
             let fill_until = tokio::time::Instant::now() + BATCH_FILL_LINGER;
             while held.len() < batch {

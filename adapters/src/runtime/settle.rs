@@ -105,7 +105,7 @@ pub(super) async fn ack_loop<S: Source>(
     metrics: Arc<Metrics>,
 ) {
     while let Some(first) = rx.recv().await {
-        let mut batch = Vec::with_capacity(max.clamp(1, 1024));
+        let mut batch = Vec::with_capacity(rx.len().saturating_add(1).min(max.max(1)));
         batch.push(first);
         let until = tokio::time::Instant::now() + linger;
         while batch.len() < max {

@@ -341,7 +341,7 @@ impl Inner {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "sqlite"))]
 mod tests {
     //! Guards of the size of the task every consumer spawns per job (issue #33). A task over
     //! about a kilobyte is copied whole on each move and allocated outside glibc's small-size
