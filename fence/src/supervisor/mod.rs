@@ -449,7 +449,8 @@ mod tests {
     use super::*;
     use crate::{Claim, JobKey, LeaseDuration, QueueName, SqliteFence};
 
-    async fn setup() -> (Supervisor, Lease) {
+    /// A supervisor and the lease of one claimed job, on a fresh in-memory store (3 s leases).
+    pub(super) async fn setup() -> (Supervisor, Lease) {
         let store = SqliteFence::open("sqlite::memory:").await.expect("open");
         store.migrate().await.expect("migrate");
         let lease_len = LeaseDuration::from_secs(3).expect("lease");
