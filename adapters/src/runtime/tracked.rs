@@ -6,14 +6,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use fence::{Lease, LeaseHook};
+use fence::{JobKey, Lease, LeaseHook, QueueName};
 
 use crate::source::Source;
 
-type LeaseId = (String, String, i64);
+/// A lease's identity: the names are shared with the lease (clones are reference counts).
+type LeaseId = (QueueName, JobKey, i64);
 
 fn lease_id(l: &Lease) -> LeaseId {
-    (l.queue.as_str().to_owned(), l.key.as_str().to_owned(), l.epoch)
+    (l.queue.clone(), l.key.clone(), l.epoch)
 }
 
 /// Deliveries of running attempts, by lease, so heartbeats can extend the right broker handle.

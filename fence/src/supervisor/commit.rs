@@ -353,7 +353,7 @@ mod tests {
 
     /// `run_claimed_at` as an `async fn` kept its arguments beside the attempt they moved into.
     #[tokio::test]
-    async fn per_job_task_an_attempt_holds_its_arguments_once() {
+    async fn latency_per_job_task_an_attempt_holds_its_arguments_once() {
         let (sup, lease) = setup().await;
         let handler = |_ctx: JobContext| async move { Ok::<_, JobError>(Vec::new()) };
         let attempt = sup.run_claimed_at(lease.clone(), std::time::Instant::now(), Vec::new(), None, handler);
@@ -366,7 +366,7 @@ mod tests {
     /// A commit that held the queue's `send` future (and, through an `async fn` timeout, the
     /// whole wait twice) on its common path, where the queue has room.
     #[tokio::test]
-    async fn per_job_task_a_commit_does_not_hold_the_queue_wait() {
+    async fn latency_per_job_task_a_commit_does_not_hold_the_queue_wait() {
         let (sup, lease) = setup().await;
         let commit = sup.inner.commit(&lease, Vec::new());
         let (reply, _verdict) = tokio::sync::oneshot::channel();
