@@ -1,17 +1,20 @@
 -- A plain-SQL replica of the table queue's commit (issue #33): the jobs table with the fence's
--- columns, CHECKs, indexes and epoch trigger (the schema after migration 9), drained in claims of
+-- columns, CHECKs, indexes and epoch trigger (as of PostgreSQL migration 12; the jobs table has
+-- not changed since), drained in claims of
 -- :n jobs, each followed by a commit of the same jobs (in random order, as they finish). It times
 -- only the commit statements, in one session, and prints microseconds per committed job, so that
 -- what a commit costs PostgreSQL can be taken apart: the statement's shape, the index the pruner
--- reads, the CHECKs. Figures of docs/performance.md ("What a commit costs PostgreSQL").
+-- reads, the CHECKs. Figures of docs/performance.md (section "Shared names, fewer allocations,
+-- and where the rest of the gap is (issue #33)").
 --
 --   psql -X -q -At -v n=43 -v variant=fence -v drop=none -f bench/sql/commit_cost_replica.sql
 --
 -- variant: fence (the statement `complete_batch` sends: five arrays unnested with their ordinals,
--- sorted by key, compared per row) or plain (the bench's plain loop's `UPDATE … WHERE key = ANY`,
+-- sorted by key, compared per row, the committed ordinals returned) or plain (the bench's plain loop's `UPDATE … WHERE key = ANY`,
 -- no compare-and-set). drop: none, finished_index (`jobs_finished`), checks (the four CHECKs),
 -- trigger (the epoch guard). The session settings are the fence's (index scans only, generic
--- plans); `synchronous_commit` is off, so a commit's flush is not counted. 8,000 jobs per run;
+-- plans); the transactions' COMMITs are not timed (`synchronous_commit` is off to keep the run
+-- short). 8,000 jobs per run;
 -- run the variants in turn (A/B/A/B), the figures move by about ±1 µs between runs. Leaves
 -- nothing behind (its schema is dropped).
 \set ON_ERROR_STOP on
@@ -53,7 +56,7 @@ DROP TRIGGER jobs_epoch_never_decreases ON commit_replica.jobs;
 \endif
 -- The drain: claim n (as `claim_next` does), then commit them; only the commits are timed.
 CREATE PROCEDURE commit_replica.drain(n int, fence bool, INOUT spent float8) LANGUAGE plpgsql AS $$
-DECLARE ks text[]; qs text[]; os text[]; es bigint[]; rs bytea[]; t0 timestamptz;
+DECLARE ks text[]; qs text[]; os text[]; es bigint[]; rs bytea[]; t0 timestamptz; got bigint;
 BEGIN
   spent := 0;
   LOOP
@@ -72,10 +75,12 @@ BEGIN
     t0 := clock_timestamp();
     IF fence THEN
       WITH u AS (SELECT *, 'running'::text AS running
-          FROM unnest(qs, ks, os, es, rs) WITH ORDINALITY AS u(queue, key, owner, epoch, result, i))
-      UPDATE commit_replica.jobs t SET state = 'completed', finished = 'completed', result = u.result,
+          FROM unnest(qs, ks, os, es, rs) WITH ORDINALITY AS u(queue, key, owner, epoch, result, i)),
+      done AS (UPDATE commit_replica.jobs t SET state = 'completed', finished = 'completed', result = u.result,
           lease_until = NULL, updated_at = clock_timestamp() FROM (SELECT * FROM u ORDER BY queue, key) u
-      WHERE t.queue = u.queue AND t.key = u.key AND t.owner = u.owner AND t.epoch = u.epoch AND t.state = u.running;
+          WHERE t.queue = u.queue AND t.key = u.key AND t.owner = u.owner AND t.epoch = u.epoch
+            AND t.state = u.running RETURNING u.i)
+      SELECT count(*) INTO got FROM done;
     ELSE
       UPDATE commit_replica.jobs SET state = 'completed', finished = 'completed', result = 'ok', lease_until = NULL,
           updated_at = clock_timestamp() WHERE queue = 'q' AND key = ANY (ks) AND state = 'running';

@@ -194,6 +194,11 @@ mod edges {
         let (a, b) = (Owner::unique("worker"), Owner::unique("worker"));
         assert!(a.as_str().starts_with("worker-") && a != b);
     }
+}
+
+#[cfg(test)]
+mod latency {
+    use super::*;
 
     /// Issue #33, the consumer's CPU per job: a lease is cloned into the registry, the job's
     /// context, the commit request and the broker-handle tracking, and each clone of a `String`

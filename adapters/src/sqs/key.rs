@@ -68,17 +68,18 @@ impl KeyStrategy {
     /// assert!(KeyStrategy::attribute("missing").key_of(&msg, false).is_err());
     /// ```
     pub fn key_of(&self, message: &Message, fifo: bool) -> Result<JobKey, String> {
-        let raw = match self {
-            KeyStrategy::Auto if fifo => dedup_id(message)?,
+        // Borrowed from the message where it can be: the key copies it once.
+        let raw: std::borrow::Cow<'_, str> = match self {
+            KeyStrategy::Auto if fifo => dedup_id(message)?.into(),
             KeyStrategy::Auto | KeyStrategy::MessageId => {
-                message.message_id().ok_or_else(|| "message has no MessageId".to_owned())?.to_owned()
+                message.message_id().ok_or_else(|| "message has no MessageId".to_owned())?.into()
             }
-            KeyStrategy::DeduplicationId => dedup_id(message)?,
-            KeyStrategy::Attribute(name) => string_attribute(message, name)?,
+            KeyStrategy::DeduplicationId => dedup_id(message)?.into(),
+            KeyStrategy::Attribute(name) => string_attribute(message, name)?.into(),
             KeyStrategy::BinaryAttribute(name) => return binary_attribute(message, name),
-            KeyStrategy::BodyField(field) => body_field(message, field)?,
+            KeyStrategy::BodyField(field) => body_field(message, field)?.into(),
         };
-        JobKey::new(raw).map_err(|e| format!("{} ({})", e, self.describe()))
+        JobKey::try_from(raw.as_ref()).map_err(|e| format!("{} ({})", e, self.describe()))
     }
 
     fn describe(&self) -> String {
@@ -93,11 +94,11 @@ impl KeyStrategy {
     }
 }
 
-fn dedup_id(message: &Message) -> Result<String, String> {
+fn dedup_id(message: &Message) -> Result<&str, String> {
     message
         .attributes()
         .and_then(|a| a.get(&MessageSystemAttributeName::MessageDeduplicationId))
-        .cloned()
+        .map(String::as_str)
         .ok_or_else(|| "message has no MessageDeduplicationId (not a FIFO queue?)".to_owned())
 }
 
@@ -105,16 +106,15 @@ fn base_type(data_type: &str) -> &str {
     data_type.split('.').next().unwrap_or(data_type)
 }
 
-fn string_attribute(message: &Message, name: &str) -> Result<String, String> {
+fn string_attribute<'m>(message: &'m Message, name: &str) -> Result<&'m str, String> {
     let attr = message
         .message_attributes()
         .and_then(|m| m.get(name))
         .ok_or_else(|| format!("message attribute {name:?} (the job key) is missing"))?;
     match base_type(attr.data_type()) {
-        "String" | "Number" => attr
-            .string_value()
-            .map(str::to_owned)
-            .ok_or_else(|| format!("message attribute {name:?} has no string value")),
+        "String" | "Number" => {
+            attr.string_value().ok_or_else(|| format!("message attribute {name:?} has no string value"))
+        }
         other => Err(format!("message attribute {name:?} has type {other}; the job key must be a String or Number")),
     }
 }

@@ -172,7 +172,7 @@ impl StreamSource {
             return bad("entry has no data (deleted from the stream)".into());
         }
         let key = match &self.key_from {
-            KeyFrom::EntryId => JobKey::new(entry.id.as_str()),
+            KeyFrom::EntryId => JobKey::try_from(entry.id.as_str()),
             KeyFrom::Field(f) => match entry.field(f) {
                 Some(v) => JobKey::from_bytes(v),
                 None => return bad(format!("entry has no `{f}` field for its job key")),
